@@ -1,0 +1,198 @@
+"""Opening a checkpoint lazily: what files hold which tensors, and what else travels with them.
+
+A `Checkpoint` is a local file or folder (hub ids are resolved to the local cache first, see
+`ckpt.io.hub`). It holds one or more `Component`s: a set of weights with one layout (one file, a
+sharded set with its index, or the weights of a model folder). A diffusers pipeline folder has one
+component per subfolder. Only headers are read here; tensor data is read later, band by band.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.errors import CkptError, file_error
+from ckpt.io.header import read_header
+from ckpt.io.pickles import load_pickle_state_dict
+from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
+
+SAFETENSORS = (".safetensors",)
+PICKLES = (".ckpt", ".pt", ".pth", ".bin")
+# Files that are never weights even though they end like a pickle.
+NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|training_args)[^/]*$")
+
+
+@dataclass
+class WeightFile:
+    relpath: str  # relative to the component folder
+    path: Path
+    kind: str  # "safetensors" | "pickle"
+    metadata: dict[str, str]
+    names: list[str]
+
+
+@dataclass
+class Component:
+    """One set of weights: `subdir` ("" for the top) relative to the checkpoint root."""
+
+    subdir: str
+    files: list[WeightFile]
+    tensors: dict[str, Tensor]
+    index_name: str | None = None
+    config: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded(self) -> bool:
+        return self.index_name is not None
+
+
+@dataclass
+class Checkpoint:
+    spec: str
+    path: Path
+    kind: str  # "file" | "folder" | "pipeline"
+    components: list[Component]
+    copies: list[str]  # non-weight files (relative to path) that travel with the weights
+    handles: FileHandles
+
+    @property
+    def inputs(self) -> list[Path]:
+        return [f.path for c in self.components for f in c.files]
+
+    def close(self):
+        self.handles.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_checkpoint(spec: str) -> Checkpoint:
+    """Open SRC: a local file, a local folder, or a hub id `owner/name[@rev][/subfolder]`."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        from ckpt.io.hub import looks_like_repo_id, resolve_repo
+
+        if not looks_like_repo_id(spec):
+            raise CkptError(f"{spec}: no such file or directory")
+        path = resolve_repo(spec)
+    handles = FileHandles()
+    try:
+        if path.is_file():
+            comp = _component_from_files(path.parent, [path], handles, subdir="")
+            return Checkpoint(spec, path, "file", [comp], [], handles)
+        return _open_folder(spec, path, handles)
+    except BaseException:
+        handles.close()
+        raise
+
+
+def _open_folder(spec: str, root: Path, handles: FileHandles) -> Checkpoint:
+    top = _component_in(root, root, handles)
+    subs = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        c = _component_in(root, d, handles)
+        if c is not None:
+            subs.append(c)
+    comps = ([top] if top else []) + subs
+    if not comps:
+        raise file_error(root, "no weights found (no *.safetensors, *.safetensors.index.json or torch pickle)")
+    weight_paths = {f.path for c in comps for f in c.files}
+    index_paths = {root / c.subdir / c.index_name for c in comps if c.index_name}
+    copies = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and p not in weight_paths and p not in index_paths
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    kind = "pipeline" if subs else "folder"
+    return Checkpoint(spec, root, kind, comps, copies, handles)
+
+
+def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component | None:
+    """The weights directly in `folder`: an index wins, then safetensors files, then pickles."""
+    subdir = "" if folder == root else str(folder.relative_to(root))
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    indexes = [p for p in files if p.name.endswith(".safetensors.index.json")]
+    if not indexes:
+        indexes = [p for p in files if re.search(r"\.(bin|pt|pth)\.index\.json$", p.name)]
+    if len(indexes) > 1:
+        raise file_error(folder, f"several index files ({', '.join(p.name for p in indexes)}); pass one of them")
+    if indexes:
+        return _component_from_index(folder, indexes[0], handles, subdir)
+    st = [p for p in files if p.suffix in SAFETENSORS]
+    if not st:
+        st = [p for p in files if p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name)]
+    if not st:
+        return None
+    return _component_from_files(folder, st, handles, subdir)
+
+
+def _config(folder: Path) -> dict | None:
+    p = folder / "config.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise file_error(p, f"invalid JSON ({e})") from None
+
+
+def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, notes: list) -> WeightFile:
+    if path.suffix in SAFETENSORS:
+        h = read_header(path)
+        for name, info in h.tensors.items():
+            tensors[name] = RawTensor(info, handles, relpath)
+        return WeightFile(relpath, path, "safetensors", h.metadata, list(h.tensors))
+    if path.suffix in PICKLES:
+        sd, note = load_pickle_state_dict(path)
+        if note:
+            notes.append(note)
+        for name, value in sd.items():
+            tensors[name] = PickleTensor(name, value, relpath)
+        return WeightFile(relpath, path, "pickle", {"format": "pt"}, list(sd))
+    raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors or a torch pickle)")
+
+
+def _component_from_files(folder: Path, paths: list[Path], handles, subdir: str) -> Component:
+    tensors: dict[str, Tensor] = {}
+    notes: list[str] = []
+    files = []
+    for p in paths:
+        before = len(tensors)
+        wf = _load_file(p, p.name, handles, tensors, notes)
+        if len(tensors) - before != len(wf.names):
+            dup = [n for n in wf.names if tensors[n].home != p.name]
+            raise file_error(p, f"tensor {dup[0]!r} also appears in another weight file in this folder "
+                                "(variants such as *.fp16.safetensors: pass the file you mean)")
+        files.append(wf)
+    return Component(subdir, files, tensors, None, _config(folder), notes)
+
+
+def _component_from_index(folder: Path, index: Path, handles, subdir: str) -> Component:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
+        raise file_error(index, "not a valid index (needs a JSON object with a weight_map)") from None
+    tensors: dict[str, Tensor] = {}
+    notes: list[str] = []
+    files = []
+    for shard in dict.fromkeys(weight_map.values()):
+        p = folder / shard
+        if not p.is_file():
+            raise file_error(index, f"names shard {shard!r}, which does not exist")
+        files.append(_load_file(p, shard, handles, tensors, notes))
+    for name, shard in weight_map.items():
+        t = tensors.get(name)
+        if t is None or t.home != shard:
+            raise file_error(index, f"maps {name!r} to {shard!r}, but that shard has no such tensor")
+    extra = [n for n in tensors if n not in weight_map]
+    if extra:
+        raise file_error(index, f"shard {tensors[extra[0]].home!r} holds {extra[0]!r}, which the index does not list")
+    return Component(subdir, files, tensors, index.name, _config(folder), notes)

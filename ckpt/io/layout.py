@@ -1,0 +1,111 @@
+"""From per-component views to a `Plan` that keeps the input's layout (or reshards on request).
+
+Shared by every command: a command supplies `make(tensor) -> list[OutTensor]` for each logical tensor
+(empty to drop it) and this decides files, shard names, index files, metadata and sidecars.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Callable
+
+import torch
+
+from ckpt import __version__
+from ckpt.io.checkpoint import Checkpoint, Component
+from ckpt.io.plan import OutFile, OutTensor, Plan, safetensors_name, shard
+
+QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
+
+
+def provenance(operation: str) -> dict[str, str]:
+    return {"ckpt_version": __version__, "ckpt_operation": operation}
+
+
+def _stem(relpath: str) -> str:
+    name = PurePosixPath(safetensors_name(relpath)).name[: -len(".safetensors")]
+    return re.sub(r"-\d{5}-of-\d{5}$", "", name)
+
+
+def _index_name(index_name: str) -> str:
+    base = re.sub(r"\.(bin|pt|pth|safetensors)\.index\.json$", "", index_name)
+    return re.sub(r"^pytorch_model", "model", base) + ".safetensors.index.json"
+
+
+def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable[[str], dict],
+                   max_shard_size: int | None, single_file: bool) -> tuple[list[OutFile], dict[str, dict]]:
+    """Output files (relative to the component folder) and index files for one component."""
+    prefix = f"{comp.subdir}/" if comp.subdir else ""
+    if single_file:
+        return [OutFile("", metadata_of(comp.files[0].relpath), outs)], {}
+    if max_shard_size is not None:
+        stem = _stem(comp.files[0].relpath)
+        files, index = shard(outs, max_shard_size, stem)
+        merged = {}
+        for f in comp.files:
+            merged.update(metadata_of(f.relpath))
+        out_files = [OutFile(prefix + fn, dict(merged), ts) for fn, ts in files.items()]
+        if index is None:
+            return out_files, {}
+        return out_files, {f"{prefix}{stem}.safetensors.index.json": index}
+    by_home: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
+    for t in outs:
+        by_home[t.source.home or comp.files[0].relpath].append(t)
+    out_files = [OutFile(prefix + safetensors_name(rel), metadata_of(rel), ts) for rel, ts in by_home.items() if ts]
+    if not comp.sharded:
+        return out_files, {}
+    weight_map = {t.name: PurePosixPath(f.relpath).name for f in out_files for t in f.tensors}
+    total = sum(t.entry.nbytes for f in out_files for t in f.tensors)
+    return out_files, {prefix + _index_name(comp.index_name): {"metadata": {"total_size": total}, "weight_map": weight_map}}
+
+
+def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list[OutTensor]], *,
+                    operation: str, max_shard_size: int | None = None,
+                    output_dtype: Callable[[Component], torch.dtype | None] = lambda c: None) -> Plan:
+    """`views[i]` is the logical view of `ckpt.components[i]`."""
+    single = ckpt.kind == "file" and max_shard_size is None
+    plan = Plan(single_file=single, files=[])
+    dequantized_dirs = set()
+    for comp, view in zip(ckpt.components, views):
+        outs = [o for t in view.tensors.values() for o in make(t)]
+
+        def metadata_of(rel, _f={f.relpath: f for f in comp.files}, _v=view):
+            meta = {k: v for k, v in _f[rel].metadata.items() if k not in _v.drop_metadata}
+            meta.update(provenance(operation))
+            return meta
+
+        files, indexes = plan_component(comp, outs, metadata_of, max_shard_size, single)
+        plan.files += files
+        plan.indexes.update(indexes)
+        plan.notes += view.notes
+        if view.dequantized:
+            dequantized_dirs.add(comp.subdir)
+        dtype = output_dtype(comp)
+        if comp.config is not None and (view.dequantized or dtype is not None):
+            rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
+            plan.json_edits[rel] = _config_edit(view.dequantized, dtype)
+    for rel in ckpt.copies:
+        p = PurePosixPath(rel)
+        if p.name in QUANT_SIDECARS and str(p.parent if str(p.parent) != "." else "") in dequantized_dirs:
+            plan.notes.append(f"{rel}: not copied (the weights are no longer quantized)")
+            continue
+        plan.copies.append((ckpt.path / rel, rel))
+    return plan
+
+
+def _config_edit(dequantized: bool, dtype: torch.dtype | None):
+    def edit(cfg: dict) -> dict:
+        if dequantized:
+            cfg.pop("quantization_config", None)
+            cfg.pop("_pre_quantization_dtype", None)
+        if dtype is not None:
+            name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(dtype)
+            if name is None:
+                return cfg
+            keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or (["torch_dtype"] if "architectures" in cfg else [])
+            for k in keys:
+                cfg[k] = name
+        return cfg
+
+    return edit

@@ -1,0 +1,67 @@
+"""Torch pickles (.ckpt/.pt/.pth/.bin), loaded safely.
+
+Always `weights_only=True` (never a custom pickle_module: that silently turns it off); a file that
+needs other globals is refused with their names, found by torch without running anything. `mmap=True`
+keeps tensor data on disk where the zip format allows it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ckpt.errors import file_error
+
+NESTED = ("state_dict", "model", "module", "model_state_dict")
+
+
+def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Returns (flat name -> tensor, a note on what was left out or None)."""
+    obj = _load(path)
+    note = None
+    if isinstance(obj, dict):
+        for key in NESTED:
+            inner = obj.get(key)
+            if isinstance(inner, dict) and any(isinstance(v, torch.Tensor) for v in inner.values()):
+                others = [k for k in obj if k != key]
+                note = f"{path.name}: using the nested {key!r} ({len(inner)} entries)" + (
+                    f"; not weights, left out: {', '.join(map(str, others[:8]))}" if others else "")
+                obj = inner
+                break
+    if not isinstance(obj, dict):
+        raise file_error(path, f"holds a {type(obj).__name__}, not a state dict of tensors")
+    tensors = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    other = [str(k) for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+    if not tensors:
+        raise file_error(path, "holds no tensors")
+    if other:
+        extra = f"{len(other)} non-tensor entries left out: {', '.join(other[:8])}"
+        note = f"{note}; {extra}" if note else f"{path.name}: {extra}"
+    meta = [k for k, v in tensors.items() if v.is_meta]
+    if meta:
+        raise file_error(path, f"{len(meta)} tensors have no data (meta device): {', '.join(meta[:8])}")
+    return tensors, note
+
+
+def _load(path: Path):
+    zipped = zipfile.is_zipfile(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        unsafe = _unsafe_globals(path)
+        if unsafe:
+            raise file_error(path, "refusing to unpickle: it needs globals outside torch's safe set: "
+                             + ", ".join(unsafe)) from None
+        raise file_error(path, f"not a loadable torch pickle ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise file_error(path, f"not a loadable torch pickle ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # legacy (non-zip) files: torch cannot list them
+        return []

@@ -1,0 +1,96 @@
+"""The whole output decided before any data is read: files, tensor entries, sidecars and index.
+
+Commands turn a checkpoint's logical view into a `Plan` (pure planning over names, dtypes and shapes);
+`ckpt.io.output.execute` then writes it. Shard planning is huggingface_hub's own planner.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.tensors import Tensor
+from ckpt.io.writer import Entry, file_size
+
+
+@dataclass
+class OutTensor:
+    """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: Tensor
+    cast: Callable[[torch.Tensor, object], torch.Tensor]
+
+    @property
+    def entry(self) -> Entry:
+        return Entry(self.name, self.dtype, self.shape)
+
+
+@dataclass
+class OutFile:
+    relpath: str  # relative to the output root ("" when the output is a single file)
+    metadata: dict[str, str]
+    tensors: list[OutTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return file_size([t.entry for t in self.tensors], self.metadata)
+
+
+@dataclass
+class Plan:
+    single_file: bool  # output is one .safetensors file, else a folder
+    files: list[OutFile]
+    indexes: dict[str, dict] = field(default_factory=dict)  # relpath -> index JSON
+    copies: list[tuple[object, str]] = field(default_factory=list)  # (source Path, relpath)
+    json_edits: dict[str, Callable[[dict], dict]] = field(default_factory=dict)  # relpath -> edit of a copied JSON
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+def parse_size(text: str | int) -> int:
+    """"5GB" -> 5e9 bytes, as huggingface_hub counts."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(text, int):
+        return text
+    try:
+        n = parse_size_to_int(text.strip().upper().replace("IB", "iB") if not text.strip().isdigit() else text)
+    except (ValueError, TypeError, AttributeError):
+        raise CkptError(f"invalid size {text!r} (use e.g. 5GB, 500MB)") from None
+    if n <= 0:
+        raise CkptError(f"invalid size {text!r}: must be positive")
+    return n
+
+
+def shard(tensors: list[OutTensor], max_shard_size: int, stem: str = "model") -> tuple[dict[str, list[OutTensor]], dict | None]:
+    """Split into shards with huggingface_hub's planner: filename -> tensors, and the index (None when
+    everything fits in one file, which is then named `{stem}.safetensors`)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    by_name = {t.name: t for t in tensors}
+    split = split_state_dict_into_shards_factory(
+        by_name, get_storage_size=lambda t: t.entry.nbytes, filename_pattern=stem + "{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    files = {fn: [by_name[n] for n in names] for fn, names in split.filename_to_tensors.items()}
+    if not split.is_sharded:
+        return files, None
+    return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+
+
+def safetensors_name(relpath: str) -> str:
+    """The safetensors name for a stored weight file: pickles are renamed the way HF loaders expect."""
+    name = re.sub(r"^pytorch_model", "model", relpath.rsplit("/", 1)[-1])
+    name = re.sub(r"\.(bin|pt|pth|ckpt|safetensors)$", "", name)
+    head = relpath.rsplit("/", 1)[0] + "/" if "/" in relpath else ""
+    return f"{head}{name}.safetensors"

@@ -1,0 +1,119 @@
+"""Logical tensors: a name, a dtype, a shape and a way to read row bands of values on demand.
+
+Everything that flows through the engine is a `Tensor`. Stored tensors (`RawTensor`, `PickleTensor`)
+read bytes; decoders (ckpt.quant) and adapters (ckpt.merge) wrap other tensors and compute. Reading
+happens in bands of rows along dim 0 so that one huge tensor never needs its own full-size buffers;
+`row_align` says which band starts a tensor accepts (None: whole tensor at once).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from ckpt.io.header import TensorInfo, read_into
+
+
+class Tensor:
+    name: str
+    dtype: torch.dtype  # dtype of the values `read` returns (exact, before any cast)
+    shape: tuple[int, ...]
+    home: str = ""  # stored file (relative path) this tensor belongs to, for keeping layouts
+    row_align: int | None = 1
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        """The dtype the model had before any storage encoding; default output dtype."""
+        return self.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes this tensor reads from storage (progress accounting)."""
+        return self.numel * self.dtype.itemsize
+
+    def read(self, start: int, stop: int, device: torch.device, out: torch.Tensor | None = None):
+        """Rows [start, stop) on `device` (whole value for 0-d tensors). `out` is an optional uint8
+        scratch buffer the result may live in; it is only valid until the next read into `out`."""
+        raise NotImplementedError
+
+    def read_all(self, device: torch.device) -> torch.Tensor:
+        return self.read(0, self.rows, device)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r}, {self.dtype}, {list(self.shape)})"
+
+
+class FileHandles:
+    """Open file descriptors of one checkpoint, opened lazily and closed together."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class RawTensor(Tensor):
+    """A tensor stored in a safetensors file, read with pread into caller buffers.
+
+    Measured: chunked pread into reused buffers is about 2x faster than safetensors'
+    `safe_open(backend="pread").get_tensor` (fresh allocations page-fault at about 1 GB/s here) and keeps
+    RSS at the buffer size, where a default mmap `safe_open` grows RSS to the file size.
+    """
+
+    def __init__(self, info: TensorInfo, handles: FileHandles, home: str):
+        self.info, self.handles, self.home = info, handles, home
+        self.name, self.dtype, self.shape = info.name, info.dtype, info.shape
+
+    def read(self, start, stop, device, out=None):
+        row_bytes = self.info.nbytes // self.rows if self.rows else 0
+        n = (stop - start) * row_bytes
+        buf = out[:n] if out is not None and out.numel() >= n else torch.empty(n, dtype=torch.uint8)
+        if n:
+            read_into(self.handles.fd(self.info.path), memoryview(buf.numpy()), self.info.start + start * row_bytes,
+                      self.info.path)
+        shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        t = buf.view(self.dtype).reshape(shape)
+        return t if device.type == "cpu" else t.to(device)
+
+
+class PickleTensor(Tensor):
+    """A tensor from a torch pickle, loaded with mmap=True where the zip format allows it."""
+
+    def __init__(self, name: str, value: torch.Tensor, home: str):
+        self.name, self.value, self.home = name, value, home
+        self.dtype, self.shape = value.dtype, tuple(value.shape)
+
+    def read(self, start, stop, device, out=None):
+        v = self.value if not self.shape else self.value[start:stop]
+        return v.contiguous() if device.type == "cpu" else v.to(device)
+
+
+class ComputedTensor(Tensor):
+    """A tensor whose value is made in memory (small tensors a transform adds, e.g. scales)."""
+
+    row_align = None
+
+    def __init__(self, name: str, value_fn, dtype: torch.dtype, shape, home: str = ""):
+        self.name, self.value_fn, self.dtype, self.shape, self.home = name, value_fn, dtype, tuple(shape), home
+
+    def read(self, start, stop, device, out=None):
+        return self.value_fn().to(device)

@@ -1,0 +1,93 @@
+"""Header-first safetensors writer: plan from (name, dtype, shape) alone, then stream bytes in.
+
+The header is final before any data exists, so each tensor's region is known and tensors may be
+produced in any order (written with pwrite at their offsets). Layout follows safetensors' own writer:
+tensors sorted by descending dtype size, then name, so every tensor starts aligned to its item size;
+the header is padded with spaces so the data region starts on an 8-byte boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ckpt.dtypes import TORCH_TO_ST, nbytes
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
+
+
+def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Header bytes (length prefix included) and name -> (absolute start, end)."""
+    ordered = sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos, rel = 0, {}
+    for e in ordered:
+        header[e.name] = {"dtype": TORCH_TO_ST[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        rel[e.name] = (pos, pos + e.nbytes)
+        pos += e.nbytes
+    js = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    js += b" " * (-(8 + len(js)) % 8)
+    start = 8 + len(js)
+    return struct.pack("<Q", len(js)) + js, {k: (start + a, start + b) for k, (a, b) in rel.items()}
+
+
+def file_size(entries: list[Entry], metadata) -> int:
+    head, regions = layout(entries, metadata)
+    return len(head) + sum(e.nbytes for e in entries)
+
+
+class SafetensorsWriter:
+    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None):
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in plan")
+        self.path = path
+        head, self.regions = layout(entries, metadata)
+        self.written = {e.name: 0 for e in entries}
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.write(self.fd, head)
+        total = len(head) + sum(e.nbytes for e in entries)
+        os.ftruncate(self.fd, total)
+
+    def write(self, name: str, data: torch.Tensor) -> None:
+        """Append `data` (CPU, contiguous) to tensor `name`'s region."""
+        start, end = self.regions[name]
+        b = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+        pos = start + self.written[name]
+        if pos + len(b) > end:
+            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
+        mv = memoryview(b)
+        while len(mv):
+            n = os.pwrite(self.fd, mv, pos)
+            mv, pos = mv[n:], pos + n
+        self.written[name] += len(b)
+
+    def close(self) -> None:
+        short = [n for n, w in self.written.items() if w != self.regions[n][1] - self.regions[n][0]]
+        try:
+            if short:
+                raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,7 @@
+"""Storage encodings decoded into plain logical tensors (FP8 layouts, optimum-quanto).
+
+`logical_view(component)` is the one place that knows them: convert, merge-lora and dequant all read
+checkpoints through it.
+"""
+
+from ckpt.quant.view import View, logical_view  # noqa: F401

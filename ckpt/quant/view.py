@@ -1,0 +1,102 @@
+"""The logical view of one component: plain tensors, with scale and marker keys consumed.
+
+Each decoder module exposes `decode(ctx) -> Decoded | None`. Decoders run in `DECODERS` order over the
+keys no earlier decoder claimed; what a decoder consumes is recorded with the reason, so nothing
+disappears silently. Afterwards, keys that still look like quantization data the decoders did not
+understand stop the run with an error naming the format (before any output exists).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ckpt.errors import CkptError
+from ckpt.io.checkpoint import Component
+from ckpt.io.tensors import Tensor
+
+
+@dataclass
+class DecodeContext:
+    component: Component
+    remaining: dict[str, Tensor]  # stored keys not claimed yet, stored order
+    metadata: dict[str, str]  # merged __metadata__ of the component's files
+    config: dict | None
+    options: dict = field(default_factory=dict)  # command options a decoder may need (e.g. qtype)
+
+
+@dataclass
+class Decoded:
+    format: str  # e.g. "comfy-scaled-fp8"
+    tensors: dict[str, Tensor]  # logical name -> decoded tensor (replaces the stored key of that name)
+    consumed: dict[str, str]  # stored key -> why it is not in the output
+    drop_metadata: set[str] = field(default_factory=set)
+    dequantized: bool = True  # the config's quantization_config no longer applies
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class View:
+    tensors: dict[str, Tensor]
+    consumed: dict[str, str]
+    formats: list[str]
+    drop_metadata: set[str]
+    dequantized: bool
+    notes: list[str]
+
+
+def _decoders():
+    from ckpt.quant import fp8
+
+    return list(fp8.DECODERS)
+
+
+# Stored-key patterns of encodings no decoder handles: name -> regex on a key.
+UNSUPPORTED = {
+    "bitsandbytes": re.compile(r"\.(absmax|quant_map|nested_absmax|quant_state\.[\w]+|SCB)$"),
+    "GPTQ/AWQ int packs": re.compile(r"\.(qweight|qzeros|g_idx)$"),
+    "optimum-quanto": re.compile(r"\.(_data|_scale|_shift)$"),
+}
+
+
+def logical_view(component: Component, options: dict | None = None) -> View:
+    metadata: dict[str, str] = {}
+    for f in component.files:
+        metadata.update(f.metadata)
+    ctx = DecodeContext(component, dict(component.tensors), metadata, component.config, options or {})
+    tensors: dict[str, Tensor] = {}
+    consumed: dict[str, str] = {}
+    formats, notes, drop_meta = [], list(component.notes), set()
+    dequantized = False
+    for decode in _decoders():
+        d = decode(ctx)
+        if d is None:
+            continue
+        formats.append(d.format)
+        notes += d.notes
+        drop_meta |= d.drop_metadata
+        dequantized |= d.dequantized
+        for key in d.consumed:
+            ctx.remaining.pop(key, None)
+        for name in d.tensors:
+            ctx.remaining.pop(name, None)
+        consumed.update(d.consumed)
+        tensors.update(d.tensors)
+    for key in ctx.remaining:
+        for fmt, pattern in UNSUPPORTED.items():
+            if pattern.search(key):
+                raise CkptError(f"{_where(component)}: {fmt} quantization ({key!r}) is not supported here; "
+                                "nothing was written")
+    # Keep the stored order: decoded tensors take the place of the key they decode.
+    ordered = {}
+    for key, t in component.tensors.items():
+        if key in tensors:
+            ordered[key] = tensors.pop(key)
+        elif key in ctx.remaining:
+            ordered[key] = ctx.remaining[key]
+    ordered.update(tensors)  # decoded names with no stored key of their own (e.g. quanto X.weight)
+    return View(ordered, consumed, formats, drop_meta, dequantized, notes)
+
+
+def _where(component: Component) -> str:
+    return component.files[0].path if len(component.files) == 1 else (component.files[0].path.parent)
