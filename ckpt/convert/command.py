@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from ckpt.dtypes import TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
-from ckpt.io.output import execute
+from ckpt.io.output import execute, preflight
 from ckpt.io.plan import OutTensor, parse_size
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
@@ -34,14 +35,38 @@ class ConvertOptions:
 
 
 def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool) -> Path:
-    """`x.safetensors` -> `x-fp16.safetensors` beside it; a folder `d` -> `d-fp16`; hub ids -> ./name-fp16."""
-    p = Path(src)
-    if not p.exists():  # hub id
-        return Path.cwd() / f"{src.split('@')[0].split('/')[1]}-{suffix}"
-    if p.is_dir() or folder:
-        base = p.with_suffix("") if p.is_file() else p
+    """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
+    `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
+    folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
+    (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache."""
+    p = Path(src).expanduser()
+    if not p.exists():  # hub id: name it after the repo (and subfolder), write it here
+        from ckpt.io.hub import parse_repo_spec
+
+        repo, _, sub = parse_repo_spec(src)
+        if ckpt_path.is_file() and not ckpt_path.name.endswith(".index.json"):
+            name = ckpt_path.stem  # `owner/name/model.safetensors` -> ./model-fp16.safetensors
+        else:
+            name = "-".join([repo.split("/")[1]] + [s for s in (sub or "").split("/") if s])
+        base = Path.cwd() / name
+    elif p.is_file() and p.name.endswith(".index.json"):
+        base = p.parent
+    elif p.is_file():
+        base = p.parent / p.stem
+    else:
+        base = p
+    if not base.name or base.name == "..":  # "." or "..": name it after the real folder
+        base = base.resolve()
+    if folder:
         return base.parent / f"{base.name}-{suffix}"
-    return p.parent / f"{p.stem}-{suffix}.safetensors"
+    return base.parent / f"{base.name}-{suffix}.safetensors"
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,10 +119,19 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
     with open_checkpoint(src) as ckpt:
         plan, _ = plan_convert(ckpt, opts, report)
         suffix = opts.to + ("-scaled" if opts.scaled else "")
-        out_path = Path(out) if out else default_output(src, ckpt.path, suffix, folder=not plan.single_file)
+        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file)
+        out_path = Path(out).expanduser() if out else derived
+        if out and plan.single_file and (out_path.is_dir() and not out_path.is_symlink()):
+            out_path = out_path / derived.name  # `-o some_folder/` for a file: put the file in it
+        elif out and plan.single_file and str(out).endswith(("/", os.sep)):
+            raise CkptError(f"{out}: no such folder (the output is one file: name a file or an existing folder)")
         for n in plan.notes:
             report.note(n)
+        need = preflight(plan, out_path, inputs=ckpt.inputs, overwrite=opts.overwrite)
         if opts.dry_run:
+            n_files = len(plan.files)
+            report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
+                        f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}")
             return out_path, report
         with progress_bar(plan.nbytes, f"convert -> {short_name(TARGETS[opts.to])}", opts.quiet) as bar:
             execute(plan, out_path, inputs=ckpt.inputs, overwrite=opts.overwrite, device=device, progress=bar)

@@ -4,6 +4,10 @@ A `Checkpoint` is a local file or folder (hub ids are resolved to the local cach
 `ckpt.io.hub`). It holds one or more `Component`s: a set of weights with one layout (one file, a
 sharded set with its index, or the weights of a model folder). A diffusers pipeline folder has one
 component per subfolder. Only headers are read here; tensor data is read later, band by band.
+
+SRC may also name an index file (that sharded set, with its sidecars). In a folder, an index wins over
+loose files, safetensors win over pickles, `name.safetensors` wins over `name.<variant>.safetensors`;
+weight files left unused that way are noted and never copied unconverted into an output.
 """
 
 from __future__ import annotations
@@ -60,7 +64,10 @@ class Checkpoint:
 
     @property
     def inputs(self) -> list[Path]:
-        return [f.path for c in self.components for f in c.files]
+        """Every file this checkpoint reads or copies: an output may never replace one of them."""
+        weights = [f.path for c in self.components for f in c.files]
+        indexes = [self.path / c.subdir / c.index_name for c in self.components if c.index_name]
+        return weights + indexes + [self.path / rel for rel in self.copies]
 
     def close(self):
         self.handles.close()
@@ -83,6 +90,8 @@ def open_checkpoint(spec: str) -> Checkpoint:
         path = resolve_repo(spec)
     handles = FileHandles()
     try:
+        if path.is_file() and path.name.endswith(".index.json"):
+            return _open_index(spec, path, handles)
         if path.is_file():
             comp = _component_from_files(path.parent, [path], handles, subdir="")
             return Checkpoint(spec, path, "file", [comp], [], handles)
@@ -102,16 +111,46 @@ def _open_folder(spec: str, root: Path, handles: FileHandles) -> Checkpoint:
     comps = ([top] if top else []) + subs
     if not comps:
         raise file_error(root, "no weights found (no *.safetensors, *.safetensors.index.json or torch pickle)")
-    weight_paths = {f.path for c in comps for f in c.files}
-    index_paths = {root / c.subdir / c.index_name for c in comps if c.index_name}
-    copies = sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_file() and p not in weight_paths and p not in index_paths
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
     kind = "pipeline" if subs else "folder"
-    return Checkpoint(spec, root, kind, comps, copies, handles)
+    return Checkpoint(spec, root, kind, comps, _sidecars(root, comps, recursive=True), handles)
+
+
+def _open_index(spec: str, index: Path, handles: FileHandles) -> Checkpoint:
+    """An index file named directly: that sharded set, with the sidecars beside it."""
+    folder = index.parent
+    comp = _component_from_index(folder, index, handles, "")
+    return Checkpoint(spec, folder, "folder", [comp], _sidecars(folder, [comp], recursive=False), handles)
+
+
+def _is_weight_like(p: Path) -> bool:
+    return (p.suffix in SAFETENSORS or (p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name))
+            or bool(re.search(r"\.(safetensors|bin|pt|pth)\.index(\.\w+)?\.json$", p.name)))
+
+
+def _sidecars(root: Path, comps: list[Component], recursive: bool) -> list[str]:
+    """Non-weight files that travel with the weights (relative to `root`).
+
+    Weight files of a component folder that the component does not use (a `.bin` twin of a
+    `.safetensors`, an `*.fp16.safetensors` variant, another index) are left out with a note rather
+    than copied unconverted into the output."""
+    used = {f.path for c in comps for f in c.files} | {root / c.subdir / c.index_name for c in comps if c.index_name}
+    comp_dirs = {root / c.subdir for c in comps}
+    by_dir = {root / c.subdir: c for c in comps}
+    out = []
+    for p in sorted(root.rglob("*") if recursive else root.iterdir()):
+        rel = p.relative_to(root)
+        if not p.is_file() or p in used or any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.suffix in PICKLES and NOT_WEIGHTS.search(p.name):
+            # Trainer state (optimizer, scheduler, RNG) of a checkpoint-N folder is not part of a model.
+            (by_dir.get(p.parent) or comps[0]).notes.append(f"{rel}: training state, not copied")
+            continue
+        if p.parent in comp_dirs and _is_weight_like(p):
+            by_dir[p.parent].notes.append(f"{rel}: not used and not copied (the weights come from "
+                                          f"{', '.join(f.relpath for f in by_dir[p.parent].files[:2])})")
+            continue
+        out.append(str(rel))
+    return out
 
 
 def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component | None:
@@ -125,12 +164,22 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
         raise file_error(folder, f"several index files ({', '.join(p.name for p in indexes)}); pass one of them")
     if indexes:
         return _component_from_index(folder, indexes[0], handles, subdir)
-    st = [p for p in files if p.suffix in SAFETENSORS]
+    st = _without_variants([p for p in files if p.suffix in SAFETENSORS])
     if not st:
         st = [p for p in files if p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name)]
     if not st:
         return None
     return _component_from_files(folder, st, handles, subdir)
+
+
+def _without_variants(paths: list[Path]) -> list[Path]:
+    """Drop `name.<variant>.safetensors` when `name.safetensors` is there too (diffusers variants)."""
+    names = {p.name for p in paths}
+
+    def plain(name: str) -> str:  # "v1.5.fp16.safetensors" -> "v1.5.safetensors"
+        return name[: -len(".safetensors")].rsplit(".", 1)[0] + ".safetensors"
+
+    return [p for p in paths if not (plain(p.name) != p.name and plain(p.name) in names)]
 
 
 def _config(folder: Path) -> dict | None:
@@ -146,6 +195,7 @@ def _config(folder: Path) -> dict | None:
 def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, notes: list) -> WeightFile:
     if path.suffix in SAFETENSORS:
         h = read_header(path)
+        _no_duplicates(path, h.tensors, tensors)
         for name, info in h.tensors.items():
             tensors[name] = RawTensor(info, handles, relpath)
         return WeightFile(relpath, path, "safetensors", h.metadata, list(h.tensors))
@@ -153,10 +203,18 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
         sd, note = load_pickle_state_dict(path)
         if note:
             notes.append(note)
+        _no_duplicates(path, sd, tensors)
         for name, value in sd.items():
             tensors[name] = PickleTensor(name, value, relpath)
         return WeightFile(relpath, path, "pickle", {"format": "pt"}, list(sd))
     raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors or a torch pickle)")
+
+
+def _no_duplicates(path: Path, new, seen: dict[str, Tensor]) -> None:
+    dup = next((n for n in new if n in seen), None)
+    if dup is not None:
+        raise file_error(path, f"tensor {dup!r} also appears in {seen[dup].home} in the same folder "
+                               "(two copies of one model? pass the file you mean)")
 
 
 def _component_from_files(folder: Path, paths: list[Path], handles, subdir: str) -> Component:
@@ -164,13 +222,7 @@ def _component_from_files(folder: Path, paths: list[Path], handles, subdir: str)
     notes: list[str] = []
     files = []
     for p in paths:
-        before = len(tensors)
-        wf = _load_file(p, p.name, handles, tensors, notes)
-        if len(tensors) - before != len(wf.names):
-            dup = [n for n in wf.names if tensors[n].home != p.name]
-            raise file_error(p, f"tensor {dup[0]!r} also appears in another weight file in this folder "
-                                "(variants such as *.fp16.safetensors: pass the file you mean)")
-        files.append(wf)
+        files.append(_load_file(p, p.name, handles, tensors, notes))
     return Component(subdir, files, tensors, None, _config(folder), notes)
 
 
@@ -184,6 +236,8 @@ def _component_from_index(folder: Path, index: Path, handles, subdir: str) -> Co
     notes: list[str] = []
     files = []
     for shard in dict.fromkeys(weight_map.values()):
+        if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard in ("", ".", ".."):
+            raise file_error(index, f"names shard {shard!r}, which is not a file name in its folder")
         p = folder / shard
         if not p.is_file():
             raise file_error(index, f"names shard {shard!r}, which does not exist")

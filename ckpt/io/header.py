@@ -66,11 +66,27 @@ def read_header(path: Path) -> Header:
     return parse_header(path, raw, size)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    """json object hook: a repeated key is an error (json.loads would silently keep the last one)."""
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise _DuplicateKey(k)
+        obj[k] = v
+    return obj
+
+
 def parse_header(path: Path, raw: bytes, file_size: int) -> Header:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise file_error(path, f"header is not valid JSON ({e})") from None
+    except _DuplicateKey as e:
+        raise file_error(path, f"header names {e.args[0]!r} twice") from None
     if not isinstance(obj, dict):
         raise file_error(path, "header is not a JSON object")
     data_start = 8 + len(raw)
@@ -86,8 +102,8 @@ def parse_header(path: Path, raw: bytes, file_size: int) -> Header:
     pos = data_start
     for t in infos:
         if t.start != pos:
-            what = "overlaps the previous tensor" if t.start < pos else "leaves a gap before it"
-            raise file_error(path, f"tensor {t.name!r}: data offsets {what} (invalid offsets)")
+            what = "overlaps the previous tensor" if t.start < pos else "leaves a gap after the previous tensor"
+            raise file_error(path, f"tensor {t.name!r}: data region {what} (invalid offsets)")
         pos = t.end
     if pos > file_size:
         raise file_error(
@@ -105,11 +121,12 @@ def _entry(path: Path, name: str, entry, data_start: int) -> TensorInfo:
     if st in ST_UNSUPPORTED:
         raise file_error(path, f"tensor {name!r}: dtype {st} ({ST_UNSUPPORTED[st]}) is not supported")
     if st not in ST_TO_TORCH:
-        raise file_error(path, f"tensor {name!r}: unknown dtype {st!r}")
+        hint = " (the safetensors name is F8_E4M3)" if st == "F8_E4M3FN" else ""
+        raise file_error(path, f"tensor {name!r}: unknown dtype {st!r}{hint}")
     shape, offs = entry["shape"], entry["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise file_error(path, f"tensor {name!r}: invalid shape {shape!r}")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
         raise file_error(path, f"tensor {name!r}: invalid data_offsets {offs!r}")
     dtype = ST_TO_TORCH[st]
     want = nbytes(dtype, shape)
@@ -125,7 +142,10 @@ def read_into(fd: int, buf: memoryview, offset: int, path) -> None:
     """Fill `buf` from `fd` at `offset`; a short read means the file changed under us."""
     got = 0
     while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
+        try:
+            n = os.preadv(fd, [buf[got:]], offset + got)
+        except OSError as e:  # an input error, not the "write failed" of the output side
+            raise file_error(path, f"cannot read tensor data: {e.strerror or e}") from None
         if n == 0:
             raise file_error(path, "unexpected end of file while reading tensor data")
         got += n

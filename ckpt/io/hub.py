@@ -1,21 +1,33 @@
 """Hugging Face Hub sources: `owner/name[@revision][/subfolder]`, through huggingface_hub's cache.
 
-Only weight, index and small sidecar files are fetched (allow_patterns); with HF_HUB_OFFLINE=1 or no
-network, the cache alone answers.
+Only safetensors weights, index files and small sidecars are fetched (allow_patterns); torch pickles
+are fetched only when the repository (or subfolder) has no safetensors, so a repo that ships both is
+never downloaded twice. With HF_HUB_OFFLINE=1 or no network, the cache alone answers.
+
+huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE once, at import; ckpt reads them again at call
+time and passes them explicitly, so the environment of the run is what counts.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from ckpt.errors import CkptError
 
 REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.\-]+))?(?:/(?P<sub>.+))?$")
+SIDECARS = ("*.json", "*.txt", "*.model", "*.yaml", "*.tiktoken")
+SAFETENSORS = ("*.safetensors",)
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 def looks_like_repo_id(spec: str) -> bool:
-    return bool(REPO.match(spec)) and not spec.startswith((".", "/", "~"))
+    """True for `owner/name...` specs that are not plausibly a mistyped local path."""
+    if not REPO.match(spec) or spec.startswith((".", "/", "~")) or "\\" in spec:
+        return False
+    # `out/model.safetensors` where `out/` exists is a local path that is missing, not a repo.
+    return not Path(spec.split("/", 1)[0]).is_dir()
 
 
 def parse_repo_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -25,21 +37,54 @@ def parse_repo_spec(spec: str) -> tuple[str, str | None, str | None]:
     return m["repo"], m["rev"], m["sub"]
 
 
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _cache_dir() -> str | None:
+    """The hub cache as the current environment names it (None: huggingface_hub's default)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return os.environ["HUGGINGFACE_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]).expanduser() / "hub")
+    return None
+
+
+def _has_safetensors(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    return path.is_dir() and any(path.rglob("*.safetensors"))
+
+
 def resolve_repo(spec: str) -> Path:
+    """Local path (inside the hub cache) of `spec`: the snapshot folder, or the subfolder/file in it."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, rev, sub = parse_repo_spec(spec)
-    prefix = f"{sub.strip('/')}/" if sub else ""
-    patterns = [f"{prefix}{p}" for p in ("*.safetensors", "*.json", "*.txt", "*.model", "*.yaml",
-                                         "**/*.safetensors", "**/*.json", "**/*.txt", "**/*.model")]
-    try:
-        root = Path(snapshot_download(repo, revision=rev, allow_patterns=patterns))
-    except LocalEntryNotFoundError:
-        raise CkptError(f"{spec}: not in the local Hugging Face cache and the hub cannot be reached") from None
-    except HfHubHTTPError as e:
-        raise CkptError(f"{spec}: hub error: {str(e).splitlines()[0]}") from None
+    sub = sub.strip("/") if sub else None
+    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+    def fetch(kinds) -> Path:
+        patterns = [p for k in kinds for p in k]
+        if sub:
+            patterns = [f"{sub}/{p}" for p in patterns] + [sub]  # `sub` itself may be a file
+        try:
+            return Path(snapshot_download(repo, revision=rev, allow_patterns=patterns, cache_dir=_cache_dir(),
+                                          local_files_only=offline))
+        except LocalEntryNotFoundError:
+            where = "the local Hugging Face cache" + (" (HF_HUB_OFFLINE is set)" if offline else "")
+            raise CkptError(f"{spec}: not a local path, and not found in {where} nor reachable on the hub") from None
+        except HfHubHTTPError as e:
+            raise CkptError(f"{spec}: not a local path; hub error: {str(e).splitlines()[0]}") from None
+
+    root = fetch([SAFETENSORS, SIDECARS])
     path = root / sub if sub else root
+    if not _has_safetensors(path):
+        root = fetch([PICKLES, SIDECARS])
+        path = root / sub if sub else root
     if not path.exists():
         raise CkptError(f"{spec}: the repository has no {sub!r}")
     return path

@@ -72,6 +72,7 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
 
         def metadata_of(rel, _f={f.relpath: f for f in comp.files}, _v=view):
             meta = {k: v for k, v in _f[rel].metadata.items() if k not in _v.drop_metadata}
+            meta.setdefault("format", "pt")  # what transformers' and diffusers' loaders look for
             meta.update(provenance(operation))
             return meta
 

@@ -57,16 +57,19 @@ class Plan:
         return sum(f.nbytes for f in self.files)
 
 
-def parse_size(text: str | int) -> int:
-    """"5GB" -> 5e9 bytes, as huggingface_hub counts."""
-    from huggingface_hub.serialization._base import parse_size_to_int
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-    if isinstance(text, int):
-        return text
-    try:
-        n = parse_size_to_int(text.strip().upper().replace("IB", "iB") if not text.strip().isdigit() else text)
-    except (ValueError, TypeError, AttributeError):
-        raise CkptError(f"invalid size {text!r} (use e.g. 5GB, 500MB)") from None
+
+def parse_size(text: str | int) -> int:
+    """"5GB" -> 5e9 bytes (decimal units, as huggingface_hub counts); "5GiB" -> 5 * 2**30; "1000" bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m[2].upper() not in _UNITS:
+            raise CkptError(f"invalid size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
+        n = int(float(m[1]) * _UNITS[m[2].upper()])
     if n <= 0:
         raise CkptError(f"invalid size {text!r}: must be positive")
     return n

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.io.buffers import Buffers
 from ckpt.io.header import TensorInfo, read_into
 
 
@@ -42,9 +43,14 @@ class Tensor:
         """Bytes this tensor reads from storage (progress accounting)."""
         return self.numel * self.dtype.itemsize
 
-    def read(self, start: int, stop: int, device: torch.device, out: torch.Tensor | None = None):
-        """Rows [start, stop) on `device` (whole value for 0-d tensors). `out` is an optional uint8
-        scratch buffer the result may live in; it is only valid until the next read into `out`."""
+    def read(self, start: int, stop: int, device: torch.device, scratch: Buffers | None = None):
+        """Rows [start, stop) on `device` (whole value for 0-d tensors).
+
+        `scratch`: reusable buffers the result (and intermediates) may live in, each tensor class under
+        its own role names; the result is valid until the next read with the same `scratch`. Without
+        it the result is freshly allocated. The engine alternates two scratch sets so that one band is
+        written while the next is read; a decoder passes its `scratch` to the one operand it reads in
+        bands (its data), never to a second operand it must keep while reading the first."""
         raise NotImplementedError
 
     def read_all(self, device: torch.device) -> torch.Tensor:
@@ -62,7 +68,12 @@ class FileHandles:
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:  # removed or made unreadable since its header was read
+                from ckpt.errors import file_error
+
+                raise file_error(path, f"cannot open: {e.strerror or e}") from None
         return self._fds[path]
 
     def close(self):
@@ -83,10 +94,10 @@ class RawTensor(Tensor):
         self.info, self.handles, self.home = info, handles, home
         self.name, self.dtype, self.shape = info.name, info.dtype, info.shape
 
-    def read(self, start, stop, device, out=None):
+    def read(self, start, stop, device, scratch=None):
         row_bytes = self.info.nbytes // self.rows if self.rows else 0
         n = (stop - start) * row_bytes
-        buf = out[:n] if out is not None and out.numel() >= n else torch.empty(n, dtype=torch.uint8)
+        buf = scratch.get("raw", n)[:n] if scratch is not None else torch.empty(n, dtype=torch.uint8)
         if n:
             read_into(self.handles.fd(self.info.path), memoryview(buf.numpy()), self.info.start + start * row_bytes,
                       self.info.path)
@@ -102,7 +113,7 @@ class PickleTensor(Tensor):
         self.name, self.value, self.home = name, value, home
         self.dtype, self.shape = value.dtype, tuple(value.shape)
 
-    def read(self, start, stop, device, out=None):
+    def read(self, start, stop, device, scratch=None):
         v = self.value if not self.shape else self.value[start:stop]
         return v.contiguous() if device.type == "cpu" else v.to(device)
 
@@ -115,5 +126,5 @@ class ComputedTensor(Tensor):
     def __init__(self, name: str, value_fn, dtype: torch.dtype, shape, home: str = ""):
         self.name, self.value_fn, self.dtype, self.shape, self.home = name, value_fn, dtype, tuple(shape), home
 
-    def read(self, start, stop, device, out=None):
+    def read(self, start, stop, device, scratch=None):
         return self.value_fn().to(device)

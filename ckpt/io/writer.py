@@ -2,8 +2,8 @@
 
 The header is final before any data exists, so each tensor's region is known and tensors may be
 produced in any order (written with pwrite at their offsets). Layout follows safetensors' own writer:
-tensors sorted by descending dtype size, then name, so every tensor starts aligned to its item size;
-the header is padded with spaces so the data region starts on an 8-byte boundary.
+tensors sorted by dtype (descending item size), then name, so every tensor starts aligned to its item
+size; the header is padded with spaces so the data region starts on an 8-byte boundary.
 """
 
 from __future__ import annotations
@@ -29,9 +29,21 @@ class Entry:
         return nbytes(self.dtype, self.shape)
 
 
+# safetensors' own writer orders tensors by dtype (this order, observed with safetensors 0.8: item sizes
+# descending, so every tensor is aligned to its item size), then by name. Following it exactly makes
+# ckpt's bytes identical to `safetensors.torch.save` of the same tensors (tests/test_io_write.py).
+_ST_ORDER = ["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2FNUZ",
+             "F8_E4M3FNUZ", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"]
+_RANK = {name: i for i, name in enumerate(_ST_ORDER)}
+
+
+def _order(e: Entry):
+    return (-e.dtype.itemsize, _RANK.get(TORCH_TO_ST[e.dtype], len(_RANK)), e.name)
+
+
 def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Header bytes (length prefix included) and name -> (absolute start, end)."""
-    ordered = sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+    ordered = sorted(entries, key=_order)
     header: dict = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -51,6 +63,13 @@ def file_size(entries: list[Entry], metadata) -> int:
     return len(head) + sum(e.nbytes for e in entries)
 
 
+def _pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
+    """pwrite may write less than asked (signals, quotas): loop until all of `mv` is at `pos`."""
+    while len(mv):
+        n = os.pwrite(fd, mv, pos)
+        mv, pos = mv[n:], pos + n
+
+
 class SafetensorsWriter:
     def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None):
         names = [e.name for e in entries]
@@ -60,9 +79,13 @@ class SafetensorsWriter:
         head, self.regions = layout(entries, metadata)
         self.written = {e.name: 0 for e in entries}
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        os.write(self.fd, head)
-        total = len(head) + sum(e.nbytes for e in entries)
-        os.ftruncate(self.fd, total)
+        try:
+            _pwrite_all(self.fd, memoryview(head), 0)
+            # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.
+            os.ftruncate(self.fd, len(head) + sum(e.nbytes for e in entries))
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, data: torch.Tensor) -> None:
         """Append `data` (CPU, contiguous) to tensor `name`'s region."""
@@ -71,10 +94,7 @@ class SafetensorsWriter:
         pos = start + self.written[name]
         if pos + len(b) > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        mv = memoryview(b)
-        while len(mv):
-            n = os.pwrite(self.fd, mv, pos)
-            mv, pos = mv[n:], pos + n
+        _pwrite_all(self.fd, memoryview(b), pos)
         self.written[name] += len(b)
 
     def close(self) -> None:
