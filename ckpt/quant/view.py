@@ -33,6 +33,7 @@ class Decoded:
     drop_metadata: set[str] = field(default_factory=set)
     dequantized: bool = True  # the config's quantization_config no longer applies
     notes: list[str] = field(default_factory=list)
+    anchors: dict[str, str] = field(default_factory=dict)  # consumed stored key -> logical name placed there
 
 
 @dataclass
@@ -46,16 +47,15 @@ class View:
 
 
 def _decoders():
-    from ckpt.quant import fp8
+    from ckpt.quant import fp8, quanto
 
-    return list(fp8.DECODERS)
+    return list(fp8.DECODERS) + list(quanto.DECODERS)
 
 
 # Stored-key patterns of encodings no decoder handles: name -> regex on a key.
 UNSUPPORTED = {
     "bitsandbytes": re.compile(r"\.(absmax|quant_map|nested_absmax|quant_state\.[\w]+|SCB)$"),
     "GPTQ/AWQ int packs": re.compile(r"\.(qweight|qzeros|g_idx)$"),
-    "optimum-quanto": re.compile(r"\.(_data|_scale|_shift)$"),
 }
 
 
@@ -68,6 +68,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
     consumed: dict[str, str] = {}
     formats, notes, drop_meta = [], list(component.notes), set()
     dequantized = False
+    anchors: dict[str, str] = {}
     for decode in _decoders():
         d = decode(ctx)
         if d is None:
@@ -82,6 +83,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
             ctx.remaining.pop(name, None)
         consumed.update(d.consumed)
         tensors.update(d.tensors)
+        anchors.update(d.anchors)
     for key in ctx.remaining:
         for fmt, pattern in UNSUPPORTED.items():
             if pattern.search(key):
@@ -94,6 +96,8 @@ def logical_view(component: Component, options: dict | None = None) -> View:
             ordered[key] = tensors.pop(key)
         elif key in ctx.remaining:
             ordered[key] = ctx.remaining[key]
+        elif anchors.get(key) in tensors:
+            ordered[anchors[key]] = tensors.pop(anchors[key])
     ordered.update(tensors)  # decoded names with no stored key of their own (e.g. quanto X.weight)
     return View(ordered, consumed, formats, drop_meta, dequantized, notes)
 
