@@ -1,0 +1,104 @@
+"""How a component's weights are stored: plain, FP8 (kind and layout), optimum-quanto, bitsandbytes, GPTQ/AWQ.
+
+FP8 layouts are named by the decoders of `ckpt.quant.logical_view` (the same code convert uses), so
+inspect never disagrees with what convert would do. Integer-quantized layouts that no decoder handles
+are recognised here from their key suffixes, only to report them (optimum-quanto: `X.weight._data`,
+`._scale`, `._shift`; bitsandbytes: `absmax`, `quant_map`, `quant_state.bitsandbytes__nf4`, `SCB`;
+GPTQ/AWQ: `qweight`, `qzeros`, `g_idx`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ckpt.dtypes import FP8, short_name
+
+QUANTO_DATA = re.compile(r"^(.*)\._data$")
+QUANTO_AUX = re.compile(r"\.(_scale|_shift|input_scale|output_scale)$")
+BNB_4BIT = re.compile(r"^(.*)\.quant_state\.bitsandbytes__(nf4|fp4)$")
+BNB_AUX = re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+)$")
+BNB_INT8 = re.compile(r"^(.*)\.SCB$")
+GPTQ = re.compile(r"^(.*)\.qweight$")
+GPTQ_AUX = re.compile(r"\.(qzeros|g_idx|scales)$")
+
+
+@dataclass
+class Encodings:
+    names: list[str] = field(default_factory=list)  # e.g. ["fp8_e4m3fn", "comfy-scaled-fp8"], ["plain"]
+    fp8: dict[str, int] = field(default_factory=dict)  # fp8 dtype name -> stored tensors
+    quantized: dict[str, int] = field(default_factory=dict)  # "optimum-quanto qint8" -> weights
+    aux_keys: set[str] = field(default_factory=set)  # scale / state keys of a quantized layout
+
+
+def detect_encodings(tensors: dict, view, view_error: str | None, config, metadata, sidecars: dict) -> Encodings:
+    """`tensors`: stored name -> Tensor; `view`: the component's logical view (None if it failed)."""
+    enc = Encodings()
+    _quanto(tensors, enc, sidecars.get("quanto_qmap.json"))
+    for name in tensors:
+        m = BNB_4BIT.match(name)
+        if m:
+            _add(enc, f"bitsandbytes {m.group(2)}")
+        elif BNB_INT8.match(name):
+            _add(enc, "bitsandbytes int8 (LLM.int8)")
+        if BNB_AUX.search(name) or BNB_INT8.match(name):
+            enc.aux_keys.add(name)
+    qm = (config or {}).get("quantization_config") if isinstance(config, dict) else None
+    method = qm.get("quant_method") if isinstance(qm, dict) else None
+    for name in tensors:
+        if GPTQ.match(name):
+            _add(enc, f"{method.upper()} int packs" if method in ("gptq", "awq") else "GPTQ/AWQ-style int packs")
+        if GPTQ.match(name) or (GPTQ_AUX.search(name) and name.rsplit(".", 1)[0] + ".qweight" in tensors):
+            enc.aux_keys.add(name)
+    if view is not None:
+        enc.aux_keys |= set(view.consumed)
+    for name, t in tensors.items():  # fp8 codes of a quantized layout (quanto qfloat8) are not fp8 weights
+        if t.dtype in FP8 and name not in enc.aux_keys:
+            k = short_name(t.dtype)
+            enc.fp8[k] = enc.fp8.get(k, 0) + 1
+    decoded = [f for f in (view.formats if view is not None else []) if not any(n.startswith(f) for n in enc.names)]
+    if view is not None and not any(r.startswith("activation scale") for r in view.consumed.values()):
+        # this decoder also runs with no scales at all, only to retire an fp8 quantization_config
+        decoded = [f for f in decoded if f != "fp8-activation-scales"]
+    layout_known = bool(view is not None and view.formats)
+    enc.names = decoded + [k if layout_known else f"{k} (plain, no scales)" for k in enc.fp8] + enc.names
+    if ("_quantization_metadata" in metadata or any(n.endswith(".comfy_quant") for n in tensors)) \
+            and not any("comfy" in n for n in enc.names):
+        enc.names.append("ComfyUI comfy_quant (per-layer formats)")
+    if method:
+        extra = f", weight_block_size {qm['weight_block_size']}" if qm.get("weight_block_size") else ""
+        enc.names.append(f"config.json quantization_config: {method}{extra}")
+    if view_error:
+        enc.names.append("not decodable by ckpt (see warnings)")
+    if not enc.names:
+        enc.names.append("plain")
+    return enc
+
+
+def _add(enc: Encodings, label: str, n: int = 1) -> None:
+    if label not in enc.names:
+        enc.names.append(label)
+    enc.quantized[label] = enc.quantized.get(label, 0) + n
+
+
+def _quanto(tensors: dict, enc: Encodings, qmap) -> None:
+    """optimum-quanto: `P.weight._data` (int8 / fp8 codes) or `P.weight._data._data` (packed 2/4-bit)."""
+    for name, t in tensors.items():
+        if name.endswith("._data._data"):
+            label = "optimum-quanto qint4/qint2 (packed)"
+        elif QUANTO_DATA.match(name) and not name.endswith("._data._data"):
+            if f"{name}._data" in tensors:
+                continue
+            label = "optimum-quanto " + ("qfloat8" if t.dtype in FP8 else "qint8" if t.dtype.is_signed
+                                         and not t.dtype.is_floating_point else f"({short_name(t.dtype)} data)")
+        else:
+            continue
+        if qmap and label.endswith("(packed)"):
+            module = name[: -len(".weight._data._data")]
+            q = qmap.get(module, {}).get("weights") if isinstance(qmap.get(module), dict) else None
+            if isinstance(q, str):
+                label = f"optimum-quanto {q}"
+        _add(enc, label)
+        enc.aux_keys.add(name)
+    if enc.quantized and any(k.startswith("optimum-quanto") for k in enc.quantized):
+        enc.aux_keys |= {n for n in tensors if QUANTO_AUX.search(n)}

@@ -1,0 +1,324 @@
+"""`ckpt inspect`: one report (a JSON-ready dict) about a checkpoint, from headers only unless scanning.
+
+The report predicts the classic trainer/loader failures before a run: mixed fp16/fp32 weights ("expected
+scalar type Half but found Float"), FP8 or quantized weights a trainer cannot compute with, meta tensors,
+all-in-one key prefixes that make a loader match no key (kohya "Cannot copy out of meta tensor"), NaN/Inf
+values (`scan=True` reads every tensor band by band, memory bounded by the band size).
+
+JSON layout (keys are stable; absent facts are null or empty, never missing):
+
+    {"source": SRC as given, "path": local path, "kind": "file" | "folder" | "pipeline",
+     "pipeline": model_index.json _class_name | null,
+     "training_checkpoint": true when accelerate/trainer state files sit beside the weights,
+     "components": [{
+        "name": subfolder ("." for the top), "files": [weight files], "index": index file | null,
+        "container": "safetensors" | "pickle" | "safetensors+pickle",
+        "config_class": config.json _class_name / architectures[0] | null,
+        "kind": "model" | "lora" | "empty",
+        "family": one-line family label | null,
+        "parts": [{"prefix": key prefix ("" = none), "role": what the prefix means, "tensors": n,
+                   "family": label | null}],
+        "lora": null | {"types": [...], "modules": n, "ranks": [...], "alpha_keys": n, "targets": [...],
+                        "adapter_config": {"r", "lora_alpha", "use_rslora", "use_dora"} | null,
+                        "base_model": ss_base_model_version / modelspec.architecture | null,
+                        "network_module": ss_network_module | null},
+        "encodings": ["plain"] | ["fp8_e4m3fn (plain, no scales)", "optimum-quanto qint8", ...],
+        "tensors": n, "parameters": n (stored elements), "bytes": n (stored tensor bytes),
+        "dtypes": {"fp16": {"tensors": n, "parameters": n, "bytes": n}, ...},
+        "metadata": {safetensors __metadata__, merged over the component's files},
+        "warnings": [...], "notes": [...],
+        "scan": null | {"tensors": n scanned, "nan": {name: count}, "inf": {name: count}}}],
+     "totals": {"tensors": n, "parameters": n, "bytes": n},
+     "warnings": ["<component>: <warning>", ...], "notes": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import torch
+
+from ckpt.dtypes import FP8, is_float, short_name
+from ckpt.errors import CkptError
+from ckpt.inspect.detect import detect_family, family_from_config, lora_modules, split_parts
+from ckpt.inspect.encodings import detect_encodings
+from ckpt.io.buffers import Buffers
+from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
+from ckpt.io.output import bands
+from ckpt.io.tensors import PickleTensor
+
+TRAINING_STATE = re.compile(r"(^|/)(training_state[^/]*\.json|optimizer(_\d+)?\.(bin|pt)|scheduler\.(bin|pt)"
+                            r"|random_states_\d+\.pkl|trainer_state\.json)$")
+QUANTO_FIX = "0.2.5"
+QUANTO_KEYERROR = ("the resume failure \"KeyError: '...weight._data'\" comes from optimum-quanto < 0.2.5 loading a "
+                   "LoRA onto a quanto-quantized base; it is fixed in optimum-quanto 0.2.5 (PR #295): "
+                   "pip install -U 'optimum-quanto>=0.2.5'")
+
+
+def inspect(src: str, scan: bool = False) -> dict:
+    """Open SRC (anything `open_checkpoint` accepts) and build the report described above."""
+    with open_checkpoint(src) as ckpt:
+        return inspect_checkpoint(ckpt, scan)
+
+
+def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
+    comps = [summarize_component(ckpt, c, scan) for c in ckpt.components]
+    training = any(TRAINING_STATE.search(p) for p in ckpt.copies)
+    notes: list[str] = []
+    quanto = any(e.startswith("optimum-quanto") for c in comps for e in c["encodings"])
+    if training:
+        notes.append("training checkpoint: trainer state (optimizer/scheduler/random states) sits beside the "
+                     "weights; only the weights are inspected")
+    if training and not quanto:
+        lora = any(c["kind"] == "lora" for c in comps)
+        notes.append(("nothing here is quantized" + (" (LoRA-only training checkpoint)" if lora else "")
+                      + ": there is nothing to dequantize; " + QUANTO_KEYERROR))
+    installed = _installed_quanto()
+    if quanto and installed and _older(installed, QUANTO_FIX):
+        notes.append(f"installed optimum-quanto {installed} is older than {QUANTO_FIX}: " + QUANTO_KEYERROR)
+    report = {
+        "source": ckpt.spec,
+        "path": str(ckpt.path),
+        "kind": ckpt.kind,
+        "pipeline": _pipeline_class(ckpt.path),
+        "training_checkpoint": training,
+        "components": comps,
+        "totals": {k: sum(c[k] for c in comps) for k in ("tensors", "parameters", "bytes")},
+        "warnings": [f"{c['name']}: {w}" if len(comps) > 1 else w for c in comps for w in c["warnings"]],
+        "notes": notes,
+    }
+    return report
+
+
+def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
+    tensors = comp.tensors
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    metadata: dict[str, str] = {}
+    for f in comp.files:
+        if f.kind == "safetensors":
+            metadata.update(f.metadata)
+    folder = ckpt.path / comp.subdir if ckpt.path.is_dir() else ckpt.path.parent
+    sidecars = {name: _json(folder / name) for name in ("quanto_qmap.json", "adapter_config.json")}
+    warnings: list[str] = []
+    notes = list(comp.notes)
+
+    view, view_error = None, None
+    try:
+        from ckpt.quant import logical_view
+
+        view = logical_view(comp)  # its notes describe decoding, which inspect does not do
+    except CkptError as e:
+        view_error = str(e).replace("; nothing was written", "")
+        warnings.append(f"cannot be decoded by ckpt: {view_error}")
+    enc = detect_encodings(tensors, view, view_error, comp.config, metadata, sidecars)
+
+    kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
+    lora_keys = sum(len(m) for m in kinds.values())
+    is_lora = bool(kinds) and (lora_keys * 2 + alphas) >= len(tensors) * 0.5
+    if is_lora:
+        parts, lora = _lora_parts(kinds, base_shapes, ranks, alphas, sidecars.get("adapter_config.json"), metadata)
+    else:
+        parts, lora = _model_parts(tensors, shapes), None
+    config_class = family_from_config(comp.config)
+    family = _family_line(parts, is_lora, config_class)
+
+    dtypes: dict[str, dict[str, int]] = {}
+    for t in tensors.values():
+        d = dtypes.setdefault(short_name(t.dtype), {"tensors": 0, "parameters": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["parameters"] += t.numel
+        d["bytes"] += t.numel * t.dtype.itemsize
+
+    warnings += _warnings(tensors, enc, shlex.quote(ckpt.spec))
+    prefixes = None if is_lora else prefix_message(parts)
+    if prefixes:
+        (warnings if prefixes[0] == "warning" else notes).append(prefixes[1])
+    scan_result = scan_tensors(tensors) if scan else None
+    if scan_result:
+        for what in ("nan", "inf"):
+            per = scan_result[what]
+            if per:
+                worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+                listed = ", ".join(f"{k} ({v})" for k, v in worst) + (", ..." if len(per) > 5 else "")
+                warnings.append(f"{sum(per.values())} {'NaN' if what == 'nan' else 'Inf'} values in {len(per)} "
+                                f"tensors: {listed}")
+    if is_lora and not any(p["family"] for p in parts):
+        notes.append("LoRA target model not recognised from its module names")
+    kinds_present = {f.kind for f in comp.files}
+    return {
+        "name": comp.subdir or ".",
+        "files": [f.relpath for f in comp.files],
+        "index": comp.index_name,
+        "container": "+".join(k for k in ("safetensors", "pickle") if k in kinds_present),
+        "config_class": config_class,
+        "kind": "empty" if not tensors else "lora" if is_lora else "model",
+        "family": family,
+        "parts": parts,
+        "lora": lora,
+        "encodings": enc.names,
+        "tensors": len(tensors),
+        "parameters": sum(t.numel for t in tensors.values()),
+        "bytes": sum(d["bytes"] for d in dtypes.values()),
+        "dtypes": dtypes,
+        "metadata": metadata,
+        "warnings": warnings,
+        "notes": notes,
+        "scan": scan_result,
+    }
+
+
+def _model_parts(tensors, shapes) -> list[dict]:
+    out = []
+    for p in split_parts(tensors):
+        stripped = [k[len(p.prefix):] for k in p.keys]
+        fam = detect_family(stripped, {k[len(p.prefix):]: shapes[k] for k in p.keys})
+        out.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), "family": fam})
+    return out
+
+
+def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
+    modules = sorted(set().union(*kinds.values()))
+    parts = []
+    for p in split_parts(modules, lora=True):
+        stripped = {m[len(p.prefix):]: base_shapes.get(m) for m in p.keys}
+        fam = detect_family(stripped, {k: s for k, s in stripped.items() if s})
+        parts.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), "family": fam})
+    cfg = None
+    if isinstance(adapter_config, dict):
+        cfg = {k: adapter_config.get(k) for k in ("r", "lora_alpha", "use_rslora", "use_dora")}
+    lora = {
+        "types": sorted(kinds),
+        "modules": len(modules),
+        "ranks": sorted(ranks),
+        "alpha_keys": alphas,
+        "targets": sorted({p["family"] for p in parts if p["family"]}),
+        "adapter_config": cfg,
+        # what the trainer wrote about itself (kohya ss_*, modelspec), when it did
+        "base_model": metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture"),
+        "network_module": metadata.get("ss_network_module"),
+    }
+    return parts, lora
+
+
+def _family_line(parts, is_lora, config_class) -> str | None:
+    fams = list(dict.fromkeys(p["family"] for p in parts if p["family"]))
+    if not fams:
+        return f"{config_class} (from config.json)" if config_class else None
+    line = " + ".join(fams)
+    if len(parts) > 1 and not is_lora:
+        line = f"all-in-one: {line}"
+    return f"LoRA for {line}" if is_lora else line
+
+
+def _warnings(tensors, enc, src: str) -> list[str]:
+    out = []
+    skip = enc.aux_keys
+    floats: dict[str, list[str]] = {}
+    for n, t in tensors.items():
+        if n in skip or t.numel <= 1 or t.dtype in FP8 or not is_float(t.dtype):
+            continue
+        floats.setdefault(short_name(t.dtype), []).append(n)
+    if len(floats) > 1:
+        major = max(floats, key=lambda k: len(floats[k]))
+        minor = {k: v for k, v in floats.items() if k != major}
+        listed = "; ".join(f"{k} ({len(v)}: {', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                           for k, v in minor.items())
+        out.append(f"mixed floating dtypes: {major} ({len(floats[major])} tensors) and {listed}; code that loads "
+                   "without casting fails with \"expected scalar type Half but found Float\"-style errors; "
+                   f"`ckpt convert {src} --to {major}` makes them one dtype")
+    for kind, n in enc.fp8.items():
+        out.append(f"{n} tensors stored as {kind}: trainers cannot compute with fp8 weights ('expected m1 and m2 "
+                   f"to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
+    for label, n in enc.quantized.items():
+        hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith("optimum-quanto") else \
+            "ckpt cannot decode this layout"
+        extra = ("; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' "
+                 "before)") if label.startswith("optimum-quanto") else ""
+        out.append(f"{n} quantized weights ({label}): loaders without that library cannot use them; {hint}{extra}")
+    meta = [n for n, t in tensors.items() if isinstance(t, PickleTensor) and t.value.is_meta]
+    if meta:
+        out.append(f"{len(meta)} meta tensors (no data): {', '.join(meta[:5])}")
+    return out
+
+
+LDM_CLASSIC = re.compile(r"^(model\.diffusion_model\.|model_ema\.|first_stage_model\.|cond_stage_model\."
+                         r"|conditioner\.embedders\.\d+\.)$")
+
+
+def prefix_message(parts) -> tuple[str, str] | None:
+    """("warning" | "note", text) about bundle prefixes on model keys, None when keys are bare.
+
+    The classic SD1/SD2/SDXL single file (UNet under `model.diffusion_model.` with its VAE and text
+    encoders) is what SD trainers read, so it only gets a note; any other prefixed layout (a Flux/SD3
+    diffusion model under `model.diffusion_model.`, ComfyUI's bundled `text_encoders.*` and `vae.*`) is
+    where loaders that expect bare keys matched nothing (kohya #1498), so it is a warning."""
+    bundled = [p for p in parts if p["prefix"]]  # model parts: only bundle prefixes are split off
+    if not bundled:
+        return None
+    listed = ", ".join(f"{p['prefix']} ({p['tensors']})" for p in bundled)
+    unet = [p for p in bundled if p["prefix"] == "model.diffusion_model."]
+    classic = (all(LDM_CLASSIC.match(p["prefix"]) for p in bundled) and unet
+               and "UNet (LDM)" in (unet[0]["family"] or ""))
+    if classic:
+        return "note", (f"keys carry the LDM single-file prefixes {listed}: SD trainers read this layout; "
+                        "tools that expect bare or diffusers keys match none of them")
+    return "warning", (f"keys carry bundle prefixes {listed}: a loader or trainer expecting bare model keys "
+                       "matches none of them and leaves its weights unloaded (kohya: \"Cannot copy out of meta "
+                       "tensor\"); use a loader for this all-in-one layout")
+
+
+def scan_tensors(tensors: dict) -> dict:
+    """Count NaN and Inf per floating tensor, reading row bands (memory bounded by the band size)."""
+    bufs = Buffers()
+    nan: dict[str, int] = {}
+    inf: dict[str, int] = {}
+    scanned = 0
+    cpu = torch.device("cpu")
+    for name, t in tensors.items():
+        if not is_float(t.dtype) or (isinstance(t, PickleTensor) and t.value.is_meta):
+            continue
+        scanned += 1
+        n_nan = n_inf = 0
+        for a, b in bands(t):
+            rows = max(b - a, 1)
+            x = t.read(a, b, cpu, bufs)
+            if x.dtype in FP8:
+                x = x.float()
+            n_nan += int(torch.isnan(x).sum())
+            n_inf += int(torch.isinf(x).sum())
+        if n_nan:
+            nan[name] = n_nan
+        if n_inf:
+            inf[name] = n_inf
+    return {"tensors": scanned, "nan": nan, "inf": inf}
+
+
+def _json(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _pipeline_class(path: Path) -> str | None:
+    mi = _json(path / "model_index.json") if path.is_dir() else None
+    return mi.get("_class_name") if isinstance(mi, dict) and isinstance(mi.get("_class_name"), str) else None
+
+
+def _installed_quanto() -> str | None:
+    try:
+        return importlib_metadata.version("optimum-quanto")
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def _older(version: str, than: str) -> bool:
+    def nums(v):
+        return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+    return nums(version) < nums(than)
