@@ -1,0 +1,1 @@
+"""`ckpt merge-lora`: adapters baked into a base checkpoint, streamed tensor by tensor."""

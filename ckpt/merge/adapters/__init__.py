@@ -1,0 +1,32 @@
+"""One small module per adapter family behind one interface (`base.Adapter`).
+
+`make_adapter(module)` picks the family from the parts a LoRA module carries (see
+`ckpt.merge.loading` for how stored keys become parts).
+"""
+
+from __future__ import annotations
+
+from ckpt.errors import CkptError
+from ckpt.merge.adapters.base import Adapter
+from ckpt.merge.adapters.full import Full
+from ckpt.merge.adapters.glora import GLoRA
+from ckpt.merge.adapters.ia3 import IA3
+from ckpt.merge.adapters.loha import LoHa
+from ckpt.merge.adapters.lokr import LoKr
+from ckpt.merge.adapters.lora import LoRA
+from ckpt.merge.adapters.replace import Replace
+
+FAMILIES: dict[str, type[Adapter]] = {"lora": LoRA, "loha": LoHa, "lokr": LoKr, "full": Full, "ia3": IA3, "glora": GLoRA,
+                                   "replace": Replace}
+
+
+def make_adapter(module) -> Adapter:
+    try:
+        adapter = FAMILIES[module.family](module)
+    except (IndexError, ValueError, TypeError) as e:  # tensors of the wrong rank: name the module
+        shapes = ", ".join(f"{k} {list(t.shape)}" for k, t in zip(module.keys, module.parts.values()))
+        raise CkptError(f"{module.source}: module {module.name!r}: malformed {module.family} weights "
+                        f"({shapes}): {e}") from None
+    if "dora_scale" in module.parts and getattr(adapter, "dora", None) is None:
+        raise adapter.error(f"dora_scale on a {module.family} module is not supported")
+    return adapter

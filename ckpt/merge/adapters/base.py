@@ -1,0 +1,120 @@
+"""The interface every adapter family implements, and the DoRA post-step the LoRA family shares.
+
+An adapter is one LoRA *module* (all keys of one spelling such as `lora_unet_x` or
+`base_model.model.layers.0.q_proj`) turned into a rule for changing the rows of its target slice.
+Everything works on 2-D row views `[rows, prod(shape[1:])]` of the target slice in fp32, so that
+`ckpt.merge.merged.MergedTensor` can apply adapters band by band: `apply(w, a, b, ratio)` changes
+`w` (rows [a, b) of the module's slice) in place. Adapters whose result for a row depends on other
+rows (DoRA with input-axis norms) say `row_local = False` and then get the whole slice at once.
+
+The LoRA scale (alpha / rank ...) is applied exactly once, inside `apply`; `ratio` is the user's
+per-LoRA strength.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ckpt.errors import CkptError
+
+
+class Adapter:
+    family: str = ""
+    row_local: bool = True
+    has_weight: bool = True  # False for modules that only carry a bias delta
+
+    def __init__(self, module):
+        self.module = module  # ckpt.merge.loading.LoraModule
+        self._cache: dict[str, torch.Tensor] = {}
+        self.device = torch.device("cpu")
+
+    # -- shape contract -------------------------------------------------------------------------
+    _rows: int | None = None  # set by each family's __init__ from its stored shapes
+    _cols: int | None = None
+    bias_role: str | None = None  # the stored part holding a bias delta (`diff_b`, PEFT `lora_B.bias`)
+
+    @property
+    def rows(self) -> int | None:
+        """Rows of the module's delta (its output features in stored orientation)."""
+        return self._rows
+
+    @property
+    def cols(self) -> int | None:
+        """prod(shape[1:]) of the module's delta, or None when the family adapts to any width."""
+        return self._cols
+
+    @property
+    def bias_rows(self) -> int | None:
+        """Rows of the bias delta, None when the module has none."""
+        b = self.module.parts.get(self.bias_role) if self.bias_role else None
+        return b.shape[0] if b is not None and b.shape else None
+
+    def check(self, rows: int, cols: int) -> str | None:
+        """Why this module cannot change a [rows, cols] slice (2-D row view), or None when it fits."""
+        if not self.has_weight:
+            return None
+        if (self.rows is not None and self.rows != rows) or (self.cols is not None and self.cols != cols):
+            return f"its delta is [{self.rows}, {self.cols}] (rows, flattened columns), the target slice is [{rows}, {cols}]"
+        return None
+
+    def keys(self) -> list[str]:
+        return self.module.keys
+
+    # -- math ------------------------------------------------------------------------------------
+    def apply(self, w: torch.Tensor, a: int, b: int, ratio: float) -> None:
+        raise NotImplementedError
+
+    def apply_bias(self, bias: torch.Tensor, a: int, b: int, ratio: float) -> None:
+        raise NotImplementedError
+
+    def part(self, role: str) -> torch.Tensor:
+        """A stored part of the module in fp32 on the work device, read once and kept until `release`."""
+        t = self._cache.get(role)
+        if t is None:
+            t = self.module.parts[role].read_all(self.device).to(torch.float32)
+            self._cache[role] = t
+        return t
+
+    def has(self, role: str) -> bool:
+        return role in self.module.parts
+
+    def release(self) -> None:
+        self._cache.clear()
+
+    def error(self, problem: str) -> CkptError:
+        return CkptError(f"{self.module.source}: module {self.module.name!r}: {problem}")
+
+
+def alpha_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
+    """kohya/LyCORIS convention: no alpha (or alpha 0) means alpha = rank, i.e. scale 1."""
+    if alpha is None or alpha == 0:
+        return 1.0
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+class LowRankFamily(Adapter):
+    """LoRA, LoHa, LoKr: W += ratio * scale * dW, optionally followed by DoRA's re-normalisation.
+
+    Subclasses implement `add_delta(w, a, b, factor)`: w += factor * dW[a:b] (dW in 2-D row view).
+    """
+
+    scale: float = 1.0
+    dora = None  # ckpt.merge.adapters.dora.Dora or None
+
+    def __init__(self, module):
+        super().__init__(module)
+        from ckpt.merge.adapters.dora import dora_for
+
+        self.dora = dora_for(self)
+        self.row_local = self.dora is None or self.dora.row_local
+
+    def add_delta(self, w: torch.Tensor, a: int, b: int, factor: float) -> None:
+        raise NotImplementedError
+
+    def apply(self, w, a, b, ratio):
+        if self.dora is None:
+            self.add_delta(w, a, b, ratio * self.scale)
+        else:
+            self.dora.apply(w, a, b, ratio)

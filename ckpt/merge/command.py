@@ -1,0 +1,295 @@
+"""Planning and running `ckpt merge-lora`; also the Python API (`merge_lora`).
+
+The base is read through the same machinery as `convert` (open_checkpoint -> logical_view, which
+decodes FP8 layouts), LoRA modules are matched to base tensors with the key map built from the base's
+own keys, matched tensors become `MergedTensor`s, and `plan_checkpoint` + `execute` write the result
+with the input's layout, metadata and per-tensor dtypes. Every problem with the inputs (unmatched or
+ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckpt.convert.cast import Caster
+from ckpt.convert.command import default_output, resolve_device
+from ckpt.dtypes import FP8, TARGETS, is_float, short_name
+from ckpt.errors import CkptError
+from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.layout import plan_checkpoint
+from ckpt.io.output import execute, preflight
+from ckpt.io.plan import OutTensor
+from ckpt.merge.adapters import make_adapter
+from ckpt.merge.loading import LoraFile, load_lora
+from ckpt.merge.merged import MergedTensor, Patch
+from ckpt.progress import progress_bar
+from ckpt.quant import logical_view
+from ckpt.report import Report
+
+MERGE_TARGETS = ("fp16", "bf16", "fp32")
+FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
+SHOW_UNMATCHED = 20
+
+
+@dataclass
+class MergeOptions:
+    ratios: list[float] = field(default_factory=list)  # one per LoRA; empty = all 1.0
+    to: str | None = None
+    device: str = "cpu"
+    allow_unmatched: bool = False
+    dry_run: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class MergeReport(Report):
+    """Report plus the matching summary every run prints (stdout, also with --quiet)."""
+
+    summary: list[str] = field(default_factory=list)
+    matched: dict[str, int] = field(default_factory=dict)  # LoRA -> modules matched
+    changed: list[str] = field(default_factory=list)  # base tensors changed
+    unmatched: dict[str, list[str]] = field(default_factory=dict)  # LoRA -> stored keys that matched nothing
+
+
+class MergeError(CkptError):
+    """A planning failure that still comes with the matching report (unmatched keys)."""
+
+    def __init__(self, message: str, report: MergeReport):
+        super().__init__(message)
+        self.report = report
+
+
+def _build_keymap(shapes: dict[str, tuple[int, ...]], component: str | None):
+    from ckpt.merge.keymap import build_keymap
+
+    return build_keymap(shapes, component=component or None)
+
+
+def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeOptions,
+               report: MergeReport | None = None) -> tuple[Path, MergeReport]:
+    """Merge LORAS (in order) into BASE; returns (output path, report). Raises CkptError on bad input
+    (nothing written)."""
+    report = report or MergeReport()
+    if not loras:
+        raise CkptError("merge-lora: give at least one LoRA")
+    ratios = list(opts.ratios) or [1.0] * len(loras)
+    if len(ratios) != len(loras):
+        raise CkptError(f"--ratio given {len(ratios)} times for {len(loras)} LoRAs (give one per LoRA, in order)")
+    if opts.to is not None and opts.to not in MERGE_TARGETS:
+        raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")
+    device = resolve_device(opts.device)
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(open_checkpoint(base))
+        files: list[LoraFile] = []
+        for spec in loras:
+            f = load_lora(spec)
+            stack.callback(f.close)
+            files.append(f)
+        plan = _plan(ckpt, files, ratios, opts, report)
+        derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file)
+        out_path = Path(out).expanduser() if out else derived
+        if out and plan.single_file and out_path.is_dir() and not out_path.is_symlink():
+            out_path = out_path / derived.name  # `-o some_folder/` for a file: put the file in it
+        for n in plan.notes:
+            report.note(n)
+        inputs = ckpt.inputs + [p for f in files for p in f.inputs]
+        need = preflight(plan, out_path, inputs=inputs, overwrite=opts.overwrite)
+        if opts.dry_run:
+            n_files = len(plan.files)
+            report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
+                        f"{len(plan.indexes)} index and {len(plan.copies)} other files, {need / 1e9:.3f} GB")
+            return out_path, report
+        with progress_bar(plan.nbytes, "merge-lora", opts.quiet) as bar:
+            execute(plan, out_path, inputs=inputs, overwrite=opts.overwrite, device=device, progress=bar)
+    return out_path, report
+
+
+def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport):
+    views = [logical_view(c) for c in ckpt.components]
+    keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
+               for c, v in zip(ckpt.components, views)]
+    where = [c.subdir for c in ckpt.components]
+    patches: dict[int, list[Patch]] = {}  # id(base logical tensor) -> patches in order
+    bases: dict[int, object] = {}
+    for f, ratio in zip(files, ratios):
+        _match(f, ratio, views, keymaps, where, patches, bases, report)
+    report.changed = sorted(bases[i].name for i in patches)
+    report.summary.append(f"base tensors changed: {len(report.changed)}")
+    bad = {s: u for s, u in report.unmatched.items() if u}
+    if bad and not opts.allow_unmatched:
+        s, u = next(iter(bad.items()))
+        raise MergeError(f"{s}: {len(u)} LoRA keys match no base tensor (e.g. {u[0]!r}); nothing was written "
+                         "(pass --allow-unmatched to merge the rest)", report)
+    if not patches:
+        raise MergeError("no LoRA module matched the base; nothing to merge", report)
+
+    target = TARGETS[opts.to] if opts.to else None
+    fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
+                   for v in views for t in v.tensors.values())
+    casters: dict[torch.dtype, Caster] = {}
+
+    def out_dtype(t) -> torch.dtype:
+        if not is_float(t.dtype):
+            return t.dtype
+        if target is not None:
+            return target
+        nat = t.natural_dtype
+        return FP8_DEFAULT if nat in FP8 else nat
+
+    def make(t):
+        dst = out_dtype(t)
+        c = casters.setdefault(dst, Caster(dst, report))
+        src = MergedTensor(t, patches[id(t)]) if id(t) in patches else t
+        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b))]
+
+    names = [Path(f.spec).name for f in files]
+    op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
+    cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
+    plan = plan_checkpoint(ckpt, views, make, operation=op, output_dtype=lambda c: cfg_dtype)
+    for v in views:
+        if v.formats:
+            plan.notes.append(f"decoded {', '.join(v.formats)}; {len(v.consumed)} scale/marker keys consumed")
+    if fp8_seen and target is None:
+        plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
+    return plan
+
+
+def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, report: MergeReport) -> None:
+    """Resolve every module of one LoRA to its base tensors, check shapes, queue its patches, and add
+    its lines to the report."""
+    unmatched = list(f.unknown)
+    n_matched = 0
+    kinds: dict[str, int] = {}
+    no_alpha = 0
+    ordered = sorted(f.modules.values(), key=lambda m: m.family != "replace")  # replacements first
+    for m in ordered:
+        hit = _resolve(m, keymaps, where, f)
+        if hit is None:
+            unmatched += m.keys
+            continue
+        comp, targets = hit
+        view = views[comp]
+        adapter = _fit(m, targets, view.tensors, f)
+        for target in targets:
+            offset = target.part[0] if target.part else 0
+            if adapter.has_weight:
+                _add(patches, bases, view.tensors[target.key],
+                     Patch(adapter, ratio, target.rows, target.transform, offset=offset))
+            if adapter.bias_rows is not None:
+                _add(patches, bases, _bias_of(adapter, target, view.tensors, f),
+                     Patch(adapter, ratio, target.rows, target.transform, bias=True, offset=offset))
+        n_matched += 1
+        kind = adapter.family + ("+dora" if getattr(adapter, "dora", None) is not None else "")
+        kinds[kind] = kinds.get(kind, 0) + 1
+        no_alpha += adapter.family in ("lora", "loha", "lokr", "glora") and m.alpha() is None
+    report.matched[f.spec] = n_matched
+    report.unmatched[f.spec] = unmatched
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+    report.summary.append(f"{f.spec}: {n_matched} LoRA modules matched (ratio {ratio:g}"
+                          + (f"; {detail})" if detail else ")"))
+    if no_alpha:
+        report.note(f"{f.spec}: {no_alpha} modules carry no alpha (no alpha key, adapter_config.json or "
+                    "lora_adapter_metadata): scale 1")
+    if unmatched:
+        shown = ", ".join(unmatched[:SHOW_UNMATCHED]) + (f", ... ({len(unmatched) - SHOW_UNMATCHED} more)"
+                                                        if len(unmatched) > SHOW_UNMATCHED else "")
+        report.summary.append(f"{f.spec}: {len(unmatched)} unmatched LoRA keys: {shown}")
+
+
+def _add(patches, bases, t, patch):
+    patches.setdefault(id(t), []).append(patch)
+    bases[id(t)] = t
+
+
+def _resolve(m, keymaps, where, f):
+    """(component index, [Target, ...]) for a module, None when nothing matches; ambiguity is an error."""
+    for name in m.lookup_names:
+        hits = []
+        for i, km in enumerate(keymaps):
+            amb = km.ambiguous(name)
+            if amb:
+                raise CkptError(f"{f.spec}: module {m.name!r} matches several base tensors: "
+                                f"{', '.join(_show(where[i], t) for t in amb)}")
+            targets = km.targets(name)
+            if targets:
+                hits.append((i, targets))
+        if len(hits) > 1:
+            raise CkptError(f"{f.spec}: module {m.name!r} matches several base tensors: "
+                            f"{', '.join(_show(where[i], t) for i, ts in hits for t in ts)}")
+        if hits:
+            return hits[0]
+    return None
+
+
+def _show(subdir, t) -> str:
+    s = f"{subdir}/{t.key}" if subdir else t.key
+    return s + (f" rows {t.rows[0]}:{t.rows[1]}" if t.rows else "")
+
+
+def _slice_shape(target, shape) -> tuple[int, int]:
+    """(rows, flattened columns) of the part of a base tensor a module changes, in the module's layout."""
+    if target.transform == "transpose":
+        return shape[1], shape[0]
+    rows = (target.rows[1] - target.rows[0]) if target.rows else shape[0]
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return rows, cols
+
+
+def _fit(m, targets, tensors, f):
+    """The adapter for module `m` on its targets, checked against the base tensors' shapes."""
+    def why_not(adapter):
+        covered = 0
+        for target in targets:
+            shape = tuple(tensors[target.key].shape)
+            where = f"base tensor {target.key!r} {list(shape)}" + (
+                f" rows {target.rows[0]}:{target.rows[1]}" if target.rows else "")
+            if not shape or (target.transform == "transpose" and len(shape) != 2):
+                return f"{where} cannot take a delta"
+            rows, cols = _slice_shape(target, shape)
+            if target.part:
+                p0, p1 = target.part
+                if p1 - p0 != rows or (adapter.rows is not None and p1 > adapter.rows):
+                    return f"delta rows {p0}:{p1} do not fit {where}"
+                if getattr(getattr(adapter, "dora", None), "row_local", True) is False:
+                    return "input-axis DoRA cannot be split over several base tensors"
+                covered += p1 - p0
+                rows = adapter.rows if adapter.rows is not None else rows
+            why = adapter.check(rows, cols)
+            if why:
+                return f"{where}: {why}"
+        if covered and adapter.rows is not None and covered != adapter.rows:
+            return f"the base tensors take {covered} of its {adapter.rows} delta rows"
+        return None
+
+    adapter = make_adapter(m)
+    why = why_not(adapter)
+    if why and m.family == "lora" and m.fan_in_fan_out:
+        # PEFT ignores fan_in_fan_out on plain Linear layers: the stored shape tells which it was.
+        m.fan_in_fan_out = False
+        plain = make_adapter(m)
+        if why_not(plain) is None:
+            return plain
+        m.fan_in_fan_out = True
+    if why:
+        raise CkptError(f"{f.spec}: module {m.name!r} does not fit: {why}")
+    return adapter
+
+
+def _bias_of(adapter, target, tensors, f):
+    m = adapter.module
+    b = tensors.get(target.bias_key)
+    if b is None:
+        raise CkptError(f"{f.spec}: module {m.name!r} has a bias delta but the base has no {target.bias_key!r}")
+    want = (target.rows[1] - target.rows[0]) if target.rows else (b.shape[0] if b.shape else 0)
+    have = (target.part[1] - target.part[0]) if target.part else adapter.bias_rows
+    if have != want or (target.part and target.part[1] > adapter.bias_rows):
+        raise CkptError(f"{f.spec}: module {m.name!r}: bias delta of {adapter.bias_rows} does not fit "
+                        f"{target.bias_key!r} ({want} rows)")
+    return b

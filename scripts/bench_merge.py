@@ -1,0 +1,194 @@
+"""Benchmark `ckpt merge-lora` against a naive full-load merge and against `ckpt convert`.
+
+One synthetic Flux-like bf16 base is generated (benchlib's model shapes; `--size-gb` is the base file
+size) and a kohya-style LoRA of rank `--rank` (default 32) on every linear weight, alpha = rank / 2.
+Three commands run on it, each timed as a subprocess with its peak RSS (`os.wait4`, see benchlib.py):
+
+- ckpt:    `ckpt merge-lora BASE LORA -o OUT -q` (the real CLI; keeps bf16, fsyncs its output);
+- naive:   `load_file` of base and LoRA, W = (W.float() + scale * up @ down).to(bf16) for every
+           module, `save_file`, fsync: what the usual merge scripts do;
+- convert: `ckpt convert BASE -o OUT --to bf16 -q`, the same read and write without the LoRA math.
+
+Warm cache: an untimed `ckpt convert` reads the base into the page cache first. Targets (from the
+issue): peak RSS of ckpt under 2x the largest tensor (bf16 bytes) + LoRA file size + 300 MB, and wall
+time within 1.5x of `ckpt convert`. They print as met / NOT met (`--check-targets`: exit 1 if not).
+Correctness: ckpt's output is compared with the naive output; both round once from fp32, and the
+only difference is fp32 summation order (addmm in row bands vs one matmul), so elements may differ by
+at most one bf16 ulp (exit 1 otherwise; `--no-verify` skips it).
+
+The parent imports only the standard library (torch runs in subprocesses), as benchlib requires.
+Internal entry points: `--make-lora BASE LORA RANK`, `--naive BASE LORA OUT`, `--compare A B`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+RSS_SLACK = 300e6
+TIME_FACTOR = 1.5
+
+
+def make_lora(base: str, out: str, rank: int) -> None:
+    """A kohya LoRA on every 2-D `.weight` of the base: lora_down [r, in], lora_up [out, r], alpha."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    with safe_open(base, "pt") as f:
+        for k in f.keys():
+            shape = f.get_slice(k).get_shape()
+            if k.endswith(".weight") and len(shape) == 2:
+                m = k[: -len(".weight")]
+                tensors[m + ".lora_down.weight"] = (torch.randn(rank, shape[1], generator=g) * 0.01).bfloat16()
+                tensors[m + ".lora_up.weight"] = (torch.randn(shape[0], rank, generator=g) * 0.01).bfloat16()
+                tensors[m + ".alpha"] = torch.tensor(rank / 2, dtype=torch.bfloat16)
+    save_file(tensors, out)
+
+
+def naive_merge(base: str, lora: str, out: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd, lo = load_file(base), load_file(lora)
+    for k in [k for k in lo if k.endswith(".lora_down.weight")]:
+        m = k[: -len(".lora_down.weight")]
+        down, up = lo[k].float(), lo[m + ".lora_up.weight"].float()
+        scale = lo[m + ".alpha"].float().item() / down.shape[0]
+        w = sd[m + ".weight"]
+        sd[m + ".weight"] = (w.float() + scale * (up @ down)).to(w.dtype)
+    save_file(sd, out, metadata={"format": "pt"})
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def compare_close(a: str, b: str) -> dict:
+    """Same keys, dtypes, shapes; values equal or one bf16/fp16 ulp apart (different fp32 summation order)."""
+    import torch
+    from safetensors import safe_open
+
+    worst, differing, total = 0, 0, 0
+    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
+        if set(fa.keys()) != set(fb.keys()):
+            return {"ok": False, "problem": "keys differ"}
+        for k in fa.keys():
+            x, y = fa.get_tensor(k), fb.get_tensor(k)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return {"ok": False, "problem": f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"}
+            if x.dtype in (torch.bfloat16, torch.float16):
+                d = (x.view(torch.int16).int() - y.view(torch.int16).int()).abs()  # ulps for same-sign values
+                worst = max(worst, int(d.max()) if d.numel() else 0)
+                differing += int((d != 0).sum())
+            elif not torch.equal(x, y):
+                return {"ok": False, "problem": f"{k}: values differ"}
+            total += x.numel()
+    return {"ok": worst <= 1, "max_ulps": worst, "differing": differing, "elements": total,
+            "problem": None if worst <= 1 else f"elements differ by up to {worst} ulps"}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--make-lora"]:
+        make_lora(argv[1], argv[2], int(argv[3]))
+        return 0
+    if argv[:1] == ["--naive"]:
+        naive_merge(*argv[1:4])
+        return 0
+    if argv[:1] == ["--compare"]:
+        res = compare_close(argv[1], argv[2])
+        print(json.dumps(res))
+        return 0 if res["ok"] else 1
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=4.0, help="base size in bf16, GB (1e9 bytes); default 4")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--workdir", help="where files go (default: a temp dir under /tmp)")
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive baseline (it holds the whole base)")
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--check-targets", action="store_true", help="exit 1 if a target is not met")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+
+    params = int(args.size_gb * 1e9 / 2)
+    parent = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-merge-", dir=parent))
+    base, lora, out = work / "base.safetensors", work / "lora.safetensors", work / "out.safetensors"
+    ref = work / "naive.safetensors"
+    results: dict = {"machine": bl.machine_info(), "launcher_floor": bl.launcher_floor()}
+    try:
+        log("generating base ...")
+        info = bl.generate(base, params, "bf16")
+        log("generating LoRA ...")
+        bl.run_py(__file__, "--make-lora", base, lora, args.rank)
+        lora_bytes = lora.stat().st_size
+        log("warm-up (untimed convert) ...")
+        bl.measure(bl.ckpt_argv("convert", base, "-o", out, "--to", "bf16", "-q"))
+        out.unlink()
+        runs = {}
+        log("convert ...")
+        runs["convert"] = bl.measure(bl.ckpt_argv("convert", base, "-o", out, "--to", "bf16", "-q"))
+        out.unlink()
+        log("ckpt merge-lora ...")
+        runs["ckpt"] = bl.measure(bl.ckpt_argv("merge-lora", base, lora, "-o", out, "-q"))
+        if not args.no_naive:
+            log("naive merge ...")
+            runs["naive"] = bl.measure([sys.executable, __file__, "--naive", base, lora, ref])
+        verify = None
+        if not args.no_verify and "naive" in runs:
+            m = bl.run_py(__file__, "--compare", out, ref, check=False)
+            verify = json.loads(m.stdout.strip().splitlines()[-1])
+        largest = info["largest_numel"] * 2
+        bound = 2 * largest + lora_bytes + RSS_SLACK
+        ck = runs["ckpt"]
+        ratio = ck.seconds / runs["convert"].seconds
+        rss_ok, time_ok = ck.peak_rss < bound, ratio <= TIME_FACTOR
+        rows = [[name, f"{m.seconds:.2f}", bl.fmt_mb(m.peak_rss), bl.gbps(info["bytes"], m.seconds)]
+                for name, m in runs.items()]
+        print("\n".join(bl.machine_lines()))
+        print(f"base: {bl.fmt_gb(info['bytes'])} GB bf16, {info['tensors']} tensors, largest {info['largest']} "
+              f"{info['largest_shape']}; LoRA rank {args.rank} on every linear: {bl.fmt_mb(lora_bytes)} MB; "
+              f"launcher RSS floor {bl.fmt_mb(results['launcher_floor'])} MB")
+        print(bl.markdown_table(["command", "seconds", "peak RSS MB", "base GB/s"], rows))
+        print(f"target peak RSS < 2 x {bl.fmt_mb(largest)} + {bl.fmt_mb(lora_bytes)} + 300 MB = "
+              f"{bl.fmt_mb(bound)} MB: {'met' if rss_ok else 'NOT met'} ({bl.fmt_mb(ck.peak_rss)} MB)")
+        print(f"target time <= {TIME_FACTOR}x convert: {'met' if time_ok else 'NOT met'} ({ratio:.2f}x)")
+        if verify is not None:
+            print(f"ckpt vs naive: {'ok' if verify['ok'] else 'MISMATCH'} "
+                  f"({verify.get('differing', '-')} of {verify.get('elements', '-')} elements 1 ulp apart; "
+                  f"{verify.get('problem') or 'within 1 ulp'})")
+        results.update(info=info, lora_bytes=lora_bytes, rss_bound=bound, rss_ok=rss_ok, vs_convert=ratio,
+                       time_ok=time_ok, verify=verify,
+                       runs={k: {"seconds": m.seconds, "peak_rss": m.peak_rss} for k, m in runs.items()})
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        if verify is not None and not verify["ok"]:
+            return 1
+        if args.check_targets and not (rss_ok and time_ok):
+            return 1
+        return 0
+    finally:
+        for p in (base, lora, out, ref):
+            p.unlink(missing_ok=True)
+        try:
+            work.rmdir()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
