@@ -1,0 +1,7 @@
+"""`ckpt batch`: one operation over every checkpoint of a folder, resumable and failure-isolated.
+
+`discover` finds the checkpoints, `manifest` remembers what is done, `operations` calls each single
+command's Python API, `runner` runs the jobs (in parallel processes with `--jobs N`) and summarises,
+`worker` is one job's process, `cli` the click commands. Nothing is imported here, so that loading the
+CLI stays cheap.
+"""

@@ -1,0 +1,362 @@
+"""What each batch operation does to one checkpoint, through the same Python API as its single command.
+
+An `Operation` is rebuilt from (name, params) in a worker process, so params hold only JSON values. It
+knows its manifest signature (the op and the options that change the result), where an output goes
+(mirrored under OUTDIR, or beside the input with the single command's default name), how much memory
+one job may need at its peak, and how to run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ckpt.batch.discover import Found, fingerprint
+from ckpt.errors import CkptError
+from ckpt.report import Report
+
+FIXED_BYTES = 300 << 20  # interpreter, torch and the writer's band buffers
+
+
+def _weight_files(path: Path) -> list[Path]:
+    from ckpt.batch.discover import is_weight_file
+
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and is_weight_file(p)
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def header_estimate(path: Path, bytes_per_elem: int = 4, copies: int = 2) -> int:
+    """Peak memory from headers alone: the largest tensor held `copies` times at `bytes_per_elem`
+    (fp32 math), plus whole pickles (torch.load may materialise them), plus fixed buffers."""
+    from ckpt.io.header import read_header
+
+    largest, pickled = 0, 0
+    for f in _weight_files(path):
+        if f.suffix == ".safetensors":
+            try:
+                h = read_header(f)
+            except CkptError:
+                continue  # this job will fail with that error; it needs no memory
+            for info in h.tensors.values():
+                largest = max(largest, math.prod(info.shape))
+        else:
+            pickled += f.stat().st_size
+    return largest * bytes_per_elem * copies + pickled + FIXED_BYTES
+
+
+def plan_estimate(plan) -> int:
+    """Peak memory of executing a plan: the largest tensor read and written at once (x2), plus buffers."""
+    largest = 0
+    for f in plan.files:
+        for t in f.tensors:
+            largest = max(largest, t.entry.nbytes, t.source.numel * t.source.dtype.itemsize)
+    return 2 * largest + FIXED_BYTES
+
+
+class Operation:
+    name = ""
+    writes = True  # False: nothing but the manifest and the report is produced (inspect)
+
+    def __init__(self, params: dict):
+        self.params = dict(params)
+
+    def check_available(self) -> None:
+        """Raise a CkptError when the operation's API is missing from this build."""
+
+    @property
+    def signature(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def title(self) -> str:
+        """The operation as the summary names it."""
+        return self.signature
+
+    def output_is_folder(self, item: Found) -> bool:
+        return item.is_folder
+
+    def excluded_inputs(self) -> list[Path]:
+        """Paths under FOLDER that are not jobs (merge-lora's fixed --lora or --base)."""
+        return []
+
+    def default_output(self, item: Found) -> Path:
+        raise NotImplementedError
+
+    def mirrored_output(self, item: Found, outdir: Path) -> Path:
+        """OUTDIR/<the input's relative path>; a pickle becomes `.safetensors`, a file whose output is
+        a folder loses its suffix."""
+        p = outdir / item.rel
+        if item.is_folder:
+            return p
+        if self.output_is_folder(item):
+            return p.with_suffix("")
+        return p.with_suffix(".safetensors")
+
+    def estimate(self, item: Found) -> int:
+        return header_estimate(item.path)
+
+    def run(self, src: Path, out: Path | None, overwrite: bool) -> tuple[Path | None, Report, dict | None]:
+        """(output path, report, a summary row for read-only operations)."""
+        raise NotImplementedError
+
+
+def _flag(name: str, value) -> str:
+    if value is None or value is False or value == [] or value == ():
+        return ""
+    if value is True:
+        return f" {name}"
+    if isinstance(value, (list, tuple)):
+        return "".join(f" {name} {v}" for v in value)
+    return f" {name} {value}"
+
+
+class ConvertOp(Operation):
+    """params: ConvertOptions fields (to, keep, clamp, scaled, max_shard_size, device)."""
+
+    name = "convert"
+
+    def _options(self, **extra):
+        from ckpt.convert import ConvertOptions
+
+        return ConvertOptions(**{**self.params, **extra})
+
+    @property
+    def signature(self) -> str:
+        p = self.params
+        return ("convert" + _flag("--to", p.get("to")) + _flag("--keep", sorted(p.get("keep") or []))
+                + _flag("--clamp", p.get("clamp")) + _flag("--scaled", p.get("scaled"))
+                + _flag("--max-shard-size", p.get("max_shard_size")))
+
+    @property
+    def suffix(self) -> str:
+        return self.params["to"] + ("-scaled" if self.params.get("scaled") else "")
+
+    def output_is_folder(self, item: Found) -> bool:
+        return item.is_folder or bool(self.params.get("max_shard_size"))
+
+    def default_output(self, item: Found) -> Path:
+        from ckpt.convert.command import default_output
+
+        return default_output(str(item.path), item.path, self.suffix, folder=self.output_is_folder(item))
+
+    def estimate(self, item: Found) -> int:
+        from ckpt.convert.command import plan_convert
+        from ckpt.io.checkpoint import PICKLES, open_checkpoint
+
+        if any(f.suffix in PICKLES for f in _weight_files(item.path)):
+            return header_estimate(item.path)  # opening would load the pickle just to plan
+        try:
+            with open_checkpoint(str(item.path)) as ckpt:
+                plan, _ = plan_convert(ckpt, self._options(quiet=True), Report())
+        except CkptError:
+            return FIXED_BYTES  # fails at once when run
+        return plan_estimate(plan)
+
+    def run(self, src, out, overwrite):
+        from ckpt.convert import convert
+
+        return (*convert(str(src), out, self._options(overwrite=overwrite, quiet=True)), None)
+
+
+class DequantOp(Operation):
+    """params: DequantOptions fields (to, shapes_from, qtype, max_shard_size, device). A checkpoint with
+    nothing quantized is a success with no output (the API writes nothing and says what it holds)."""
+
+    name = "dequant"
+
+    def _api(self):
+        try:
+            from ckpt.quant.dequant import DequantOptions, dequant, plan_dequant
+        except ImportError:
+            raise CkptError("batch dequant: not available in this build (ckpt.quant.dequant is missing)") from None
+        return DequantOptions, dequant, plan_dequant
+
+    def check_available(self):
+        self._api()
+
+    def _options(self, **extra):
+        return self._api()[0](**{**self.params, **extra})
+
+    @property
+    def signature(self) -> str:
+        p = self.params
+        return ("dequant" + _flag("--to", p.get("to")) + _flag("--shapes-from", p.get("shapes_from"))
+                + _flag("--qtype", p.get("qtype")) + _flag("--max-shard-size", p.get("max_shard_size")))
+
+    def output_is_folder(self, item: Found) -> bool:
+        return item.is_folder or bool(self.params.get("max_shard_size"))
+
+    def default_output(self, item: Found) -> Path:
+        from ckpt.convert.command import default_output
+
+        suffix = "dequant" + (f"-{self.params['to']}" if self.params.get("to") else "")
+        return default_output(str(item.path), item.path, suffix, folder=self.output_is_folder(item))
+
+    def estimate(self, item: Found) -> int:
+        from ckpt.io.checkpoint import PICKLES, open_checkpoint
+
+        if any(f.suffix in PICKLES for f in _weight_files(item.path)):
+            return header_estimate(item.path)
+        try:
+            with open_checkpoint(str(item.path)) as ckpt:
+                plan, _ = self._api()[2](ckpt, self._options(quiet=True), Report())
+        except CkptError:
+            return FIXED_BYTES
+        return plan_estimate(plan) if plan is not None else FIXED_BYTES
+
+    def run(self, src, out, overwrite):
+        dequant = self._api()[1]
+        return (*dequant(str(src), out, self._options(overwrite=overwrite, quiet=True)), None)
+
+
+class MergeLoraOp(Operation):
+    """params: `lora` (that one LoRA merged into every discovered base) or `base` (every discovered LoRA
+    merged into that base), and MergeOptions fields (ratios: one value, to, allow_unmatched, device)."""
+
+    name = "merge-lora"
+    OWN = ("lora", "base")
+
+    def _api(self):
+        try:
+            from ckpt.merge.command import MergeOptions, merge_lora
+        except ImportError:
+            raise CkptError("batch merge-lora: not available in this build (ckpt.merge.command is missing)") from None
+        return MergeOptions, merge_lora
+
+    def check_available(self):
+        self._api()
+        role, path = self.fixed
+        if not path.exists():
+            raise CkptError(f"--{role} {path}: no such file or directory")
+
+    @property
+    def fixed(self) -> tuple[str, Path]:
+        if self.params.get("lora"):
+            return "lora", Path(self.params["lora"])
+        return "base", Path(self.params["base"])
+
+    def excluded_inputs(self) -> list[Path]:
+        return [self.fixed[1]]
+
+    @property
+    def signature(self) -> str:
+        """Names the fixed side with its fingerprint: when that LoRA or base changes, everything is redone."""
+        role, path = self.fixed
+        size, mtime = fingerprint(path)
+        p = self.params
+        return (f"merge-lora --{role} {path.resolve()} [{size} bytes, mtime_ns {mtime}]"
+                + _flag("--ratio", p.get("ratios")) + _flag("--to", p.get("to"))
+                + _flag("--allow-unmatched", p.get("allow_unmatched")))
+
+    @property
+    def title(self) -> str:
+        role, path = self.fixed
+        return self.signature.split(" [", 1)[0].replace(str(path.resolve()), str(path)) + \
+            self.signature.split("]", 1)[1]
+
+    def output_is_folder(self, item: Found) -> bool:
+        role, path = self.fixed
+        return item.is_folder if role == "lora" else path.is_dir()
+
+    def _pair_name(self, item: Found) -> str:
+        """Many LoRAs into one base: `<base>+<lora>`, so that each output says what it holds."""
+        _, base = self.fixed
+        base_stem = base.name if base.is_dir() else base.stem
+        lora_stem = item.path.name if item.is_folder else item.path.stem
+        name = f"{base_stem}+{lora_stem}"
+        return name if self.output_is_folder(item) else f"{name}.safetensors"
+
+    def default_output(self, item: Found) -> Path:
+        role, _ = self.fixed
+        if role == "lora":  # the single command's default: BASE-merged beside BASE
+            from ckpt.convert.command import default_output
+
+            return default_output(str(item.path), item.path, "merged", folder=self.output_is_folder(item))
+        return item.path.parent / self._pair_name(item)
+
+    def mirrored_output(self, item: Found, outdir: Path) -> Path:
+        role, _ = self.fixed
+        if role == "lora":
+            return super().mirrored_output(item, outdir)
+        return (outdir / item.rel).parent / self._pair_name(item)
+
+    def estimate(self, item: Found) -> int:
+        role, path = self.fixed
+        base = item.path if role == "lora" else path
+        lora = path if role == "lora" else item.path
+        # base tensor, delta and result in fp32, plus the LoRA factors
+        return header_estimate(base, 4, 3) + sum(f.stat().st_size for f in _weight_files(lora))
+
+    def run(self, src, out, overwrite):
+        options_cls, merge_lora = self._api()
+        role, path = self.fixed
+        opts = options_cls(**{k: v for k, v in self.params.items() if k not in self.OWN},
+                           overwrite=overwrite, quiet=True)
+        base, lora = (src, path) if role == "lora" else (path, src)
+        out_path, report = merge_lora(str(base), [str(lora)], out, opts)
+        for line in getattr(report, "summary", []):
+            report.note(line)
+        return out_path, report, None
+
+
+class InspectOp(Operation):
+    """Reads headers only (values too with `scan`) and returns one flat summary row per checkpoint,
+    for the CSV; it writes no output and keeps no manifest (it is cheap to redo)."""
+
+    name = "inspect"
+    writes = False
+    COLUMNS = ("input", "status", "kind", "model_kind", "family", "encodings", "dtypes", "tensors",
+               "parameters", "bytes", "components", "warnings", "error")
+
+    def check_available(self):
+        try:
+            from ckpt.inspect import inspect  # noqa: F401
+        except ImportError:
+            raise CkptError("batch inspect: not available in this build (ckpt.inspect is missing)") from None
+
+    @property
+    def signature(self) -> str:
+        return "inspect" + _flag("--scan", self.params.get("scan"))
+
+    def default_output(self, item):
+        return None
+
+    def mirrored_output(self, item, outdir):
+        return None
+
+    def estimate(self, item):
+        return header_estimate(item.path, 4, 1) if self.params.get("scan") else header_estimate(item.path, 0, 0)
+
+    def run(self, src, out, overwrite):
+        from ckpt.inspect import inspect
+
+        rep = inspect(str(src), scan=bool(self.params.get("scan")))
+        comps = rep["components"]
+        dtypes: dict[str, int] = {}
+        for c in comps:
+            for name, d in c["dtypes"].items():
+                dtypes[name] = dtypes.get(name, 0) + d["tensors"]
+
+        def joined(key):
+            return "; ".join(dict.fromkeys(str(v) for c in comps for v in
+                                           (c[key] if isinstance(c[key], list) else [c[key]]) if v))
+
+        row = {"kind": rep["kind"], "model_kind": joined("kind"), "family": joined("family"),
+               "encodings": joined("encodings"), "dtypes": "; ".join(f"{k}:{v}" for k, v in sorted(dtypes.items())),
+               **rep["totals"], "components": len(comps), "warnings": " | ".join(rep["warnings"])}
+        report = Report()
+        for w in rep["warnings"]:
+            report.note(f"warning: {w}")
+        return None, report, row
+
+
+OPERATIONS = {op.name: op for op in (ConvertOp, DequantOp, MergeLoraOp, InspectOp)}
+
+
+def make_operation(name: str, params: dict) -> Operation:
+    try:
+        return OPERATIONS[name](params)
+    except KeyError:
+        raise CkptError(f"batch: unknown operation {name!r} (choose {', '.join(OPERATIONS)})") from None

@@ -1,0 +1,464 @@
+"""Running one operation over every checkpoint of a folder: plan the jobs, run them, summarise.
+
+Jobs run one at a time in this process (`--jobs 1`), or in N worker processes (`python -m
+ckpt.batch.worker`, one fresh process per job so its memory is returned when it ends). Each job goes
+through the operation's Python API, whose writer is atomic: a failing or interrupted job leaves no
+partial output, and every finished one is recorded in the manifest at once, so Ctrl-C keeps all
+finished work and a second run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.batch.discover import Found, discover, fingerprint
+from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, Record
+from ckpt.batch.operations import Operation
+from ckpt.errors import CkptError
+
+
+class BatchFailed(CkptError):
+    """Some jobs failed (the others finished): exit code 1, distinct from 2 = the command itself is wrong."""
+
+    exit_code = 1
+
+
+@dataclass
+class Job:
+    item: Found
+    output: Path | None
+    size: int
+    mtime_ns: int
+    reason: str  # why it runs (or is skipped)
+    overwrite: bool = False
+    estimate: int | None = None
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # "ok" | "failed" | "skipped"
+    error: str | None = None
+    seconds: float = 0.0
+    messages: list[str] = field(default_factory=list)
+    row: dict | None = None
+    output: str | None = None  # what was written (None: failed, or nothing to do)
+
+
+@dataclass
+class BatchResult:
+    operation: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    todo: list[Job] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    manifest: Path | None = None
+    interrupted: bool = False
+    dry_run: bool = False
+
+    def of(self, status: str) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == status]
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def manifest_path(root: Path, outdir: Path | None) -> Path:
+    if outdir is not None:
+        return outdir / NAME
+    return (root if root.is_dir() else root.parent) / HIDDEN_NAME
+
+
+def _disambiguate(out: Path, item: Found) -> Path:
+    """Two inputs that would share an output name (x.ckpt and x.safetensors): keep the input's
+    extension in the later one's name."""
+    tag = item.path.suffix.lstrip(".") or "dir"
+    if out.suffix == ".safetensors":
+        return out.with_name(f"{out.stem}-{tag}.safetensors")
+    return out.with_name(f"{out.name}-{tag}")
+
+
+def _outputs(op: Operation, items: list[Found], outdir: Path | None) -> dict[Found, Path | None]:
+    """Each input's output path. Where two inputs would share one (x.ckpt and x.safetensors both give
+    x.safetensors), the non-safetensors ones keep their extension in the name, whatever the order."""
+    if not op.writes:
+        return {item: None for item in items}
+    outs = {item: op.mirrored_output(item, outdir) if outdir is not None else op.default_output(item)
+            for item in items}
+    groups: dict[str, list[Found]] = {}
+    for item, out in outs.items():
+        groups.setdefault(str(out.resolve()), []).append(item)
+    for group in groups.values():
+        if len(group) > 1:
+            keep = next((i for i in group if not i.is_folder and i.path.suffix == ".safetensors"), group[0])
+            for item in group:
+                if item is not keep:
+                    outs[item] = _disambiguate(outs[item], item)
+    return outs
+
+
+def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | None, overwrite: bool,
+              manifest: Manifest | None) -> tuple[list[Job], list[Outcome], list[tuple[str, str]]]:
+    """(jobs to run, skipped and refused outcomes, ignored paths with why)."""
+    disc = discover(root, exclude=[outdir] if outdir is not None else [], pattern=pattern,
+                    skip_ckpt_outputs=op.writes)
+    ignored = list(disc.ignored)
+    recorded = manifest.outputs() if manifest else set()
+    inputs = {str(f.path.resolve()) for f in disc.found}
+    jobs: list[Job] = []
+    done: list[Outcome] = []
+    fixed = {str(p.resolve()) for p in op.excluded_inputs()}
+    items = []
+    for item in disc.found:
+        key = str(item.path.resolve())
+        if key in fixed:
+            ignored.append((item.rel, f"the {op.name} input given on the command line"))
+        elif key in recorded:
+            ignored.append((item.rel, "an output recorded in the manifest"))
+        else:
+            items.append(item)
+    outputs = _outputs(op, items, outdir)
+    for item in items:
+        key = str(item.path.resolve())
+        size, mtime = fingerprint(item.path)
+        out = outputs[item]
+        job = Job(item, out, size, mtime, "new", overwrite=overwrite)
+        if out is not None and str(out.resolve()) in inputs:
+            done.append(Outcome(job, "failed", f"{item.path}: its output {out} is another input; "
+                                               "pass -o OUTDIR to write elsewhere"))
+            continue
+        rec = manifest.last(key, op.signature) if manifest else None
+        if rec is not None:
+            ours = out is not None and rec.output == str(out.resolve())
+            same = rec.size == size and rec.mtime_ns == mtime
+            if rec.status == "ok" and same and (rec.output is None or (ours and out.exists())):
+                job.reason = "done in an earlier run"
+                done.append(Outcome(job, "skipped"))
+                continue
+            if rec.status != "ok":
+                job.reason = "retry: failed in an earlier run"
+            elif not same:
+                job.reason = "redo: the input changed since the earlier run"
+            else:
+                job.reason = "redo: the earlier output is gone"
+            job.overwrite = overwrite or (ours and out.exists())
+        jobs.append(job)
+    return jobs, done, ignored
+
+
+def check_memory(op: Operation, jobs: list[Job], n: int) -> str | None:
+    """With N parallel jobs the worst case is the N hungriest running together: refuse a peak above
+    MemAvailable. Returns a note for the summary."""
+    for j in jobs:
+        j.estimate = op.estimate(j.item)
+    worst = sorted((j.estimate for j in jobs), reverse=True)
+    peak = sum(worst[:n])
+    avail = mem_available()
+    if avail is None:
+        return f"estimated peak memory {gb(peak)} (available RAM unknown)"
+    if peak > avail:
+        fit = 0
+        while fit < len(worst) and sum(worst[: fit + 1]) <= avail:
+            fit += 1
+        hint = f"use --jobs {fit}" if fit >= 1 else "even one job may not fit; close other programs"
+        raise CkptError(f"--jobs {n}: estimated peak memory {gb(peak)} (the {min(n, len(worst))} largest jobs "
+                        f"together) exceeds available RAM {gb(avail)}; {hint}")
+    return f"estimated peak memory {gb(peak)} of {gb(avail)} available"
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, CkptError):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+def run_job(op: Operation, src: Path, out: Path | None, overwrite: bool) -> dict:
+    """One job through the operation's API; never raises except KeyboardInterrupt."""
+    t0 = time.monotonic()
+    try:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        path, report, row = op.run(src, out, overwrite)
+        msgs = [f"note: {n}" if not n.startswith("warning:") else n for n in report.notes] + report.warnings()
+        return {"status": "ok", "output": str(path) if path else None, "error": None,
+                "seconds": time.monotonic() - t0, "messages": msgs, "row": row}
+    except Exception as e:  # isolate the failure: the other checkpoints go on
+        return {"status": "failed", "output": None, "error": _one_line(e), "seconds": time.monotonic() - t0,
+                "messages": [], "row": None}
+
+
+class _Workers:
+    """Up to N long-lived worker processes (torch is imported once per worker, not once per job).
+
+    Protocol: one JSON job per line on a worker's stdin, one JSON result per line on its stdout. A
+    worker that dies mid-job (killed for memory, a crash) fails that job only; a new worker takes the
+    next one.
+    """
+
+    def __init__(self, op: Operation, n: int):
+        self.op, self.n = op, n
+        self.tmp = Path(tempfile.mkdtemp(prefix="ckpt-batch-"))
+        self.idle: list[subprocess.Popen] = []
+        self.busy: dict[subprocess.Popen, Job] = {}
+        self.errs: dict[subprocess.Popen, Path] = {}
+
+    @property
+    def running(self) -> bool:
+        return bool(self.busy)
+
+    def free(self) -> bool:
+        return len(self.busy) < self.n
+
+    def _spawn(self) -> subprocess.Popen:
+        ef = self.tmp / f"worker-{len(self.errs)}.stderr"
+        with open(ef, "wb") as err:
+            p = subprocess.Popen([sys.executable, "-m", "ckpt.batch.worker"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        self.errs[p] = ef
+        return p
+
+    def start(self, job: Job) -> None:
+        p = self.idle.pop() if self.idle else self._spawn()
+        spec = {"op": self.op.name, "params": self.op.params, "src": str(job.item.path),
+                "out": str(job.output) if job.output else None, "overwrite": job.overwrite}
+        self.busy[p] = job
+        try:
+            p.stdin.write(json.dumps(spec) + "\n")
+            p.stdin.flush()
+        except OSError:
+            pass  # it died already: wait_one reports the job as failed
+
+    def wait_one(self) -> tuple[Job, dict]:
+        with selectors.DefaultSelector() as sel:
+            for p in self.busy:
+                sel.register(p.stdout, selectors.EVENT_READ, p)
+            key, _ = sel.select()[0]
+        p = key.data
+        job = self.busy.pop(p)
+        line = p.stdout.readline()
+        try:
+            res = json.loads(line)
+            self.idle.append(p)
+            return job, res
+        except json.JSONDecodeError:
+            return job, self._died(p)
+
+    def _died(self, p: subprocess.Popen) -> dict:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        ef = self.errs[p]
+        tail = ef.read_text(errors="replace").strip().splitlines()[-1:] if ef.exists() else []
+        why = "killed (out of memory?)" if p.returncode == -signal.SIGKILL else f"exit code {p.returncode}"
+        return {"status": "failed", "output": None, "seconds": 0.0, "messages": [], "row": None,
+                "error": f"worker process died, {why}" + (f": {tail[0]}" if tail else "")}
+
+    def stop_all(self) -> None:
+        """Ctrl-C: each worker removes its temp output on SIGTERM (or on the SIGINT the terminal sent it);
+        one that hangs is killed and its temp output (hidden, beside the output) removed here."""
+        procs = list(self.busy) + self.idle
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for job in self.busy.values():
+            if job.output is not None:
+                for t in job.output.parent.glob(f".{job.output.name}.ckpt-tmp-*"):
+                    shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
+        self.busy.clear()
+        self.idle.clear()
+
+    def close(self) -> None:
+        """Normal end: idle workers exit when their stdin closes."""
+        for p in self.idle + list(self.busy):
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.idle + list(self.busy):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = None, *, pattern: str | None = None,
+              jobs: int = 1, dry_run: bool = False, overwrite: bool = False, quiet: bool = False,
+              log=None) -> BatchResult:
+    """Plan and run; `log(line)` hears each finished job. Raises CkptError for a bad command line
+    (nothing run); job failures are in the result."""
+    from tqdm import tqdm
+
+    if jobs < 1:
+        raise CkptError(f"--jobs {jobs}: must be at least 1")
+    op.check_available()
+    root = Path(folder).expanduser()
+    if not root.exists():
+        raise CkptError(f"{root}: no such file or directory")
+    out_root = Path(outdir).expanduser() if outdir is not None else None
+    if out_root is not None:
+        r, o = root.resolve(), out_root.resolve()
+        if r == o or o in r.parents:
+            raise CkptError(f"-o {out_root}: contains the input folder {root}; choose an output folder outside it")
+        if out_root.exists() and not out_root.is_dir():
+            raise CkptError(f"-o {out_root}: exists and is not a folder")
+    manifest = Manifest(manifest_path(root, out_root)) if op.writes else None
+    todo, done, ignored = plan_jobs(op, root, out_root, pattern, overwrite, manifest)
+    result = BatchResult(op.title, list(done), todo, ignored, manifest.path if manifest else None, dry_run=dry_run)
+    log = log or (lambda line: None)
+    if jobs > 1 and len(todo) > 1:
+        log(check_memory(op, todo, jobs))
+    if dry_run:
+        return result
+
+    if manifest is not None:
+        if out_root is not None:
+            out_root.mkdir(parents=True, exist_ok=True)
+        manifest.open_for_append()
+    bar = tqdm(total=sum(j.size for j in todo), desc=f"batch {op.name}", unit="B", unit_scale=True,
+               unit_divisor=1024, file=sys.stderr, disable=quiet or None, leave=False, dynamic_ncols=True)
+
+    def finish(job: Job, res: dict) -> None:
+        written = str(Path(res["output"]).resolve()) if res.get("output") else None
+        oc = Outcome(job, res["status"], res.get("error"), res.get("seconds", 0.0), res.get("messages", []),
+                     res.get("row"), written)
+        result.outcomes.append(oc)
+        if manifest is not None:
+            manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
+                                   written, oc.status, oc.error, round(oc.seconds, 3)))
+        bar.update(job.size)
+        line = (f"ok      {job.item.rel}" + (f" -> {res['output']}" if res.get("output") else "")
+                + f" ({oc.seconds:.1f} s)") if oc.status == "ok" else f"FAILED  {job.item.rel}: {oc.error}"
+        bar.write(line, file=sys.stderr) if not quiet or oc.status != "ok" else None
+        if not quiet:
+            for m in oc.messages:
+                bar.write(f"        {m}", file=sys.stderr)
+
+    workers = _Workers(op, jobs) if jobs > 1 and len(todo) > 1 else None
+    queue = list(todo)
+    try:
+        if workers is None:
+            for job in queue:
+                bar.set_postfix_str(job.item.rel, refresh=True)
+                finish(job, run_job(op, job.item.path, job.output, job.overwrite))
+        else:
+            while queue or workers.running:
+                while queue and workers.free():
+                    workers.start(queue.pop(0))
+                job, res = workers.wait_one()
+                finish(job, res)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        if workers is not None:
+            workers.stop_all()
+    finally:
+        bar.close()
+        if workers is not None:
+            workers.close()
+        if manifest is not None:
+            manifest.close()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+def _ok_detail(o: Outcome) -> str:
+    if o.row:
+        r = o.row
+        family = r.get("family") or "unknown family"
+        return f" ({r.get('model_kind')}, {family}, {r.get('encodings')}, {r.get('dtypes')})"
+    if o.output:
+        return f" -> {o.job.output}"
+    return " (nothing to do; nothing written)" if o.job.output else ""
+
+
+def summary_lines(result: BatchResult, quiet: bool = False) -> list[str]:
+    ok, skipped, failed = result.of("ok"), result.of("skipped"), result.of("failed")
+    lines = []
+    if result.dry_run:
+        lines.append(f"batch {result.operation}: dry run, {len(result.todo)} to run, {len(skipped)} done earlier, "
+                     f"{len(failed)} refused")
+        for j in result.todo:
+            dst = f" -> {j.output}" if j.output else ""
+            lines.append(f"  would run  {j.item.rel}{dst} ({j.reason})")
+        for o in skipped:
+            lines.append(f"  skip       {o.job.item.rel} ({o.job.reason})")
+    else:
+        head = f"batch {result.operation}: {len(ok)} ok, {len(skipped)} skipped, {len(failed)} failed"
+        if result.interrupted:
+            ran = {id(o.job) for o in result.outcomes}
+            head += f", {sum(id(j) not in ran for j in result.todo)} not run (interrupted)"
+        lines.append(head)
+        if not quiet:
+            for o in ok:
+                lines.append(f"  ok       {o.job.item.rel}" + _ok_detail(o))
+            for o in skipped:
+                lines.append(f"  skipped  {o.job.item.rel} ({o.job.reason})")
+    for o in failed:
+        lines.append(f"  failed   {o.job.item.rel}: {o.error}")
+    if not quiet:
+        for rel, why in result.ignored:
+            lines.append(f"  ignored  {rel} ({why})")
+    if result.manifest is not None and not result.dry_run:
+        lines.append(f"manifest: {result.manifest}")
+    return lines
+
+
+def write_csv(result: BatchResult, path: Path, columns) -> None:
+    """The inspect rows as CSV, written to a temp file and renamed (no partial CSV)."""
+    import csv
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.ckpt-tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+            w.writeheader()
+            for o in sorted(result.outcomes, key=lambda o: o.job.item.rel):
+                w.writerow({**(o.row or {}), "input": o.job.item.rel, "status": o.status, "error": o.error or ""})
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CkptError(f"{path}: cannot write the CSV ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
