@@ -12,10 +12,8 @@ from ckpt import __version__
 from ckpt.errors import CkptError
 from ckpt.report import Report
 
-DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
-                      help="Where the math runs; every operand of an operation is on this device.")
-QUIET = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no notes (warnings still print).")
-OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace an existing output (never an input).")
+from ckpt.cli_options import (ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, DRY_RUN, MAX_SHARD_SIZE, MERGE_TO, OVERWRITE,
+                              QTYPE, QUIET, SHAPES_FROM)
 
 
 def _print_report(report: Report, quiet: bool) -> None:
@@ -40,8 +38,8 @@ def cli():
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype (repeatable).")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
-@click.option("--max-shard-size", help='Shard the output, e.g. "5GB" (5e9 bytes). Default: keep the input layout.')
-@click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
+@MAX_SHARD_SIZE
+@DRY_RUN
 @DEVICE
 @OVERWRITE
 @QUIET
@@ -54,6 +52,80 @@ def convert(src, out, to, keep, clamp, scaled, max_shard_size, dry_run, device, 
     path, report = run(src, out, opts)
     _print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+
+
+@cli.command()
+@click.argument("src")
+@click.option("-o", "--output", "out", help="Output file or folder (default: derived from SRC, e.g. x-dequant.safetensors).")
+@DEQUANT_TO
+@SHAPES_FROM
+@QTYPE
+@MAX_SHARD_SIZE
+@DRY_RUN
+@DEVICE
+@OVERWRITE
+@QUIET
+def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, overwrite, quiet):
+    """optimum-quanto (and FP8-scaled) checkpoints back to plain X.weight tensors."""
+    from ckpt.quant.dequant import DequantOptions, dequant as run
+
+    opts = DequantOptions(to=to, shapes_from=shapes_from, qtype=qtype, max_shard_size=max_shard_size, device=device,
+                          overwrite=overwrite, quiet=quiet, dry_run=dry_run)
+    path, report = run(src, out, opts)
+    _print_report(report, quiet and path is not None)
+    if path is None:
+        click.echo("nothing to dequantize; nothing written")
+    else:
+        click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (layout: ckpt.inspect.summary).")
+@click.option("--scan", is_flag=True, help="Also read every tensor (band by band) and count NaN/Inf.")
+def inspect(src, as_json, scan):
+    """Format, model/LoRA family, dtypes, sizes, metadata, and warnings that predict trainer failures."""
+    import json
+
+    from ckpt.inspect import inspect as run, render_text
+
+    report = run(src, scan=scan)
+    click.echo(json.dumps(report, indent=1) if as_json else render_text(report))
+
+
+@cli.command("merge-lora")
+@click.argument("base")
+@click.argument("loras", nargs=-1, required=True)
+@click.option("-o", "--output", "out", help="Output file or folder (default: BASE-merged beside BASE).")
+@click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
+              help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
+@MERGE_TO
+@ALLOW_UNMATCHED
+@click.option("--dry-run", is_flag=True, help="Print the matching report only; write nothing.")
+@DEVICE
+@OVERWRITE
+@QUIET
+def merge_lora(base, loras, out, ratios, to, allow_unmatched, dry_run, device, overwrite, quiet):
+    """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor."""
+    from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
+
+    opts = MergeOptions(ratios=list(ratios), to=to, device=device, allow_unmatched=allow_unmatched,
+                        dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+    try:
+        path, report = run(base, list(loras), out, opts)
+    except MergeError as e:
+        for line in e.report.summary:
+            click.echo(line)
+        raise
+    for line in report.summary:
+        click.echo(line)
+    _print_report(report, quiet)
+    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+
+
+from ckpt.batch.cli import batch  # noqa: E402  (the `ckpt batch ...` group; imports only click here)
+
+cli.add_command(batch)
 
 
 def _sigterm(signum, frame):

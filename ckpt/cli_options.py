@@ -1,0 +1,32 @@
+"""Click options shared by the single commands and `ckpt batch`, defined once so both spell and
+document them the same way."""
+
+from __future__ import annotations
+
+import click
+
+DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+                      help="Where the math runs; every operand of an operation is on this device.")
+QUIET = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no notes (warnings still print).")
+OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace an existing output (never an input).")
+MAX_SHARD_SIZE = click.option("--max-shard-size",
+                              help='Shard the output, e.g. "5GB" (5e9 bytes). Default: keep the input layout.')
+DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
+
+# dequant
+DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),
+                          help="Output dtype of floating tensors (default: each weight's original dtype, "
+                               "the scale's dtype).")
+SHAPES_FROM = click.option("--shapes-from", metavar="REF",
+                           help="Local checkpoint or hub id whose headers give the original shapes.")
+QTYPE = click.option("--qtype", type=click.Choice(["qint8", "qint4", "qint2", "qfloat8", "qfloat8_e4m3fn",
+                                                   "qfloat8_e5m2", "qfloat8_e4m3fnuz", "int8", "int4", "int2",
+                                                   "float8"]),
+                     help="Weights qtype, when neither quanto_qmap.json nor config.json says (4 vs 2 bits).")
+
+# merge-lora
+MERGE_TO = click.option("--to", "to", type=click.Choice(["fp16", "bf16", "fp32"]),
+                        help="Write every floating tensor in this dtype (default: keep each tensor's dtype; "
+                             "FP8 -> bf16).")
+ALLOW_UNMATCHED = click.option("--allow-unmatched", is_flag=True,
+                               help="Merge what matches even if some LoRA keys match no base tensor.")
