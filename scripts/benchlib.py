@@ -1,0 +1,397 @@
+"""Shared helpers for the benchmark scripts (bench_convert.py, and the merge / dequant benches).
+
+Why the shape of this module:
+
+- Peak RSS is measured with `os.wait4` (the child's `ru_maxrss`, which also covers grandchildren it
+  waited for, e.g. `cp` under `sh -c`). On Linux a child's `ru_maxrss` starts at the RSS high-water mark
+  of the process that spawned it (fork/vfork + exec carries the old mm's high-water mark over), so the
+  process that launches measured commands must stay small. This module therefore imports only the
+  standard library at module level; everything that needs torch (generating checkpoints, comparing
+  outputs, the "naive" baselines) runs in a subprocess. `launcher_floor()` reports the resulting floor.
+- Synthetic checkpoints have realistic tensor sizes (a Flux/MMDiT-like mix: a few large matrices,
+  many medium ones, small norms and biases) and are written header-first, tensor by tensor, in chunks
+  tiled from a pool of random values, so generating a multi-GB file needs little memory and no ckpt
+  code (the benchmark must not depend on the code it measures to build its inputs).
+
+Public API (stdlib-only; safe to import in a benchmark's parent process):
+    machine_info(), machine_lines()         cores, RAM, CPU model, versions
+    measure(argv) -> Measurement            wall seconds + peak RSS of a subprocess
+    launcher_floor()                        the RSS every measured child inherits from us
+    ckpt_argv(*args)                        argv running the real `ckpt` CLI
+    model_specs(params) -> Model            Flux-like tensor list with about `params` elements
+    generate(path, params, dtype, layout)   write a synthetic checkpoint (in a subprocess)
+    compare(a, b)                           bitwise comparison of two safetensors files (subprocess)
+    markdown_table(headers, rows)           a table ready to paste into README
+    fmt_gb / fmt_mb / gbps                  number formatting
+
+Run as a script for the subprocess side: `python benchlib.py generate OUT --params N --dtype bf16
+[--layout comfy-scaled-fp8]` and `python benchlib.py compare A B`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata as _md
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1}
+ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "fp16": "F16", "fp8_e4m3fn": "F8_E4M3"}
+LAYOUTS = ("plain", "comfy-scaled-fp8")
+
+
+class BenchError(RuntimeError):
+    """A measured command or a helper subprocess failed; the message carries its stderr tail."""
+
+
+# ----------------------------------------------------------------------------------------- machine
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _version(dist: str) -> str:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info() -> dict:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "ram": _mem_total(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "safetensors": _version("safetensors"),
+        "ckpt": _version("ckpt"),
+    }
+
+
+def machine_lines() -> list[str]:
+    m = machine_info()
+    return [
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {fmt_gb(m['ram'])} GB RAM, {m['os']}",
+        f"software: python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}, ckpt {m['ckpt']}",
+    ]
+
+
+# --------------------------------------------------------------------------------------- measuring
+
+@dataclass
+class Measurement:
+    argv: list[str]
+    seconds: float
+    peak_rss: int  # bytes, max over the child and the descendants it waited for
+    returncode: int
+    stdout: str
+    stderr: str
+    floor: int = 0  # our own peak RSS at spawn: peak_rss is never below it (see the module docstring)
+
+
+def _maxrss_bytes(ru_maxrss: int) -> int:
+    return ru_maxrss if sys.platform == "darwin" else ru_maxrss * 1024  # Linux reports KiB
+
+
+def own_peak_rss() -> int:
+    return _maxrss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def measure(argv: list[str], *, cwd=None, env=None, check: bool = True) -> Measurement:
+    """Run argv to completion; wall time from spawn to reap, peak RSS from `wait4`'s rusage.
+
+    Output goes to temporary files (not pipes), so nothing has to be drained while we wait. Dirty pages
+    left by earlier steps (generating sources, a previous variant's output) are flushed first, untimed,
+    so that no variant pays for another's writeback."""
+    argv = [str(a) for a in argv]
+    os.sync()
+    floor = own_peak_rss()
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, stdout=fo, stderr=fe, cwd=cwd, env=env)
+        _, status, ru = os.wait4(p.pid, 0)
+        seconds = time.perf_counter() - t0
+        p.returncode = rc = os.waitstatus_to_exitcode(status)  # reaped here; tell Popen
+        fo.seek(0), fe.seek(0)
+        out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")
+    m = Measurement(argv, seconds, _maxrss_bytes(ru.ru_maxrss), rc, out, err, floor)
+    if check and rc != 0:
+        tail = "\n".join((err or out).strip().splitlines()[-15:])
+        raise BenchError(f"command failed (exit {rc}): {' '.join(argv)}\n{tail}")
+    return m
+
+
+def launcher_floor() -> int:
+    """Peak RSS reported for `true`: the part of every measured child's figure inherited from us."""
+    return measure(["true"]).peak_rss
+
+
+def ckpt_argv(*args) -> list[str]:
+    """The real CLI: the `ckpt` console script beside this interpreter, else `python -m ckpt.cli`."""
+    exe = Path(sys.executable).parent / "ckpt"
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt.cli"]
+    return head + [str(a) for a in args]
+
+
+def run_py(*args, check: bool = True) -> Measurement:
+    """Run this module (or another script) as a subprocess with the current interpreter."""
+    return measure([sys.executable, *map(str, args)], check=check)
+
+
+# ----------------------------------------------------------------------------------- model shapes
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    shape: tuple[int, ...]
+    role: str  # "linear" (a matrix; fp8-quantized in scaled layouts), "bias", "norm"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Model:
+    hidden: int
+    blocks: int
+    specs: list[Spec] = field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def largest(self) -> Spec:
+        return max(self.specs, key=lambda s: s.numel)
+
+
+WIDTHS = (3072, 2048, 1536, 1024, 768, 512, 256, 128, 64)
+PER_BLOCK = 18  # block params ~ 18 * hidden^2 (see _block)
+
+
+def _block(i: int, h: int) -> list[Spec]:
+    """One MMDiT/Flux-like block: modulation (the largest matrix, like Flux's 18432x3072), fused qkv,
+    output projection, a 4x MLP, their biases, RMSNorm scales of the attention heads (head dim 128)
+    and two layer norms."""
+    p = f"blocks.{i}."
+    mats = {"mod.lin": (6 * h, h), "attn.qkv": (3 * h, h), "attn.proj": (h, h), "mlp.fc1": (4 * h, h),
+            "mlp.fc2": (h, 4 * h)}
+    out = []
+    for name, shape in mats.items():
+        out.append(Spec(p + name + ".weight", shape, "linear"))
+        out.append(Spec(p + name + ".bias", (shape[0],), "bias"))
+    hd = min(128, h)
+    out += [Spec(p + "attn.norm.query_norm.scale", (hd,), "norm"), Spec(p + "attn.norm.key_norm.scale", (hd,), "norm"),
+            Spec(p + "norm1.weight", (h,), "norm"), Spec(p + "norm2.weight", (h,), "norm")]
+    return out
+
+
+def model_specs(params: int) -> Model:
+    """A Flux-like model of about `params` elements: the widest hidden size (3072 at most) that still
+    gives at least 4 blocks, then as many blocks as fit, plus input/time/final layers."""
+    h = next((w for w in WIDTHS if 4 * PER_BLOCK * w * w <= params), WIDTHS[-1])
+    n = max(1, round(params / (PER_BLOCK * h * h)))
+    m = Model(h, n)
+    m.specs += [Spec("img_in.weight", (h, 64), "linear"), Spec("img_in.bias", (h,), "bias"),
+                Spec("time_in.in_layer.weight", (h, 256), "linear"), Spec("time_in.in_layer.bias", (h,), "bias"),
+                Spec("time_in.out_layer.weight", (h, h), "linear"), Spec("time_in.out_layer.bias", (h,), "bias")]
+    for i in range(n):
+        m.specs += _block(i, h)
+    m.specs += [Spec("final_layer.norm.weight", (h,), "norm"), Spec("final_layer.linear.weight", (64, h), "linear"),
+                Spec("final_layer.linear.bias", (64,), "bias")]
+    return m
+
+
+def stored_entries(model: Model, dtype: str, layout: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype key, shape) of every stored tensor. comfy-scaled-fp8: matrices in fp8 e4m3fn with
+    an fp32 scalar `scale_weight` and `scale_input` each, other tensors in bf16, plus the
+    `scaled_fp8` marker (an empty fp8 tensor), as in ComfyUI's scaled-fp8 files (FORMATS.md "FP8")."""
+    if layout == "plain":
+        return [(s.name, dtype, s.shape) for s in model.specs]
+    if layout != "comfy-scaled-fp8":
+        raise ValueError(f"unknown layout {layout}")
+    out = [("scaled_fp8", "fp8_e4m3fn", (0,))]
+    for s in model.specs:
+        if s.role == "linear":
+            stem = s.name[: -len(".weight")]
+            out += [(s.name, "fp8_e4m3fn", s.shape), (stem + ".scale_weight", "fp32", ()),
+                    (stem + ".scale_input", "fp32", ())]
+        else:
+            out.append((s.name, "bf16", s.shape))
+    return out
+
+
+def entries_nbytes(entries) -> int:
+    total = 0
+    for _, dt, shape in entries:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * ITEMSIZE[dt]
+    return total
+
+
+# ------------------------------------------------------------------------- subprocess-side helpers
+
+def generate(path, params: int, dtype: str, layout: str = "plain", seed: int = 0) -> dict:
+    """Write a synthetic checkpoint (in a subprocess, so torch never loads here); returns its summary."""
+    m = run_py(__file__, "generate", path, "--params", params, "--dtype", dtype, "--layout", layout, "--seed", seed)
+    return json.loads(m.stdout.strip().splitlines()[-1])
+
+
+def compare(a, b) -> dict:
+    """Bitwise comparison of two safetensors files, tensor by tensor (in a subprocess)."""
+    m = run_py(__file__, "compare", a, b, check=False)
+    if m.returncode not in (0, 1):
+        raise BenchError(f"compare failed: {m.stderr.strip()[-2000:]}")
+    return json.loads(m.stdout.strip().splitlines()[-1])
+
+
+def _write_synthetic(path: str, params: int, dtype: str, layout: str, seed: int) -> dict:
+    import torch
+
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3fn": torch.float8_e4m3fn}
+    model = model_specs(params)
+    entries = stored_entries(model, dtype, layout)
+    g = torch.Generator().manual_seed(seed)
+    pool_elems = 1 << 22
+    base = torch.randn(pool_elems, generator=g)
+    pools = {}
+    for key in {dt for _, dt, _ in entries}:
+        # weights ~ N(0, 0.02); fp8 codes spread over the e4m3fn range (the scale brings them back)
+        vals = (base * 100).clamp(-448, 448) if key == "fp8_e4m3fn" else base * 0.02
+        raw = vals.to(tdt[key]).view(torch.uint8).numpy().tobytes()
+        pools[key] = memoryview(raw + raw)  # doubled: any window of pool length is one slice
+
+    # header-first: descending itemsize keeps every tensor aligned; header padded with spaces to 8
+    ordered = sorted(entries, key=lambda e: (-ITEMSIZE[e[1]], e[0]))
+    header, pos = {"__metadata__": {"generator": "ckpt scripts/benchlib.py", "layout": layout}}, 0
+    for name, dt, shape in ordered:
+        n = 1
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": ST_DTYPE[dt], "shape": list(shape), "data_offsets": [pos, pos + n * ITEMSIZE[dt]]}
+        pos += n * ITEMSIZE[dt]
+    js = json.dumps(header, separators=(",", ":")).encode()
+    js += b" " * (-(8 + len(js)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(js)) + js)
+        for i, (name, dt, shape) in enumerate(ordered):
+            size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if name.endswith(".scale_weight") or name.endswith(".scale_input"):
+                # per-layer scale: map codes (|w| up to 448) back to weights of about N(0, 0.02)
+                f.write(struct.pack("<f", 0.02 / 100 * (1 + (i % 17) / 16)))
+                continue
+            pool = pools[dt]
+            plen = len(pool) // 2
+            start = (i * 104729 * ITEMSIZE[dt]) % plen  # a different window per tensor
+            while size:
+                take = min(size, plen)
+                f.write(pool[start:start + take])
+                start = (start + take) % plen
+                size -= take
+    big = model.largest
+    return {"path": str(path), "bytes": os.path.getsize(path), "tensors": len(entries), "params": model.params,
+            "hidden": model.hidden, "blocks": model.blocks, "largest": big.name, "largest_shape": list(big.shape),
+            "largest_numel": big.numel, "layout": layout, "dtype": dtype}
+
+
+def _compare(a: str, b: str) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
+        ka, kb = set(fa.keys()), set(fb.keys())
+        if ka != kb:
+            return {"equal": False, "tensors": len(ka), "problem":
+                    f"keys differ: only in A {sorted(ka - kb)[:5]}, only in B {sorted(kb - ka)[:5]}"}
+        for k in sorted(ka):
+            x, y = fa.get_tensor(k), fb.get_tensor(k)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return {"equal": False, "tensors": len(ka), "problem": f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"}
+            if x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return {"equal": False, "tensors": len(ka), "problem": f"{k}: values differ"}
+    return {"equal": True, "tensors": len(ka), "problem": None}
+
+
+# ------------------------------------------------------------------------------------ formatting
+
+def fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def fmt_mb(n: float) -> str:
+    return f"{n / 1e6:.0f}"
+
+
+def gbps(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / 1e9 / seconds:.2f}" if seconds > 0 else "-"
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="subprocess side of the benchmark helpers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="write a synthetic Flux-like checkpoint")
+    g.add_argument("out")
+    g.add_argument("--params", type=int, required=True)
+    g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16")
+    g.add_argument("--layout", choices=LAYOUTS, default="plain")
+    g.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("compare", help="bitwise comparison of two safetensors files")
+    c.add_argument("a")
+    c.add_argument("b")
+    a = ap.parse_args(argv)
+    if a.cmd == "generate":
+        print(json.dumps(_write_synthetic(a.out, a.params, a.dtype, a.layout, a.seed)))
+        return 0
+    res = _compare(a.a, a.b)
+    print(json.dumps(res))
+    return 0 if res["equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
