@@ -10,7 +10,6 @@ BIN := $(VENV)/bin
 
 $(BIN)/ckpt: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(BIN)/ckpt
