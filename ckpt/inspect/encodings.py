@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from ckpt.dtypes import FP8, short_name
 
-QUANTO_DATA = re.compile(r"^(.*)\._data$")
-QUANTO_AUX = re.compile(r"\.(_scale|_shift|input_scale|output_scale)$")
+QUANTO_ACTIVATION = re.compile(r"\.(input_scale|output_scale)$")
 BNB_4BIT = re.compile(r"^(.*)\.quant_state\.bitsandbytes__(nf4|fp4)$")
 BNB_AUX = re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+)$")
 BNB_INT8 = re.compile(r"^(.*)\.SCB$")
@@ -82,23 +81,19 @@ def _add(enc: Encodings, label: str, n: int = 1) -> None:
 
 
 def _quanto(tensors: dict, enc: Encodings, qmap) -> None:
-    """optimum-quanto: `P.weight._data` (int8 / fp8 codes) or `P.weight._data._data` (packed 2/4-bit)."""
-    for name, t in tensors.items():
-        if name.endswith("._data._data"):
-            label = "optimum-quanto qint4/qint2 (packed)"
-        elif QUANTO_DATA.match(name) and not name.endswith("._data._data"):
-            if f"{name}._data" in tensors:
-                continue
+    """optimum-quanto weights, found by the decoder's own key grouping (`ckpt.quant.quanto`), labelled
+    even when the decoder cannot resolve them (inspect reports what `dequant` would refuse)."""
+    from ckpt.quant.quanto import stored_entries
+
+    for e in stored_entries(tensors).values():
+        t = e.data
+        if e.packed:
+            q = qmap.get(e.module, {}).get("weights") if qmap and isinstance(qmap.get(e.module), dict) else None
+            label = f"optimum-quanto {q}" if isinstance(q, str) else "optimum-quanto qint4/qint2 (packed)"
+        else:
             label = "optimum-quanto " + ("qfloat8" if t.dtype in FP8 else "qint8" if t.dtype.is_signed
                                          and not t.dtype.is_floating_point else f"({short_name(t.dtype)} data)")
-        else:
-            continue
-        if qmap and label.endswith("(packed)"):
-            module = name[: -len(".weight._data._data")]
-            q = qmap.get(module, {}).get("weights") if isinstance(qmap.get(module), dict) else None
-            if isinstance(q, str):
-                label = f"optimum-quanto {q}"
         _add(enc, label)
-        enc.aux_keys.add(name)
+        enc.aux_keys |= {k for k in (e.data_key, e.prefix + "._scale", e.shift_key) if k in tensors}
     if enc.quantized and any(k.startswith("optimum-quanto") for k in enc.quantized):
-        enc.aux_keys |= {n for n in tensors if QUANTO_AUX.search(n)}
+        enc.aux_keys |= {n for n in tensors if QUANTO_ACTIVATION.search(n)}

@@ -284,7 +284,6 @@ def scan_tensors(tensors: dict) -> dict:
         scanned += 1
         n_nan = n_inf = 0
         for a, b in bands(t):
-            rows = max(b - a, 1)
             x = t.read(a, b, cpu, bufs)
             if x.dtype in FP8:
                 x = x.float()

@@ -172,7 +172,8 @@ class _Entry:
         return self.prefix[: -len(".weight")] if self.prefix.endswith(".weight") else self.prefix
 
 
-def _entries(remaining: dict[str, Tensor]) -> dict[str, _Entry]:
+def stored_entries(remaining: dict[str, Tensor]) -> dict[str, _Entry]:
+    """The quantized weights among stored keys, by weight name (`P` of `P._data`); also used by inspect."""
     out: dict[str, _Entry] = {}
     for key, t in remaining.items():
         if key.endswith("._data._data"):
@@ -248,7 +249,7 @@ def _literal(text: str):
 
 
 def decode(ctx: DecodeContext) -> Decoded | None:
-    entries = _entries(ctx.remaining)
+    entries = stored_entries(ctx.remaining)
     qmap = _read_qmap(ctx)
     cfg_qtype = _config_qtype(ctx)
     if not entries and not qmap and cfg_qtype is None:
