@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import fnmatch
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ckpt.convert.cast import Caster
-from ckpt.dtypes import TARGETS, is_float, short_name
+from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
-from ckpt.io.output import execute, preflight
-from ckpt.io.plan import OutTensor, parse_size
-from ckpt.progress import progress_bar
+from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.report import Report
+from ckpt.run import cast_outputs, decoded_notes, output_path, write
 
 
 @dataclass
@@ -62,13 +59,6 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool) -> Path
     return base.parent / f"{base.name}-{suffix}.safetensors"
 
 
-def _human(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} bytes"
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,31 +74,23 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report):
     target = TARGETS[opts.to]
     if opts.scaled and target != torch.float8_e4m3fn:
         raise CkptError("--scaled applies to --to fp8_e4m3fn only")
-    caster = Caster(target, report, clamp=opts.clamp)
     views = [logical_view(c) for c in ckpt.components]
 
     def out_dtype(t):
-        if not is_float(t.dtype) or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep):
-            return t.natural_dtype if is_float(t.dtype) else t.dtype
-        return target
+        return t.natural_dtype if any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep) else target
 
     if opts.scaled:
         from ckpt.convert.fp8_out import scaled_fp8_outputs
 
         make = scaled_fp8_outputs(report, opts.keep)
     else:
-        def make(t):
-            dst = out_dtype(t)
-            c = caster if dst == target else Caster(dst, report, clamp=opts.clamp)
-            return [OutTensor(t.name, dst, t.shape, t, lambda x, b, n=t.name, c=c: c(x, n, b))]
+        make = cast_outputs(report, out_dtype, clamp=opts.clamp)
 
     shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
     op = f"convert --to {opts.to}" + (" --scaled" if opts.scaled else "")
     plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size,
                            output_dtype=lambda c: target if target in (torch.float16, torch.bfloat16, torch.float32) else None)
-    for v in views:
-        if v.formats:
-            plan.notes.append(f"decoded {', '.join(v.formats)}; {len(v.consumed)} scale/marker keys consumed")
+    plan.notes += decoded_notes(ckpt, views)
     return plan, views
 
 
@@ -120,19 +102,7 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
         plan, _ = plan_convert(ckpt, opts, report)
         suffix = opts.to + ("-scaled" if opts.scaled else "")
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file)
-        out_path = Path(out).expanduser() if out else derived
-        if out and plan.single_file and (out_path.is_dir() and not out_path.is_symlink()):
-            out_path = out_path / derived.name  # `-o some_folder/` for a file: put the file in it
-        elif out and plan.single_file and str(out).endswith(("/", os.sep)):
-            raise CkptError(f"{out}: no such folder (the output is one file: name a file or an existing folder)")
-        for n in plan.notes:
-            report.note(n)
-        need = preflight(plan, out_path, inputs=ckpt.inputs, overwrite=opts.overwrite)
-        if opts.dry_run:
-            n_files = len(plan.files)
-            report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
-                        f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}")
-            return out_path, report
-        with progress_bar(plan.nbytes, f"convert -> {short_name(TARGETS[opts.to])}", opts.quiet) as bar:
-            execute(plan, out_path, inputs=ckpt.inputs, overwrite=opts.overwrite, device=device, progress=bar)
+        out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report,
+                         desc=f"convert -> {short_name(TARGETS[opts.to])}", device=device,
+                         overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

@@ -15,20 +15,17 @@ from pathlib import Path
 
 import torch
 
-from ckpt.convert.cast import Caster
 from ckpt.convert.command import default_output, resolve_device
 from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
-from ckpt.io.output import execute, preflight
-from ckpt.io.plan import OutTensor
 from ckpt.merge.adapters import make_adapter
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
-from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
 from ckpt.report import Report
+from ckpt.run import cast_outputs, decoded_notes, output_path, write
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
@@ -92,20 +89,9 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             files.append(f)
         plan = _plan(ckpt, files, ratios, opts, report)
         derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file)
-        out_path = Path(out).expanduser() if out else derived
-        if out and plan.single_file and out_path.is_dir() and not out_path.is_symlink():
-            out_path = out_path / derived.name  # `-o some_folder/` for a file: put the file in it
-        for n in plan.notes:
-            report.note(n)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
-        need = preflight(plan, out_path, inputs=inputs, overwrite=opts.overwrite)
-        if opts.dry_run:
-            n_files = len(plan.files)
-            report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
-                        f"{len(plan.indexes)} index and {len(plan.copies)} other files, {need / 1e9:.3f} GB")
-            return out_path, report
-        with progress_bar(plan.nbytes, "merge-lora", opts.quiet) as bar:
-            execute(plan, out_path, inputs=inputs, overwrite=opts.overwrite, device=device, progress=bar)
+        out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
+                         device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report
 
 
@@ -131,29 +117,19 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     target = TARGETS[opts.to] if opts.to else None
     fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
                    for v in views for t in v.tensors.values())
-    casters: dict[torch.dtype, Caster] = {}
-
     def out_dtype(t) -> torch.dtype:
-        if not is_float(t.dtype):
-            return t.dtype
         if target is not None:
             return target
-        nat = t.natural_dtype
-        return FP8_DEFAULT if nat in FP8 else nat
+        return FP8_DEFAULT if t.natural_dtype in FP8 else t.natural_dtype
 
-    def make(t):
-        dst = out_dtype(t)
-        c = casters.setdefault(dst, Caster(dst, report))
-        src = MergedTensor(t, patches[id(t)]) if id(t) in patches else t
-        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b))]
+    make = cast_outputs(report, out_dtype,
+                        source_of=lambda t: MergedTensor(t, patches[id(t)]) if id(t) in patches else t)
 
     names = [Path(f.spec).name for f in files]
     op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
     cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
     plan = plan_checkpoint(ckpt, views, make, operation=op, output_dtype=lambda c: cfg_dtype)
-    for v in views:
-        if v.formats:
-            plan.notes.append(f"decoded {', '.join(v.formats)}; {len(v.consumed)} scale/marker keys consumed")
+    plan.notes += decoded_notes(ckpt, views)
     if fp8_seen and target is None:
         plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
     return plan

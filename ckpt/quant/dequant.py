@@ -14,20 +14,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from ckpt.convert.cast import Caster
 from ckpt.convert.command import default_output, resolve_device
-from ckpt.dtypes import TARGETS, is_float, short_name
+from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
-from ckpt.io.output import execute
-from ckpt.io.plan import OutTensor, parse_size
-from ckpt.progress import progress_bar
+from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report
+from ckpt.run import cast_outputs, decoded_notes, output_path, write
 
 OUT_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -57,23 +53,11 @@ def plan_dequant(ckpt, opts: DequantOptions, report: Report):
     views = [logical_view(c, options) for c in ckpt.components]
     if not any(v.formats for v in views):
         return None, views
-    casters: dict[torch.dtype, Caster] = {}
-
-    def make(t):
-        if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, t.shape, t, lambda x, b: x)]
-        dst = target or t.natural_dtype
-        c = casters.setdefault(dst, Caster(dst, report))
-        return [OutTensor(t.name, dst, t.shape, t, lambda x, b, n=t.name, c=c: c(x, n, b))]
-
+    make = cast_outputs(report, lambda t: target or t.natural_dtype)
     shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
     plan = plan_checkpoint(ckpt, views, make, operation="dequant" + (f" --to {opts.to}" if opts.to else ""),
                            max_shard_size=shard_size, output_dtype=lambda c: target)
-    for c, v in zip(ckpt.components, views):
-        if v.formats:
-            where = c.subdir or "."
-            plan.notes.append(f"{where}: decoded {', '.join(v.formats)}; {len(v.consumed)} stored keys consumed "
-                              "(quantized data, scales, activation scales)")
+    plan.notes += decoded_notes(ckpt, views)
     return plan, views
 
 
@@ -108,11 +92,7 @@ def dequant(src: str, out: str | Path | None, opts: DequantOptions,
                 report.note(f"  {line}")
             return None, report
         suffix = "dequant" + (f"-{opts.to}" if opts.to else "")
-        out_path = Path(out) if out else default_output(src, ckpt.path, suffix, folder=not plan.single_file)
-        for n in plan.notes:
-            report.note(n)
-        if opts.dry_run:
-            return out_path, report
-        with progress_bar(plan.nbytes, "dequant", opts.quiet) as bar:
-            execute(plan, out_path, inputs=ckpt.inputs, overwrite=opts.overwrite, device=device, progress=bar)
+        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file)
+        out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc="dequant",
+                         device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

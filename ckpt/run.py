@@ -1,0 +1,90 @@
+"""What every writing command shares once it has a plan: the per-tensor casts and the write stage.
+
+convert, dequant and merge-lora differ only in the logical tensors they feed in and the dtype each
+output gets; choosing the output path, reporting, the dry run, the free-space and never-overwrite
+checks, the progress bar and the atomic write are the same, and live here once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ckpt.dtypes import is_float
+from ckpt.errors import CkptError
+from ckpt.io.output import execute, preflight
+from ckpt.io.plan import OutTensor, Plan
+from ckpt.io.tensors import Tensor
+from ckpt.progress import progress_bar
+from ckpt.report import Report
+
+
+def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype], *, clamp: bool = False,
+                 source_of: Callable[[Tensor], Tensor] = lambda t: t):
+    """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)`, rounded once by a
+    Caster (which counts overflow and NaN/Inf); non-floating tensors pass through unchanged.
+    `source_of(t)` may wrap the tensor first (merge-lora's MergedTensor)."""
+    from ckpt.convert.cast import Caster  # here, not at import: ckpt.convert imports this module
+
+    casters: dict[torch.dtype, Caster] = {}
+
+    def make(t: Tensor) -> list[OutTensor]:
+        src = source_of(t)
+        if not is_float(t.dtype):
+            return [OutTensor(t.name, t.dtype, tuple(t.shape), src, lambda x, b: x)]
+        dst = dtype_of(t)
+        c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))
+        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b))]
+
+    return make
+
+
+def decoded_notes(ckpt, views) -> list[str]:
+    """One line per component whose stored encoding was decoded, with how many keys it consumed."""
+    lines = []
+    for c, v in zip(ckpt.components, views):
+        if v.formats:
+            where = f"{c.subdir}: " if c.subdir else ""
+            lines.append(f"{where}decoded {', '.join(v.formats)}; {len(v.consumed)} stored keys consumed "
+                         "(scales, markers, quantized data)")
+    return lines
+
+
+def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
+    """-o as given, or the derived default. `-o existing_folder` for a one-file output puts the file
+    in that folder under the default name; `-o missing/` (trailing slash) is an error, not a file."""
+    if not out:
+        return derived
+    p = Path(out).expanduser()
+    if plan.single_file and p.is_dir() and not p.is_symlink():
+        return p / derived.name
+    if plan.single_file and str(out).endswith(("/", os.sep)):
+        raise CkptError(f"{out}: no such folder (the output is one file: name a file or an existing folder)")
+    return p
+
+
+def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, desc: str, device: torch.device,
+          overwrite: bool, dry_run: bool, quiet: bool) -> Path:
+    """Report the plan's notes, check the target (never an input, free space, --overwrite), then either
+    say what a dry run would write or write it atomically with a progress bar."""
+    for n in plan.notes:
+        report.note(n)
+    need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite)
+    if dry_run:
+        n_files = len(plan.files)
+        report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
+                    f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}")
+        return out_path
+    with progress_bar(plan.nbytes, desc, quiet) as bar:
+        execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
+    return out_path
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
