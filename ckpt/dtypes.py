@@ -54,6 +54,21 @@ SHORT: dict[torch.dtype, str] = {
 }
 
 
+# config.json `torch_dtype` / `dtype` values (transformers and diffusers spell them this way).
+CONFIG_NAMES: dict[torch.dtype, str] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+CONFIG_KEYS = ("torch_dtype", "dtype")
+
+
+def config_dtype(cfg: dict | None) -> torch.dtype | None:
+    """The model dtype a config.json declares (`"bfloat16"`, `"torch.float16"`, `"bf16"`...), or None."""
+    names = {**{v: k for k, v in CONFIG_NAMES.items()}, **{SHORT[d]: d for d in CONFIG_NAMES}}
+    for key in CONFIG_KEYS:
+        d = names.get(str((cfg or {}).get(key, "")).replace("torch.", ""))
+        if d is not None:
+            return d
+    return None
+
+
 def is_float(dtype: torch.dtype) -> bool:
     """True for dtypes that `convert` casts (floating point, fp8 included; e8m0 is a scale format)."""
     return dtype.is_floating_point and dtype != torch.float8_e8m0fnu

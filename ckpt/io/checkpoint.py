@@ -52,6 +52,11 @@ class Component:
     def sharded(self) -> bool:
         return self.index_name is not None
 
+    @property
+    def where(self):
+        """The path an error about this component names: its file, or its folder when it has several."""
+        return self.files[0].path if len(self.files) == 1 else self.files[0].path.parent
+
 
 @dataclass
 class Checkpoint:

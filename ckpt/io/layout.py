@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ckpt import __version__
+from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES
 from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.io.plan import OutFile, OutTensor, Plan, safetensors_name, shard
 
@@ -101,10 +102,10 @@ def _config_edit(dequantized: bool, dtype: torch.dtype | None):
             cfg.pop("quantization_config", None)
             cfg.pop("_pre_quantization_dtype", None)
         if dtype is not None:
-            name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(dtype)
+            name = CONFIG_NAMES.get(dtype)
             if name is None:
                 return cfg
-            keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or (["torch_dtype"] if "architectures" in cfg else [])
+            keys = [k for k in CONFIG_KEYS if k in cfg] or (["torch_dtype"] if "architectures" in cfg else [])
             for k in keys:
                 cfg[k] = name
         return cfg

@@ -21,7 +21,7 @@ import math
 import torch
 
 from ckpt.convert.cast import fp8_upcast
-from ckpt.dtypes import FP8, TORCH_TO_ST, is_float
+from ckpt.dtypes import FP8, TORCH_TO_ST, config_dtype, is_float
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.quant.view import DecodeContext, Decoded
@@ -35,8 +35,6 @@ ACTIVATION_SCALES = {"input_scale", "activation_scale", "output_scale", "input_s
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".scale_weight", ".scale_weight_tensor",
                          ".qscale_weight", ".weight_scale_2", ".weight_zero_point", ".comfy_quant")
 COMFY_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                  "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class ScaleLayout:
@@ -163,7 +161,7 @@ def _file_of(ctx: DecodeContext, key: str):
     for f in ctx.component.files:
         if t is not None and f.relpath == t.home:
             return f.path
-    return ctx.component.files[0].path if len(ctx.component.files) == 1 else ctx.component.files[0].path.parent
+    return ctx.component.where
 
 
 def _refuse(ctx: DecodeContext, key: str, problem: str) -> CkptError:
@@ -181,12 +179,7 @@ def _quant_config(ctx: DecodeContext) -> dict:
 
 def _natural(ctx: DecodeContext) -> torch.dtype:
     """The model's dtype before quantization: config.json `torch_dtype`/`dtype`, else bf16."""
-    cfg = ctx.config or {}
-    for k in ("torch_dtype", "dtype"):
-        d = _CONFIG_DTYPES.get(str(cfg.get(k, "")).replace("torch.", ""))
-        if d is not None:
-            return d
-    return torch.bfloat16
+    return config_dtype(ctx.config) or torch.bfloat16
 
 
 def _layer(key: str, suffix: str) -> str:

@@ -190,11 +190,6 @@ def stored_entries(remaining: dict[str, Tensor]) -> dict[str, _Entry]:
     return out
 
 
-def _where(ctx: DecodeContext) -> str:
-    files = ctx.component.files
-    return str(files[0].path if len(files) == 1 else files[0].path.parent)
-
-
 def _read_qmap(ctx: DecodeContext) -> dict:
     p = ctx.component.files[0].path.parent / QMAP_NAME
     if not p.is_file():
@@ -255,7 +250,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     if not entries and not qmap and cfg_qtype is None:
         _refuse_stray(ctx, set())
         return None
-    where = _where(ctx)
+    where = str(ctx.component.where)
     opt_qtype = ctx.options.get("qtype")
     opt_qtype = canonical_qtype(opt_qtype) if opt_qtype else None
     legacy = _legacy_strings(ctx, entries) if any(e.shift_key and e.shift_key.endswith("._zeropoint")
@@ -322,7 +317,7 @@ def _refuse_stray(ctx: DecodeContext, consumed: set[str]) -> None:
     """Quanto-looking keys that are not part of a complete weight must not pass through silently."""
     for key in ctx.remaining:
         if key not in consumed and key.endswith(SUFFIXES):
-            raise CkptError(f"{_where(ctx)}: {key!r} looks like part of an optimum-quanto weight, but its "
+            raise CkptError(f"{str(ctx.component.where)}: {key!r} looks like part of an optimum-quanto weight, but its "
                             "companions (._data / ._scale / ._shift) are missing; nothing was written")
 
 
@@ -438,7 +433,7 @@ class _ShapeResolver:
         if out == rows:
             return (rows, g)
         if numel % out or group_size_for(numel // out) != g:
-            raise CkptError(f"{_where(self.ctx)}: {e.data_key!r} ({numel} values in groups of {g}) does not fit "
+            raise CkptError(f"{str(self.ctx.component.where)}: {e.data_key!r} ({numel} values in groups of {g}) does not fit "
                             f"{e.module}.bias ({out} outputs); nothing was written")
         return (out, numel // out)
 
@@ -447,7 +442,7 @@ class _ShapeResolver:
         in_features = math.prod(s[1:]) if s else 1
         ok = math.prod(s) == numel and (group_size_for(in_features) == g or (in_features == g and s[0] == numel // g))
         if not ok:
-            raise CkptError(f"{_where(self.ctx)}: {source} gives {e.prefix} the shape {list(s)}, which does not "
+            raise CkptError(f"{str(self.ctx.component.where)}: {source} gives {e.prefix} the shape {list(s)}, which does not "
                             f"match the stored {numel} values in groups of {g}; nothing was written")
         return s
 

@@ -87,7 +87,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
     for key in ctx.remaining:
         for fmt, pattern in UNSUPPORTED.items():
             if pattern.search(key):
-                raise CkptError(f"{_where(component)}: {fmt} quantization ({key!r}) is not supported here; "
+                raise CkptError(f"{component.where}: {fmt} quantization ({key!r}) is not supported here; "
                                 "nothing was written")
     # Keep the stored order: decoded tensors take the place of the key they decode.
     ordered = {}
@@ -100,7 +100,3 @@ def logical_view(component: Component, options: dict | None = None) -> View:
             ordered[anchors[key]] = tensors.pop(anchors[key])
     ordered.update(tensors)  # decoded names with no stored key of their own (e.g. quanto X.weight)
     return View(ordered, consumed, formats, drop_meta, dequantized, notes)
-
-
-def _where(component: Component) -> str:
-    return component.files[0].path if len(component.files) == 1 else (component.files[0].path.parent)
