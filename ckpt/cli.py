@@ -12,8 +12,8 @@ from ckpt import __version__
 from ckpt.errors import CkptError
 from ckpt.report import Report
 
-from ckpt.cli_options import (ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, DRY_RUN, MAX_SHARD_SIZE, MERGE_TO, OVERWRITE,
-                              QTYPE, QUIET, SHAPES_FROM)
+from ckpt.cli_options import (ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, MERGE_TO,
+                              OVERWRITE, QTYPE, QUIET, SHAPES_FROM)
 
 
 def _print_report(report: Report, quiet: bool) -> None:
@@ -39,16 +39,17 @@ def cli():
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
 @MAX_SHARD_SIZE
+@FORMAT
 @DRY_RUN
 @DEVICE
 @OVERWRITE
 @QUIET
-def convert(src, out, to, keep, clamp, scaled, max_shard_size, dry_run, device, overwrite, quiet):
+def convert(src, out, to, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every FP8 layout), or to fp8."""
     from ckpt.convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size,
-                          device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run)
+                          device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run, format=fmt)
     path, report = run(src, out, opts)
     _print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
@@ -95,22 +96,26 @@ def inspect(src, as_json, scan):
 
 @cli.command("merge-lora")
 @click.argument("base")
-@click.argument("loras", nargs=-1, required=True)
+@click.argument("loras", nargs=-1)
 @click.option("-o", "--output", "out", help="Output file or folder (default: BASE-merged beside BASE).")
 @click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
               help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
 @MERGE_TO
 @ALLOW_UNMATCHED
+@FORMAT
 @click.option("--dry-run", is_flag=True, help="Print the matching report only; write nothing.")
 @DEVICE
 @OVERWRITE
 @QUIET
-def merge_lora(base, loras, out, ratios, to, allow_unmatched, dry_run, device, overwrite, quiet):
-    """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor."""
+def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, device, overwrite, quiet):
+    """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
+
+    A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
+    its hyperparameters.yaml names and writes a LitGPT checkpoint folder."""
     from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
 
     opts = MergeOptions(ratios=list(ratios), to=to, device=device, allow_unmatched=allow_unmatched,
-                        dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+                        dry_run=dry_run, overwrite=overwrite, quiet=quiet, format=fmt)
     try:
         path, report = run(base, list(loras), out, opts)
     except MergeError as e:

@@ -11,6 +11,9 @@ QUIET = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no
 OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace an existing output (never an input).")
 MAX_SHARD_SIZE = click.option("--max-shard-size",
                               help='Shard the output, e.g. "5GB" (5e9 bytes). Default: keep the input layout.')
+FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
+                      help="Output file format: safetensors, or torch (the zip torch.save writes, e.g. LitGPT's "
+                           "lit_model.pth). Default: from -o's suffix (.pth/.pt/.bin/.ckpt = torch), else safetensors.")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
 
 # dequant

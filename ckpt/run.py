@@ -16,7 +16,7 @@ import torch
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight
-from ckpt.io.plan import OutTensor, Plan
+from ckpt.io.plan import FORMATS, TORCH_SUFFIXES, OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.progress import progress_bar
 from ckpt.report import Report
@@ -53,6 +53,28 @@ def decoded_notes(ckpt, views) -> list[str]:
     return lines
 
 
+def output_format(fmt: str | None, out: str | Path | None, default: str = "safetensors") -> str:
+    """--format as given; else what -o's suffix says (`.pth`/`.pt`/`.bin`/`.ckpt` -> the torch zip,
+    `.safetensors` -> safetensors); else `default`."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+        if out and Path(out).suffix in TORCH_SUFFIXES + (".safetensors",):
+            implied = "torch" if Path(out).suffix in TORCH_SUFFIXES else "safetensors"
+            if implied != fmt:
+                raise CkptError(f"-o {out} names a {implied} file but --format is {fmt}")
+        return fmt
+    if out and Path(out).suffix in TORCH_SUFFIXES:
+        return "torch"
+    if out and Path(out).suffix == ".safetensors":
+        return "safetensors"
+    return default
+
+
+def file_ext(fmt: str) -> str:
+    return ".pth" if fmt == "torch" else ".safetensors"
+
+
 def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
     """-o as given, or the derived default. `-o existing_folder` for a one-file output puts the file
     in that folder under the default name; `-o missing/` (trailing slash) is an error, not a file."""
@@ -75,7 +97,8 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite)
     if dry_run:
         n_files = len(plan.files)
-        report.note(f"dry run: would write {n_files} safetensors file{'s' * (n_files != 1)}, "
+        kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
+        report.note(f"dry run: would write {n_files} {kinds} file{'s' * (n_files != 1)}, "
                     f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}")
         return out_path
     with progress_bar(plan.nbytes, desc, quiet) as bar:

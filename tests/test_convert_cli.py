@@ -266,3 +266,43 @@ def test_tiny_bands_give_the_same_bytes(tmp_path, monkeypatch, run_ckpt):
     for k, v in tensors.items():
         assert_bits_equal(got[k], v.to(torch.float16) if v.is_floating_point() else v, k)
     assert warning_count(err, "overflowed", "a") == overflow_count(tensors["a"], torch.float16)
+
+
+def test_torch_format_output_is_what_torch_save_writes(tmp_path, run_ckpt):
+    """-o x.pth writes torch's own zip format (streamed): torch.load gives torch's casts, and the bytes
+    are those torch.save writes for the same dict (apart from its serialization id record)."""
+    import zipfile
+
+    torch.manual_seed(0)
+    sd = {"b.weight": torch.randn(64, 33), "a.bias": torch.randn(7).to(torch.bfloat16),
+          "steps": torch.tensor(5), "e": torch.randn(3).to(torch.float8_e4m3fn)}
+    save_file(sd, tmp_path / "m.safetensors")
+    code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "fp16", "-o", tmp_path / "m.pth", "-q")
+    assert code == 0, err
+    want = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in sd.items()}
+    for mmap in (False, True):  # mmap=False reads through miniz, which checks every CRC32
+        got = torch.load(tmp_path / "m.pth", weights_only=True, mmap=mmap)
+        assert set(got) == set(sd)  # in the input file's order (safetensors' own header order)
+        for k in want:
+            assert_bits_equal(got[k], want[k], k)
+    (tmp_path / "ref").mkdir()
+    torch.save({k: want[k] for k in got}, tmp_path / "ref" / "m.pth")
+    mine, ref = zipfile.ZipFile(tmp_path / "m.pth"), zipfile.ZipFile(tmp_path / "ref" / "m.pth")
+    same = [(i.filename, i.header_offset, i.file_size, i.CRC) for i in mine.infolist() if "serialization_id" not in i.filename]
+    assert same == [(i.filename, i.header_offset, i.file_size, i.CRC) for i in ref.infolist()
+                    if "serialization_id" not in i.filename]
+
+    # --format torch with the default name; a folder with --format torch keeps pickle names
+    code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "--format", "torch", "-q")
+    assert code == 0 and (tmp_path / "m-bf16.pth").is_file(), err
+    code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "--format", "safetensors",
+                              "-o", tmp_path / "x.pth")
+    assert code == 2 and "names a torch file but --format is safetensors" in err
+
+
+def test_torch_format_refuses_sharding(tmp_path, run_ckpt):
+    save_file({"a": torch.randn(4, 4), "b": torch.randn(4, 4)}, tmp_path / "m.safetensors")
+    code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "fp16", "--format", "torch",
+                              "--max-shard-size", "100", "-o", tmp_path / "out")
+    assert code == 2 and "unsharded checkpoints only" in err
+    assert not (tmp_path / "out").exists()

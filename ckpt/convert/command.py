@@ -15,7 +15,7 @@ from ckpt.io.layout import plan_checkpoint
 from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, output_path, write
+from ckpt.run import cast_outputs, decoded_notes, file_ext, output_format, output_path, write
 
 
 @dataclass
@@ -29,9 +29,10 @@ class ConvertOptions:
     overwrite: bool = False
     quiet: bool = False
     dry_run: bool = False
+    format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else safetensors
 
 
-def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool) -> Path:
+def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: str = ".safetensors") -> Path:
     """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
     `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
     folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
@@ -56,7 +57,7 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool) -> Path
         base = base.resolve()
     if folder:
         return base.parent / f"{base.name}-{suffix}"
-    return base.parent / f"{base.name}-{suffix}.safetensors"
+    return base.parent / f"{base.name}-{suffix}{ext}"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +69,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def plan_convert(ckpt, opts: ConvertOptions, report: Report):
+def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
     if opts.to not in TARGETS:
         raise CkptError(f"--to {opts.to}: unknown dtype (choose {', '.join(TARGETS)})")
     target = TARGETS[opts.to]
@@ -88,7 +89,7 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report):
 
     shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
     op = f"convert --to {opts.to}" + (" --scaled" if opts.scaled else "")
-    plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size,
+    plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size, file_format=file_format,
                            output_dtype=lambda c: target if target in (torch.float16, torch.bfloat16, torch.float32) else None)
     plan.notes += decoded_notes(ckpt, views)
     return plan, views
@@ -98,10 +99,11 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
     """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written)."""
     report = report or Report()
     device = resolve_device(opts.device)
+    fmt = output_format(opts.format, out)
     with open_checkpoint(src) as ckpt:
-        plan, _ = plan_convert(ckpt, opts, report)
+        plan, _ = plan_convert(ckpt, opts, report, fmt)
         suffix = opts.to + ("-scaled" if opts.scaled else "")
-        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file)
+        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=file_ext(fmt))
         out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report,
                          desc=f"convert -> {short_name(TARGETS[opts.to])}", device=device,
                          overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)

@@ -15,7 +15,8 @@ import torch
 from ckpt import __version__
 from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES
 from ckpt.io.checkpoint import Checkpoint, Component
-from ckpt.io.plan import OutFile, OutTensor, Plan, safetensors_name, shard
+from ckpt.errors import CkptError
+from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, safetensors_name, shard
 
 QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
 
@@ -35,11 +36,22 @@ def _index_name(index_name: str) -> str:
 
 
 def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable[[str], dict],
-                   max_shard_size: int | None, single_file: bool) -> tuple[list[OutFile], dict[str, dict]]:
+                   max_shard_size: int | None, single_file: bool,
+                   file_format: str = "safetensors") -> tuple[list[OutFile], dict[str, dict]]:
     """Output files (relative to the component folder) and index files for one component."""
     prefix = f"{comp.subdir}/" if comp.subdir else ""
     if single_file:
-        return [OutFile("", metadata_of(comp.files[0].relpath), outs)], {}
+        return [OutFile("", metadata_of(comp.files[0].relpath), outs, file_format)], {}
+    if file_format == "torch":
+        if max_shard_size is not None or comp.sharded:
+            raise CkptError(f"{comp.where}: torch-format output is written for unsharded checkpoints only "
+                            "(use --format safetensors to shard)")
+        by_file: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
+        for t in outs:
+            by_file[t.source.home or comp.files[0].relpath].append(t)
+        return [OutFile(prefix + output_name(rel, "torch"), {}, ts, "torch",
+                        archive=PurePosixPath(output_name(rel, "torch")).stem)
+                for rel, ts in by_file.items() if ts], {}
     if max_shard_size is not None:
         stem = _stem(comp.files[0].relpath)
         files, index = shard(outs, max_shard_size, stem)
@@ -62,7 +74,7 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
 
 
 def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list[OutTensor]], *,
-                    operation: str, max_shard_size: int | None = None,
+                    operation: str, max_shard_size: int | None = None, file_format: str = "safetensors",
                     output_dtype: Callable[[Component], torch.dtype | None] = lambda c: None) -> Plan:
     """`views[i]` is the logical view of `ckpt.components[i]`."""
     single = ckpt.kind == "file" and max_shard_size is None
@@ -77,7 +89,7 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
             meta.update(provenance(operation))
             return meta
 
-        files, indexes = plan_component(comp, outs, metadata_of, max_shard_size, single)
+        files, indexes = plan_component(comp, outs, metadata_of, max_shard_size, single, file_format)
         plan.files += files
         plan.indexes.update(indexes)
         plan.notes += view.notes

@@ -21,7 +21,7 @@ import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.buffers import Buffers
-from ckpt.io.plan import OutTensor, Plan
+from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.writer import SafetensorsWriter
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
@@ -49,6 +49,7 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
 def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False) -> int:
     """Every check `execute` makes before writing (also what --dry-run runs); returns bytes needed."""
     out = Path(out)
+    name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
     check_target(out, inputs, overwrite, plan.single_file)
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
@@ -114,8 +115,18 @@ def _copy_sidecar(src: Path, dst: Path, edit) -> None:
     shutil.copyfile(src, dst)
 
 
+def _open_writer(path: Path, f):
+    """The writer of the file's format; both take the whole plan up front and then bands in order."""
+    entries = [t.entry for t in f.tensors]
+    if f.format == "torch":
+        from ckpt.io.torchzip import TorchZipWriter
+
+        return TorchZipWriter(path, entries, f.archive)
+    return SafetensorsWriter(path, entries, f.metadata)
+
+
 def _write_file(path: Path, f, device, progress) -> None:
-    w = SafetensorsWriter(path, [t.entry for t in f.tensors], f.metadata)
+    w = _open_writer(path, f)
     writer = _BandWriter(w)
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
@@ -136,7 +147,7 @@ class _BandWriter:
     (measured: the write is the largest share of a conversion's time). At most one write is in flight;
     bands alternate between two buffer sets, so a set is reused only after its write finished."""
 
-    def __init__(self, w: SafetensorsWriter):
+    def __init__(self, w):
         self.w = w
         self.sets = (Buffers(), Buffers())
         self.turn = 0

@@ -32,15 +32,28 @@ class OutTensor:
         return Entry(self.name, self.dtype, self.shape)
 
 
+FORMATS = ("safetensors", "torch")  # torch: the zip `torch.save` writes (ckpt.io.torchzip)
+TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+
+
 @dataclass
 class OutFile:
     relpath: str  # relative to the output root ("" when the output is a single file)
-    metadata: dict[str, str]
+    metadata: dict[str, str]  # safetensors only: a torch zip has no place for it
     tensors: list[OutTensor]
+    format: str = "safetensors"
+    # torch.save names the zip's top folder after the file's stem; set from the final name
+    # (`name_single_file`) when the output is one file.
+    archive: str = "archive"
 
     @property
     def nbytes(self) -> int:
-        return file_size([t.entry for t in self.tensors], self.metadata)
+        entries = [t.entry for t in self.tensors]
+        if self.format == "torch":
+            from ckpt.io.torchzip import file_size as zip_size
+
+            return zip_size(entries, self.archive)
+        return file_size(entries, self.metadata)
 
 
 @dataclass
@@ -89,6 +102,26 @@ def shard(tensors: list[OutTensor], max_shard_size: int, stem: str = "model") ->
     if not split.is_sharded:
         return files, None
     return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+
+
+def name_single_file(plan: Plan, out) -> None:
+    """A one-file output learns its final name only when OUT is known: the torch zip records it."""
+    from pathlib import PurePath
+
+    if plan.single_file and plan.files:
+        plan.files[0].archive = PurePath(out).stem or "archive"
+
+
+def output_name(relpath: str, file_format: str) -> str:
+    """The output file name of a stored weight file in the chosen format."""
+    if file_format == "torch":
+        return torch_name(relpath)
+    return safetensors_name(relpath)
+
+
+def torch_name(relpath: str) -> str:
+    """Pickles keep their name (`lit_model.pth` stays `lit_model.pth`); safetensors files get `.pth`."""
+    return re.sub(r"\.safetensors$", ".pth", relpath)
 
 
 def safetensors_name(relpath: str) -> str:
