@@ -5,8 +5,12 @@ PY ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# The LitGPT oracle tests need litgpt, whose huggingface-hub pin conflicts with the main test stack:
+# they run in a venv of their own.
+LIT_VENV ?= .venv-litgpt
+LIT_BIN := $(LIT_VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-litgpt demo test bench clean
 
 $(BIN)/ckpt: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,14 +20,23 @@ $(BIN)/ckpt: pyproject.toml
 
 setup: $(BIN)/ckpt
 
+$(LIT_BIN)/litgpt: pyproject.toml
+	$(PY) -m venv $(LIT_VENV)
+	$(LIT_BIN)/pip install -q "$(TORCH_SPEC)"
+	$(LIT_BIN)/pip install -q -e ".[litgpt-test]"
+	touch $(LIT_BIN)/litgpt
+
+setup-litgpt: $(LIT_BIN)/litgpt
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-test: setup
-	$(BIN)/python -m pytest
+test: setup setup-litgpt
+	$(BIN)/python -m pytest --ignore=tests/litgpt
+	$(LIT_BIN)/python -m pytest tests/litgpt
 
 bench: setup
 	$(BIN)/python scripts/bench_convert.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LIT_VENV) build *.egg-info

@@ -24,6 +24,9 @@ from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
 
 SAFETENSORS = (".safetensors",)
 PICKLES = (".ckpt", ".pt", ".pth", ".bin")
+# LitGPT's LoRA-only state dict (`lit_model.pth.lora`, a torch zip): read when named, never picked
+# from a folder as the model's weights.
+LITGPT_LORA = ".pth.lora"
 # Files that are never weights even though they end like a pickle.
 NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|training_args)[^/]*$")
 
@@ -204,7 +207,7 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
         for name, info in h.tensors.items():
             tensors[name] = RawTensor(info, handles, relpath)
         return WeightFile(relpath, path, "safetensors", h.metadata, list(h.tensors))
-    if path.suffix in PICKLES:
+    if path.suffix in PICKLES or path.name.endswith(LITGPT_LORA):
         sd, note = load_pickle_state_dict(path)
         if note:
             notes.append(note)

@@ -128,3 +128,19 @@ class ComputedTensor(Tensor):
 
     def read(self, start, stop, device, scratch=None):
         return self.value_fn().to(device)
+
+
+class RowSlice(Tensor):
+    """Rows [start, stop) of another tensor, read on demand (a piece of a fused weight or factor:
+    LitGPT stores its q/k/v LoRA factors stacked in one `lora_A` / `lora_B`)."""
+
+    def __init__(self, base: Tensor, start: int, stop: int, name: str | None = None):
+        if not base.shape or not 0 <= start <= stop <= base.rows:
+            raise ValueError(f"{base.name}: rows {start}:{stop} outside {list(base.shape)}")
+        self.base, self.start = base, start
+        self.name, self.dtype, self.home = name or f"{base.name}[{start}:{stop}]", base.dtype, base.home
+        self.shape = (stop - start, *base.shape[1:])
+        self.row_align = base.row_align
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(self.start + start, self.start + stop, device, scratch)

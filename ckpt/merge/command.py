@@ -10,7 +10,7 @@ ambiguous keys, shapes that do not fit) is found while planning, before any outp
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, output_path, write
+from ckpt.run import cast_outputs, decoded_notes, file_ext, output_format, output_path, write
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
@@ -41,6 +41,7 @@ class MergeOptions:
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
+    format: str | None = None  # "safetensors" | "torch"; None: from -o, else torch for LitGPT, else safetensors
 
 
 @dataclass
@@ -71,9 +72,13 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                report: MergeReport | None = None) -> tuple[Path, MergeReport]:
     """Merge LORAS (in order) into BASE; returns (output path, report). Raises CkptError on bad input
     (nothing written)."""
+    from ckpt.merge import litgpt
+
     report = report or MergeReport()
+    base, loras, finetune_dir = litgpt.finetune_inputs(base, list(loras))
     if not loras:
-        raise CkptError("merge-lora: give at least one LoRA")
+        raise CkptError("merge-lora: give at least one LoRA (or a LitGPT finetune folder holding "
+                        f"{litgpt.LORA_FILE})")
     ratios = list(opts.ratios) or [1.0] * len(loras)
     if len(ratios) != len(loras):
         raise CkptError(f"--ratio given {len(ratios)} times for {len(loras)} LoRAs (give one per LoRA, in order)")
@@ -82,20 +87,29 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(open_checkpoint(base))
+        base_dir = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         files: list[LoraFile] = []
         for spec in loras:
-            f = load_lora(spec)
+            f = load_lora(spec, base_dir)
             stack.callback(f.close)
             files.append(f)
-        plan = _plan(ckpt, files, ratios, opts, report)
-        derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file)
+        lit = [f for f in files if f.litgpt is not None]
+        fmt = output_format(opts.format, out, "torch" if lit else "safetensors")
+        plan = _plan(ckpt, files, ratios, opts, report, fmt, default_dtype=lit[0].dtype if lit else None)
+        if finetune_dir is not None:  # a LitGPT checkpoint folder: weights + the finetune folder's files
+            litgpt.as_folder(plan, "lit_model" + file_ext(fmt), litgpt.sidecars(finetune_dir, base_dir))
+            derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
+        else:
+            derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file, ext=file_ext(fmt))
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report
 
 
-def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport):
+def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport,
+          file_format: str = "safetensors", default_dtype: torch.dtype | None = None):
+    """`default_dtype`: every floating tensor's dtype without --to (LitGPT: the LoRA's, as litgpt writes)."""
     views = [logical_view(c) for c in ckpt.components]
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
@@ -115,6 +129,11 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         raise MergeError("no LoRA module matched the base; nothing to merge", report)
 
     target = TARGETS[opts.to] if opts.to else None
+    lit_note = None
+    if target is None and default_dtype is not None and is_float(default_dtype):
+        target = default_dtype
+        lit_note = (f"written in {short_name(default_dtype)}, the LitGPT LoRA's dtype, as litgpt merge_lora "
+                    "does (pass --to to choose)")
     fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
                    for v in views for t in v.tensors.values())
     def out_dtype(t) -> torch.dtype:
@@ -128,8 +147,10 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     names = [Path(f.spec).name for f in files]
     op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
     cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
-    plan = plan_checkpoint(ckpt, views, make, operation=op, output_dtype=lambda c: cfg_dtype)
+    plan = plan_checkpoint(ckpt, views, make, operation=op, file_format=file_format, output_dtype=lambda c: cfg_dtype)
     plan.notes += decoded_notes(ckpt, views)
+    if lit_note:
+        plan.notes.append(lit_note)
     if fp8_seen and target is None:
         plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
     return plan
@@ -150,6 +171,8 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
             continue
         comp, targets = hit
         view = views[comp]
+        if m.rows is not None:
+            targets = [_narrow(t, m, view.tensors, f) for t in targets]
         adapter = _fit(m, targets, view.tensors, f)
         for target in targets:
             offset = target.part[0] if target.part else 0
@@ -175,6 +198,16 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
         shown = ", ".join(unmatched[:SHOW_UNMATCHED]) + (f", ... ({len(unmatched) - SHOW_UNMATCHED} more)"
                                                         if len(unmatched) > SHOW_UNMATCHED else "")
         report.summary.append(f"{f.spec}: {len(unmatched)} unmatched LoRA keys: {shown}")
+
+
+def _narrow(target, m, tensors, f):
+    """The target of a module that owns only some rows of a fused base weight (LitGPT q/k/v pieces)."""
+    start, stop, total = m.rows
+    shape = tuple(tensors[target.key].shape)
+    if target.rows is not None or target.transform is not None or not shape or shape[0] != total:
+        raise CkptError(f"{f.spec}: module {m.name!r} changes rows {start}:{stop} of a fused weight of {total} "
+                        f"rows, but base tensor {target.key!r} is {list(shape)}")
+    return replace(target, rows=(start, stop))
 
 
 def _add(patches, bases, t, patch):

@@ -112,6 +112,9 @@ class LoraModule:
     config_alpha: float | None = None
     rslora: bool = False
     fan_in_fan_out: bool = False
+    # (start, stop, total): the module changes rows [start, stop) of a fused base weight of `total` rows
+    # (one of LitGPT's q/k/v pieces of `attn.qkv`); None: the whole target.
+    rows: tuple[int, int, int] | None = None
 
     def alpha(self) -> float | None:
         if "alpha" in self.parts and self.parts["alpha"].numel:
@@ -126,19 +129,26 @@ class LoraFile:
     modules: dict[str, LoraModule]
     unknown: list[str]  # stored keys that are no adapter part
     ckpt: Checkpoint
+    litgpt: object | None = None  # ckpt.merge.litgpt.LitSettings for a LitGPT LoRA
+    dtype: torch.dtype | None = None  # the dtype its own merge tool writes (LitGPT: the LoRA's)
 
     @property
     def inputs(self) -> list[Path]:
-        return self.ckpt.inputs
+        return self.ckpt.inputs + (list(self.litgpt.files) if self.litgpt is not None else [])
 
     def close(self):
         self.ckpt.close()
 
 
-def load_lora(spec: str) -> LoraFile:
+def load_lora(spec: str, base_hint: Path | None = None) -> LoraFile:
+    """`base_hint`: the base model's folder, where a LitGPT LoRA may find its model_config.yaml."""
+    from ckpt.merge import litgpt
+
     path = Path(spec).expanduser()
     if not path.exists():
         raise CkptError(f"{spec}: no such LoRA file or folder")
+    if litgpt.is_lora(path):
+        return litgpt.load(spec, base_hint)
     settings_by_prefix: dict[str, PeftSettings] = {}
     peft_folder = False
     if path.is_dir():
