@@ -20,6 +20,7 @@ from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
+from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
@@ -72,8 +73,6 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                report: MergeReport | None = None) -> tuple[Path, MergeReport]:
     """Merge LORAS (in order) into BASE; returns (output path, report). Raises CkptError on bad input
     (nothing written)."""
-    from ckpt.merge import litgpt
-
     report = report or MergeReport()
     base, loras, finetune_dir = litgpt.finetune_inputs(base, list(loras))
     if not loras:
@@ -111,6 +110,8 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
           file_format: str = "safetensors", default_dtype: torch.dtype | None = None):
     """`default_dtype`: every floating tensor's dtype without --to (LitGPT: the LoRA's, as litgpt writes)."""
     views = [logical_view(c) for c in ckpt.components]
+    lit = next((f.litgpt for f in files if f.litgpt is not None), None)
+    lit_notes = litgpt.current_layout(views, lit) if lit is not None else []
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
     where = [c.subdir for c in ckpt.components]
@@ -148,7 +149,7 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
     cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
     plan = plan_checkpoint(ckpt, views, make, operation=op, file_format=file_format, output_dtype=lambda c: cfg_dtype)
-    plan.notes += decoded_notes(ckpt, views)
+    plan.notes += decoded_notes(ckpt, views) + lit_notes
     if lit_note:
         plan.notes.append(lit_note)
     if fp8_seen and target is None:

@@ -13,8 +13,10 @@ What the files mean (litgpt 0.5, `litgpt/lora.py`):
   enabled projection (lora_query/key/value): `lora_A` holds r rows per enabled projection, `lora_B` the
   enabled projections' rows; the delta of projection i is `lora_B_i @ lora_A_i`, and a disabled
   projection gets none. Each piece is merged here as a plain LoRA on its own rows of `qkv.weight`.
-- Older LitGPT named the fused weight `attn.attn` (its rows interleaved per query group); LoRA files with
-  those names are refused by name (their layout is not this one).
+- Older LitGPT named the fused weight `attn.attn`, its rows interleaved per query group (for each group:
+  its q heads, one k head, one v head). litgpt 0.5 reorders such a base when loading it
+  (`qkv_reassemble`); a merge here does the same, reading the rows in the new order on demand, and writes
+  `attn.qkv`. LoRA files with `attn.attn` names are refused by name (their deltas are in the old layout).
 - `litgpt merge_lora` writes every tensor in the LoRA's dtype; `ckpt` does the same unless --to says.
 """
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import NOT_WEIGHTS, open_checkpoint
-from ckpt.io.tensors import RowSlice
+from ckpt.io.tensors import RowSlice, Tensor
 
 LORA_FILE = "lit_model.pth.lora"
 MODEL_FILE = "lit_model.pth"
@@ -210,6 +214,57 @@ def _qkv_pieces(name, A, B, s: LitSettings, path):
         out.append((label, (parts, (a, b, total))))
         b0 += b - a
     return out
+
+
+class GroupedQKV(Tensor):
+    """An older `attn.attn` weight or bias read as `attn.qkv`: rows reordered from per-group interleaved
+    [q_g, k_g, v_g]... to [all q, all k, all v] (litgpt's qkv_reassemble), one contiguous run at a time."""
+
+    def __init__(self, base: Tensor, name: str, s: LitSettings):
+        q_per_kv, hs = s.n_head // s.n_query_groups, s.head_size
+        block = (q_per_kv + 2) * hs
+        if s.n_head % s.n_query_groups or not base.shape or base.shape[0] != s.n_query_groups * block:
+            raise CkptError(f"{base.name}: {list(base.shape)} does not fit n_head={s.n_head}, "
+                            f"n_query_groups={s.n_query_groups}, head_size={s.head_size}")
+        self.base, self.name, self.dtype, self.shape, self.home = base, name, base.dtype, tuple(base.shape), base.home
+        self.runs = []  # (first output row, first source row, rows) in output order
+        out = 0
+        for offset, length in ((0, q_per_kv * hs), (q_per_kv * hs, hs), ((q_per_kv + 1) * hs, hs)):
+            for g in range(s.n_query_groups):
+                self.runs.append((out, g * block + offset, length))
+                out += length
+
+    @property
+    def natural_dtype(self):
+        return self.base.natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        pieces = []
+        for out, src, n in self.runs:
+            a, b = max(start, out), min(stop, out + n)
+            if a < b:
+                pieces.append(self.base.read(src + a - out, src + b - out, device))
+        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+
+def current_layout(views, s: LitSettings) -> list[str]:
+    """Rename and reorder older `attn.attn` fused weights in the base's views to `attn.qkv`, as litgpt
+    loads them. Returns a note when something changed."""
+    n = 0
+    for view in views:
+        if not any(LEGACY_QKV in k for k in view.tensors):
+            continue
+        renamed = {}
+        for k, t in view.tensors.items():
+            if LEGACY_QKV in k and k.endswith((".attn.attn.weight", ".attn.attn.bias")):
+                new = k.replace(".attn.attn.", ".attn.qkv.")
+                renamed[new] = GroupedQKV(t, new, s)
+                n += 1
+            else:
+                renamed[k] = t
+        view.tensors.clear()
+        view.tensors.update(renamed)
+    return [f"{n} older LitGPT attn.attn tensors written as attn.qkv (rows regrouped as litgpt loads them)"] if n else []
 
 
 def sidecars(finetune_dir: Path, base_dir: Path | None) -> list[tuple[Path, str]]:

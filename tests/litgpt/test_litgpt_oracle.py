@@ -170,3 +170,35 @@ def test_convert_writes_lit_model_pth_litgpt_loads(tmp_path, run_ckpt):
     for k, t in model.state_dict().items():
         if k in stored:
             assert torch.equal(t, stored[k].to(torch.bfloat16)), k
+
+
+def interleave(qkv: torch.Tensor, cfg) -> torch.Tensor:
+    """Older LitGPT's `attn.attn` layout of a `attn.qkv` tensor: per query group, its q heads, k, v."""
+    q_per_kv, hs = cfg.n_head // cfg.n_query_groups, cfg.head_size
+    q, k, v = qkv.split([cfg.n_head * hs, cfg.n_query_groups * hs, cfg.n_query_groups * hs])
+    groups = [torch.cat([q[g * q_per_kv * hs:(g + 1) * q_per_kv * hs], k[g * hs:(g + 1) * hs], v[g * hs:(g + 1) * hs]])
+              for g in range(cfg.n_query_groups)]
+    return torch.cat(groups)
+
+
+@pytest.mark.parametrize("case", ["gqa-llama", "mha-neox"])
+def test_older_attn_attn_base_merges_as_litgpt_loads_it(tmp_path, run_ckpt, case):
+    base, ft, cfg, _ = make_finetune(tmp_path, case)
+    stored = torch.load(base / "lit_model.pth", weights_only=True)
+    legacy = {(k.replace(".attn.qkv.", ".attn.attn.") if ".attn.qkv." in k else k):
+              (interleave(t, cfg) if ".attn.qkv." in k else t) for k, t in stored.items()}
+    check = GPT(cfg)  # litgpt's own loader regroups the old layout: our interleave is its inverse
+    check.load_state_dict(legacy)
+    assert all(torch.equal(check.state_dict()[k], t) for k, t in stored.items())
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save(legacy, old / "lit_model.pth")
+
+    code, out, err = run_ckpt("merge-lora", old / "lit_model.pth", ft, "-o", tmp_path / "m.pth")
+    assert code == 0, err
+    assert "attn.attn tensors written as attn.qkv" in err
+    got = torch.load(tmp_path / "m.pth", weights_only=True)
+    ref = litgpt_reference(base, ft, tmp_path)
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], **TOL32, msg=k)
