@@ -63,3 +63,15 @@ def test_a_base_that_does_not_fit_the_config_is_refused(tmp_path, run_ckpt):
     base, ft = write_litgpt(tmp_path, qkv_lora(), base_keys={"transformer.h.0.attn.qkv.weight": torch.randn(20, 8)})
     code, out, err = run_ckpt("merge-lora", ft)
     assert code == 2 and "fused weight of 16 rows" in err and "[20, 8]" in err
+
+
+def test_inspect_names_litgpt_files(tmp_path, run_ckpt):
+    import json
+
+    base, ft = write_litgpt(tmp_path, qkv_lora())
+    code, out, err = run_ckpt("inspect", ft / "lit_model.pth.lora", "--json")
+    comp = json.loads(out)["components"][0]
+    assert code == 0 and comp["kind"] == "lora" and comp["lora"]["types"] == ["LitGPT LoRA"]
+    assert comp["family"] == "LoRA for LitGPT GPT"
+    code, out, err = run_ckpt("inspect", base / "lit_model.pth", "--json")
+    assert json.loads(out)["components"][0]["family"] == "LitGPT GPT"

@@ -43,6 +43,7 @@ LORA_KINDS: list[tuple[str, re.Pattern]] = [
     ("XLabs Flux LoRA", re.compile(r"^(.*\.processor\.\w*?_lora\d?)\.(down|up)\.weight$")),
     ("kohya LoRA/LoCon", re.compile(r"^(.*?)[._]lora_(down|up|mid)\.weight$")),
     ("PEFT/diffusers LoRA", re.compile(r"^(.*?)\.lora_(A|B)(\.[\w-]+)?\.(weight|bias)$")),
+    ("LitGPT LoRA", re.compile(r"^(.*?)\.lora_(A|B)$")),  # lit_model.pth.lora
     ("LyCORIS LoHa", re.compile(r"^(.*?)\.hada_(w1_a|w1_b|w2_a|w2_b|t1|t2)$")),
     ("LyCORIS LoKr", re.compile(r"^(.*?)\.lokr_(w1|w1_a|w1_b|w2|w2_a|w2_b|t2)$")),
     ("DoRA", re.compile(r"^(.*?)\.(dora_scale|lora_magnitude_vector(\.[\w-]+)?)(\.weight)?$")),
@@ -98,7 +99,8 @@ def lora_modules(names, shapes: dict) -> tuple[dict[str, set[str]], dict[str, tu
                 kinds.setdefault(kind, set()).add(m.group(1))
                 break
     for kind, down_up in (("kohya LoRA/LoCon", (".lora_down.weight", ".lora_up.weight")),
-                          ("PEFT/diffusers LoRA", (".lora_A.weight", ".lora_B.weight"))):
+                          ("PEFT/diffusers LoRA", (".lora_A.weight", ".lora_B.weight")),
+                          ("LitGPT LoRA", (".lora_A", ".lora_B"))):
         for mod in kinds.get(kind, ()):
             down, up = shapes.get(mod + down_up[0]), shapes.get(mod + down_up[1])
             if down:
@@ -195,6 +197,8 @@ RULES = [
      [_at(r"(text_model_.)?encoder_.layers_.\d+_.(self_attn|mlp_.fc[12]|layer_norm[12])")]),
     (lambda k, s: _clip(k, s, hf=False), [_at(r"transformer_.resblocks_.\d+_.")]),
     (lambda k, s: "T5 encoder", [_at(r"encoder_.block_.\d+_.layer_.\d+_.")]),
+    (lambda k, s: "LitGPT GPT" + (" (older attn.attn names)" if _has(k, _at(r"attn_.attn")) else ""),
+     [_at(r"h_.\d+_.(attn_.(qkv|attn)|mlp_.(fc|fc_1|fc_2|proj))")]),  # "transformer." may be stripped
     (lambda k, s: "HF causal LM (Llama-style decoder)",
      [_at(r"layers_.\d+_.(self_attn|mlp)_.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")]),
 ]

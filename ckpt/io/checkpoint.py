@@ -208,12 +208,12 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
             tensors[name] = RawTensor(info, handles, relpath)
         return WeightFile(relpath, path, "safetensors", h.metadata, list(h.tensors))
     if path.suffix in PICKLES or path.name.endswith(LITGPT_LORA):
-        sd, note = load_pickle_state_dict(path)
+        sd, note, mapped = load_pickle_state_dict(path)
         if note:
             notes.append(note)
         _no_duplicates(path, sd, tensors)
         for name, value in sd.items():
-            tensors[name] = PickleTensor(name, value, relpath)
+            tensors[name] = PickleTensor(name, value, relpath, mapped)
         return WeightFile(relpath, path, "pickle", {"format": "pt"}, list(sd))
     raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors or a torch pickle)")
 

@@ -19,8 +19,9 @@ from ckpt.errors import file_error
 NESTED = ("state_dict", "model", "module", "model_state_dict")
 
 
-def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:
-    """Returns (flat name -> tensor, a note on what was left out or None)."""
+def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | None, bool]:
+    """Returns (flat name -> tensor, a note on what was left out or None, whether the tensors are
+    memory-mapped from the file: the zip format is, legacy pickles are in memory)."""
     zipped = zipfile.is_zipfile(path)
     obj = _load(path, zipped)
     note = None if zipped else (f"{path.name}: legacy (non-zip) torch pickle, read into memory whole "
@@ -47,7 +48,7 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
     meta = [k for k, v in tensors.items() if v.is_meta]
     if meta:
         raise file_error(path, f"{len(meta)} tensors have no data (meta device): {', '.join(meta[:8])}")
-    return tensors, note
+    return tensors, note, zipped
 
 
 def _load(path: Path, zipped: bool | None = None):
