@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt.io.writer import Entry, _pwrite_all
+from ckpt.io.writer import Entry, RegionWriter, _pwrite_all
 
 ALIGN = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # miniz: a size or offset >= this gets zip64 fields (tests lower it to exercise them)
@@ -160,18 +160,13 @@ def file_size(entries: list[Entry], archive_name: str = "archive") -> int:
     return layout(entries, archive_name).size
 
 
-class TorchZipWriter:
+class TorchZipWriter(RegionWriter):
     def __init__(self, path, entries: list[Entry], archive_name: str):
-        names = [e.name for e in entries]
-        if len(set(names)) != len(names):
-            raise ValueError("duplicate tensor names in plan")
-        self.path = path
         self.layout = lay = layout(entries, archive_name)
-        self.regions = lay.regions
+        self._open(path, entries, lay.regions)
+        names = [e.name for e in entries]
         self.records = dict(zip(names, lay.records[4:]))
-        self.written = {n: 0 for n in names}
         self.crc = {n: 0 for n in names}
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             for r in lay.records:
                 tail = b"" if r.data is None else r.data + r.descriptor(zlib.crc32(r.data))
@@ -182,23 +177,13 @@ class TorchZipWriter:
             self.abort()
             raise
 
-    def write(self, name: str, data: torch.Tensor) -> None:
-        """Append `data` (CPU, contiguous) to tensor `name`; its CRC32 is kept running."""
-        start, end = self.regions[name]
-        b = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-        pos = start + self.written[name]
-        if pos + len(b) > end:
-            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        _pwrite_all(self.fd, memoryview(b), pos)
+    def _wrote(self, name: str, b) -> None:
         self.crc[name] = zlib.crc32(b, self.crc[name])
-        self.written[name] += len(b)
 
     def close(self) -> None:
         """Write what depends on data: descriptors, serialization id, central directory; then fsync."""
-        short = [n for n, w in self.written.items() if w != self.regions[n][1] - self.regions[n][0]]
         try:
-            if short:
-                raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
+            self._check_full()
             lay, crcs = self.layout, {}
             for r in lay.records[:-1]:
                 crcs[r.name] = zlib.crc32(r.data) if r.data is not None else 0
@@ -225,8 +210,3 @@ class TorchZipWriter:
             os.fsync(self.fd)
         finally:
             self.abort()
-
-    def abort(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1

@@ -70,22 +70,17 @@ def _pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
         mv, pos = mv[n:], pos + n
 
 
-class SafetensorsWriter:
-    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None):
+class RegionWriter:
+    """What both file writers share: each tensor has a region planned up front; bands are appended to it
+    in order with pwrite (so tensors may come in any order) and every region must end up full."""
+
+    def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]]) -> None:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             raise ValueError("duplicate tensor names in plan")
-        self.path = path
-        head, self.regions = layout(entries, metadata)
-        self.written = {e.name: 0 for e in entries}
+        self.path, self.regions = path, regions
+        self.written = {n: 0 for n in names}
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            _pwrite_all(self.fd, memoryview(head), 0)
-            # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.
-            os.ftruncate(self.fd, len(head) + sum(e.nbytes for e in entries))
-        except BaseException:
-            self.abort()
-            raise
 
     def write(self, name: str, data: torch.Tensor) -> None:
         """Append `data` (CPU, contiguous) to tensor `name`'s region."""
@@ -95,19 +90,38 @@ class SafetensorsWriter:
         if pos + len(b) > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
         _pwrite_all(self.fd, memoryview(b), pos)
+        self._wrote(name, b)
         self.written[name] += len(b)
 
-    def close(self) -> None:
+    def _wrote(self, name: str, b) -> None:
+        """Hook: a band of `name` is on disk (the torch zip keeps its CRC32 running)."""
+
+    def _check_full(self) -> None:
         short = [n for n, w in self.written.items() if w != self.regions[n][1] - self.regions[n][0]]
-        try:
-            if short:
-                raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-            self.fd = -1
+        if short:
+            raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
 
     def abort(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class SafetensorsWriter(RegionWriter):
+    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None):
+        head, regions = layout(entries, metadata)
+        self._open(path, entries, regions)
+        try:
+            _pwrite_all(self.fd, memoryview(head), 0)
+            # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.
+            os.ftruncate(self.fd, len(head) + sum(e.nbytes for e in entries))
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._check_full()
+            os.fsync(self.fd)
+        finally:
+            self.abort()
