@@ -127,10 +127,14 @@ class PickleTensor(Tensor):
 
 
 class _MappedBands:
-    """Releases (madvise MADV_DONTNEED) the previously read band of a memory-mapped pickle."""
+    """Releases (madvise MADV_DONTNEED) the previously read band of a memory-mapped pickle.
+
+    The previous band's tensor is kept referenced until then: that keeps its mapping alive, so the
+    address range released is still that file's pages and never memory reused by a later allocation
+    (where MADV_DONTNEED would zero live data)."""
 
     def __init__(self):
-        self.last: tuple[int, int] | None = None
+        self.last: torch.Tensor | None = None
         self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._madvise = None
         try:
@@ -143,12 +147,11 @@ class _MappedBands:
             pass
 
     def read(self, v: torch.Tensor) -> None:
-        if self.last is not None and self._madvise is not None:
-            a, b = self.last
+        last, self.last = self.last, (v if v.numel() else None)
+        if last is not None and self._madvise is not None:
+            a, b = last.data_ptr(), last.data_ptr() + last.numel() * last.element_size()
             a, b = a // self.page * self.page, -(-b // self.page) * self.page
             self._madvise(a, b - a, 4)  # MADV_DONTNEED
-        n = v.numel() * v.element_size()
-        self.last = (v.data_ptr(), v.data_ptr() + n) if n else None
 
 
 _MAPPED = _MappedBands()
