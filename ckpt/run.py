@@ -16,7 +16,8 @@ import torch
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight
-from ckpt.io.plan import FORMATS, TORCH_SUFFIXES, OutTensor, Plan
+from ckpt.io.checkpoint import PICKLES
+from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.progress import progress_bar
 from ckpt.report import Report
@@ -56,19 +57,15 @@ def decoded_notes(ckpt, views) -> list[str]:
 def output_format(fmt: str | None, out: str | Path | None, default: str = "safetensors") -> str:
     """--format as given; else what -o's suffix says (`.pth`/`.pt`/`.bin`/`.ckpt` -> the torch zip,
     `.safetensors` -> safetensors); else `default`."""
-    if fmt is not None:
-        if fmt not in FORMATS:
-            raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
-        if out and Path(out).suffix in TORCH_SUFFIXES + (".safetensors",):
-            implied = "torch" if Path(out).suffix in TORCH_SUFFIXES else "safetensors"
-            if implied != fmt:
-                raise CkptError(f"-o {out} names a {implied} file but --format is {fmt}")
-        return fmt
-    if out and Path(out).suffix in TORCH_SUFFIXES:
-        return "torch"
-    if out and Path(out).suffix == ".safetensors":
-        return "safetensors"
-    return default
+    suffix = Path(out).suffix if out else ""
+    implied = "torch" if suffix in PICKLES else "safetensors" if suffix == ".safetensors" else None
+    if fmt is None:
+        return implied or default
+    if fmt not in FORMATS:
+        raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if implied is not None and implied != fmt:
+        raise CkptError(f"-o {out} names a {implied} file but --format is {fmt}")
+    return fmt
 
 
 def file_ext(fmt: str) -> str:

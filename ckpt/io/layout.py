@@ -42,16 +42,9 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
     prefix = f"{comp.subdir}/" if comp.subdir else ""
     if single_file:
         return [OutFile("", metadata_of(comp.files[0].relpath), outs, file_format)], {}
-    if file_format == "torch":
-        if max_shard_size is not None or comp.sharded:
-            raise CkptError(f"{comp.where}: torch-format output is written for unsharded checkpoints only "
-                            "(use --format safetensors to shard)")
-        by_file: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
-        for t in outs:
-            by_file[t.source.home or comp.files[0].relpath].append(t)
-        return [OutFile(prefix + output_name(rel, "torch"), {}, ts, "torch",
-                        archive=PurePosixPath(output_name(rel, "torch")).stem)
-                for rel, ts in by_file.items() if ts], {}
+    if file_format == "torch" and (max_shard_size is not None or comp.sharded):
+        raise CkptError(f"{comp.where}: torch-format output is written for unsharded checkpoints only "
+                        "(use --format safetensors to shard)")
     if max_shard_size is not None:
         stem = _stem(comp.files[0].relpath)
         files, index = shard(outs, max_shard_size, stem)
@@ -65,7 +58,8 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
     by_home: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
     for t in outs:
         by_home[t.source.home or comp.files[0].relpath].append(t)
-    out_files = [OutFile(prefix + safetensors_name(rel), metadata_of(rel), ts) for rel, ts in by_home.items() if ts]
+    out_files = [OutFile(prefix + output_name(rel, file_format), metadata_of(rel), ts, file_format,
+                         archive=PurePosixPath(output_name(rel, file_format)).stem) for rel, ts in by_home.items() if ts]
     if not comp.sharded:
         return out_files, {}
     weight_map = {t.name: PurePosixPath(f.relpath).name for f in out_files for t in f.tensors}

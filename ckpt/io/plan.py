@@ -33,7 +33,6 @@ class OutTensor:
 
 
 FORMATS = ("safetensors", "torch")  # torch: the zip `torch.save` writes (ckpt.io.torchzip)
-TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 
 
 @dataclass

@@ -92,9 +92,8 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             f = load_lora(spec, base_dir)
             stack.callback(f.close)
             files.append(f)
-        lit = [f for f in files if f.litgpt is not None]
-        fmt = output_format(opts.format, out, "torch" if lit else "safetensors")
-        plan = _plan(ckpt, files, ratios, opts, report, fmt, default_dtype=lit[0].dtype if lit else None)
+        fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
+        plan = _plan(ckpt, files, ratios, opts, report, fmt)
         if finetune_dir is not None:  # a LitGPT checkpoint folder: weights + the finetune folder's files
             litgpt.as_folder(plan, "lit_model" + file_ext(fmt), litgpt.sidecars(finetune_dir, base_dir))
             derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
@@ -107,11 +106,13 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
 
 
 def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport,
-          file_format: str = "safetensors", default_dtype: torch.dtype | None = None):
-    """`default_dtype`: every floating tensor's dtype without --to (LitGPT: the LoRA's, as litgpt writes)."""
+          file_format: str = "safetensors"):
     views = [logical_view(c) for c in ckpt.components]
-    lit = next((f.litgpt for f in files if f.litgpt is not None), None)
-    lit_notes = litgpt.current_layout(views, lit) if lit is not None else []
+    # A LitGPT LoRA: older attn.attn bases read as attn.qkv, and without --to every floating tensor is
+    # written in the LoRA's dtype, as litgpt writes it.
+    lit = next((f for f in files if f.litgpt is not None), None)
+    lit_notes = litgpt.current_layout(views, lit.litgpt) if lit is not None else []
+    default_dtype = lit.dtype if lit is not None else None
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
     where = [c.subdir for c in ckpt.components]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ckpt.errors import CkptError, file_error
-from ckpt.io.checkpoint import NOT_WEIGHTS, open_checkpoint
+from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, open_checkpoint
 from ckpt.io.tensors import RowSlice, Tensor
 
 LORA_FILE = "lit_model.pth.lora"
@@ -62,7 +62,7 @@ class LitSettings:
 
 def is_lora(path: Path) -> bool:
     """A LitGPT LoRA file, or a finetune folder holding one."""
-    return path.name.endswith(LORA_FILE[len("lit_model"):]) or (path.is_dir() and (path / LORA_FILE).is_file())
+    return path.name.endswith(LITGPT_LORA) or (path.is_dir() and (path / LORA_FILE).is_file())
 
 
 def lora_path(path: Path) -> Path:
