@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight
@@ -28,8 +29,6 @@ def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype], *, c
     """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)`, rounded once by a
     Caster (which counts overflow and NaN/Inf); non-floating tensors pass through unchanged.
     `source_of(t)` may wrap the tensor first (merge-lora's MergedTensor)."""
-    from ckpt.convert.cast import Caster  # here, not at import: ckpt.convert imports this module
-
     casters: dict[torch.dtype, Caster] = {}
 
     def make(t: Tensor) -> list[OutTensor]:
@@ -70,6 +69,43 @@ def output_format(fmt: str | None, out: str | Path | None, default: str = "safet
 
 def file_ext(fmt: str) -> str:
     return ".pth" if fmt == "torch" else ".safetensors"
+
+
+def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: str = ".safetensors") -> Path:
+    """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
+    `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
+    folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
+    (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache."""
+    p = Path(src).expanduser()
+    if not p.exists():  # hub id: name it after the repo (and subfolder), write it here
+        from ckpt.io.hub import parse_repo_spec
+
+        repo, _, sub = parse_repo_spec(src)
+        if ckpt_path.is_file() and not ckpt_path.name.endswith(".index.json"):
+            name = ckpt_path.stem  # `owner/name/model.safetensors` -> ./model-fp16.safetensors
+        else:
+            name = "-".join([repo.split("/")[1]] + [s for s in (sub or "").split("/") if s])
+        base = Path.cwd() / name
+    elif p.is_file() and p.name.endswith(".index.json"):
+        base = p.parent
+    elif p.is_file():
+        base = p.parent / p.stem
+    else:
+        base = p
+    if not base.name or base.name == "..":  # "." or "..": name it after the real folder
+        base = base.resolve()
+    if folder:
+        return base.parent / f"{base.name}-{suffix}"
+    return base.parent / f"{base.name}-{suffix}{ext}"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CkptError("--device cuda: no CUDA device is available (this torch build: "
+                        f"{torch.__version__}); use --device cpu")
+    return torch.device(name)
 
 
 def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:

@@ -137,7 +137,7 @@ class ConvertOp(Operation):
         return item.is_folder or bool(self.params.get("max_shard_size"))
 
     def default_output(self, item: Found) -> Path:
-        from ckpt.convert.command import default_output
+        from ckpt.run import default_output
 
         return default_output(str(item.path), item.path, self.suffix, folder=self.output_is_folder(item))
 
@@ -189,7 +189,7 @@ class DequantOp(Operation):
         return item.is_folder or bool(self.params.get("max_shard_size"))
 
     def default_output(self, item: Found) -> Path:
-        from ckpt.convert.command import default_output
+        from ckpt.run import default_output
 
         suffix = "dequant" + (f"-{self.params['to']}" if self.params.get("to") else "")
         return default_output(str(item.path), item.path, suffix, folder=self.output_is_folder(item))
@@ -271,7 +271,7 @@ class MergeLoraOp(Operation):
     def default_output(self, item: Found) -> Path:
         role, _ = self.fixed
         if role == "lora":  # the single command's default: BASE-merged beside BASE
-            from ckpt.convert.command import default_output
+            from ckpt.run import default_output
 
             return default_output(str(item.path), item.path, "merged", folder=self.output_is_folder(item))
         return item.path.parent / self._pair_name(item)

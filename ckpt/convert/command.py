@@ -15,7 +15,8 @@ from ckpt.io.layout import plan_checkpoint
 from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, file_ext, output_format, output_path, write
+from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
+                     resolve_device, write)
 
 
 @dataclass
@@ -30,43 +31,6 @@ class ConvertOptions:
     quiet: bool = False
     dry_run: bool = False
     format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else safetensors
-
-
-def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: str = ".safetensors") -> Path:
-    """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
-    `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
-    folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
-    (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache."""
-    p = Path(src).expanduser()
-    if not p.exists():  # hub id: name it after the repo (and subfolder), write it here
-        from ckpt.io.hub import parse_repo_spec
-
-        repo, _, sub = parse_repo_spec(src)
-        if ckpt_path.is_file() and not ckpt_path.name.endswith(".index.json"):
-            name = ckpt_path.stem  # `owner/name/model.safetensors` -> ./model-fp16.safetensors
-        else:
-            name = "-".join([repo.split("/")[1]] + [s for s in (sub or "").split("/") if s])
-        base = Path.cwd() / name
-    elif p.is_file() and p.name.endswith(".index.json"):
-        base = p.parent
-    elif p.is_file():
-        base = p.parent / p.stem
-    else:
-        base = p
-    if not base.name or base.name == "..":  # "." or "..": name it after the real folder
-        base = base.resolve()
-    if folder:
-        return base.parent / f"{base.name}-{suffix}"
-    return base.parent / f"{base.name}-{suffix}{ext}"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CkptError("--device cuda: no CUDA device is available (this torch build: "
-                        f"{torch.__version__}); use --device cpu")
-    return torch.device(name)
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):

@@ -20,7 +20,7 @@ import fnmatch
 
 import torch
 
-from ckpt.convert.cast import Caster
+from ckpt.cast import Caster
 from ckpt.dtypes import FP8, is_float
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor

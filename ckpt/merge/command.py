@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ckpt.convert.command import default_output, resolve_device
 from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
@@ -26,7 +25,8 @@ from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, file_ext, output_format, output_path, write
+from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
+                     resolve_device, write)
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to

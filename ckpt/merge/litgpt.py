@@ -30,6 +30,7 @@ import torch
 from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, open_checkpoint
 from ckpt.io.tensors import RowSlice, Tensor
+from ckpt.merge.adapter_files import LoraFile, LoraModule
 
 LORA_FILE = "lit_model.pth.lora"
 MODEL_FILE = "lit_model.pth"
@@ -148,8 +149,6 @@ def base_of(finetune_dir: Path) -> Path:
 
 def load(spec: str, base_hint: Path | None = None):
     """A LitGPT LoRA as a `LoraFile` of plain LoRA modules (the fused q/k/v one split into its pieces)."""
-    from ckpt.merge.loading import LoraFile, LoraModule
-
     path = lora_path(Path(spec).expanduser())
     if not path.is_file():
         raise CkptError(f"{spec}: no {LORA_FILE} there")

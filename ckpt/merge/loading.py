@@ -16,11 +16,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from ckpt.errors import CkptError, file_error
-from ckpt.io.checkpoint import Checkpoint, open_checkpoint
+from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.tensors import Tensor
+from ckpt.merge import litgpt
+from ckpt.merge.adapter_files import LoraFile, LoraModule
 from ckpt.merge.xlabs import xlabs_part
 
 PEFT_PREFIX = "base_model.model."
@@ -101,48 +102,8 @@ class PeftSettings:
         return self.lora_alpha
 
 
-@dataclass
-class LoraModule:
-    name: str  # as spelled in the file (family suffix removed)
-    source: str  # the LoRA as the user named it
-    family: str | None
-    parts: dict[str, Tensor]
-    keys: list[str]
-    lookup_names: list[str]  # spellings to try in the key map, best first
-    config_alpha: float | None = None
-    rslora: bool = False
-    fan_in_fan_out: bool = False
-    # (start, stop, total): the module changes rows [start, stop) of a fused base weight of `total` rows
-    # (one of LitGPT's q/k/v pieces of `attn.qkv`); None: the whole target.
-    rows: tuple[int, int, int] | None = None
-
-    def alpha(self) -> float | None:
-        if "alpha" in self.parts and self.parts["alpha"].numel:
-            return float(self.parts["alpha"].read_all(torch.device("cpu")).float().reshape(-1)[0])
-        return self.config_alpha
-
-
-@dataclass
-class LoraFile:
-    spec: str
-    weights: Path
-    modules: dict[str, LoraModule]
-    unknown: list[str]  # stored keys that are no adapter part
-    ckpt: Checkpoint
-    litgpt: object | None = None  # ckpt.merge.litgpt.LitSettings for a LitGPT LoRA
-    dtype: torch.dtype | None = None  # the dtype its own merge tool writes (LitGPT: the LoRA's)
-
-    @property
-    def inputs(self) -> list[Path]:
-        return self.ckpt.inputs + (list(self.litgpt.files) if self.litgpt is not None else [])
-
-    def close(self):
-        self.ckpt.close()
-
-
 def load_lora(spec: str, base_hint: Path | None = None) -> LoraFile:
     """`base_hint`: the base model's folder, where a LitGPT LoRA may find its model_config.yaml."""
-    from ckpt.merge import litgpt
 
     path = Path(spec).expanduser()
     if not path.exists():

@@ -14,7 +14,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.convert.command import default_output, resolve_device
 from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
@@ -23,7 +22,7 @@ from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, output_path, write
+from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, resolve_device, write
 
 OUT_DTYPES = ("bf16", "fp16", "fp32")
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ckpt.convert.cast import fp8_upcast
+from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8, TORCH_TO_ST, config_dtype, is_float
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt.convert.cast import fp8_upcast
+from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
