@@ -48,8 +48,8 @@ def decoded_notes(ckpt, views) -> list[str]:
     for c, v in zip(ckpt.components, views):
         if v.formats:
             where = f"{c.subdir}: " if c.subdir else ""
-            lines.append(f"{where}decoded {', '.join(v.formats)}; {len(v.consumed)} stored keys consumed "
-                         "(scales, markers, quantized data)")
+            used = f"; {len(v.consumed)} stored keys consumed (scales, markers, quantized data, renamed keys)"
+            lines.append(f"{where}decoded {', '.join(v.formats)}" + (used if v.consumed else ""))
     return lines
 
 

@@ -229,9 +229,9 @@ def case_pickle_not_a_dict(tmp):
 
 
 def case_unsupported_extension(tmp):
-    p = tmp / "model.gguf"
-    p.write_bytes(b"GGUF....")
-    return p, p, "unsupported file type '.gguf'"
+    p = tmp / "model.onnx"
+    p.write_bytes(b"ONNX....")
+    return p, p, "unsupported file type '.onnx'"
 
 
 def case_missing_path(tmp):

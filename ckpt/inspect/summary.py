@@ -12,7 +12,7 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
      "training_checkpoint": true when accelerate/trainer state files sit beside the weights,
      "components": [{
         "name": subfolder ("." for the top), "files": [weight files], "index": index file | null,
-        "container": "safetensors" | "pickle" | "safetensors+pickle",
+        "container": "safetensors" | "pickle" | "gguf" | "safetensors+pickle",
         "config_class": config.json _class_name / architectures[0] | null,
         "kind": "model" | "lora" | "empty",
         "family": one-line family label | null,
@@ -24,8 +24,8 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
                         "network_module": ss_network_module | null},
         "encodings": ["plain"] | ["fp8_e4m3fn (plain, no scales)", "optimum-quanto qint8", ...],
         "tensors": n, "parameters": n (stored elements), "bytes": n (stored tensor bytes),
-        "dtypes": {"fp16": {"tensors": n, "parameters": n, "bytes": n}, ...},
-        "metadata": {safetensors __metadata__, merged over the component's files},
+        "dtypes": {"fp16": {"tensors": n, "parameters": n, "bytes": n}, ...} (GGUF block types by name: "Q8_0"),
+        "metadata": {safetensors __metadata__ (GGUF: its key-values, long arrays summarized), merged over files},
         "warnings": [...], "notes": [...],
         "scan": null | {"tensors": n scanned, "nan": {name: count}, "inf": {name: count}}}],
      "totals": {"tensors": n, "parameters": n, "bytes": n},
@@ -48,6 +48,7 @@ from ckpt.inspect.detect import detect_family, family_from_config, lora_modules,
 from ckpt.inspect.encodings import detect_encodings
 from ckpt.io.buffers import Buffers
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
+from ckpt.io.gguf import GGUFStored
 from ckpt.io.output import bands
 from ckpt.io.tensors import PickleTensor
 
@@ -101,6 +102,8 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     for f in comp.files:
         if f.kind == "safetensors":
             metadata.update(f.metadata)
+        elif f.kind == "gguf":
+            metadata.update(f.gguf.scalars())
     folder = ckpt.path / comp.subdir if ckpt.path.is_dir() else ckpt.path.parent
     sidecars = {name: _json(folder / name) for name in ("quanto_qmap.json", "adapter_config.json")}
     warnings: list[str] = []
@@ -115,6 +118,11 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         view_error = str(e).replace("; nothing was written", "")
         warnings.append(f"cannot be decoded by ckpt: {view_error}")
     enc = detect_encodings(tensors, view, view_error, comp.config, metadata, sidecars)
+    gguf = {n: t for n, t in tensors.items() if isinstance(t, GGUFStored)}
+    if gguf and view is not None and view.config is not None:  # a GGUF LLM: its HF names say the family
+        shapes = {n: tuple(t.shape) for n, t in view.tensors.items()}
+        tensors = view.tensors
+    enc.aux_keys |= set(gguf)  # GGUF mixes F32 norms with F16 or quantized matrices by design
 
     kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
     lora_keys = sum(len(m) for m in kinds.values())
@@ -123,17 +131,26 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         parts, lora = _lora_parts(kinds, base_shapes, ranks, alphas, sidecars.get("adapter_config.json"), metadata)
     else:
         parts, lora = _model_parts(tensors, shapes), None
-    config_class = family_from_config(comp.config)
+    config_class = family_from_config(comp.config or (view.config if view is not None else None))
     family = _family_line(parts, is_lora, config_class)
 
     dtypes: dict[str, dict[str, int]] = {}
-    for t in tensors.values():
-        d = dtypes.setdefault(short_name(t.dtype), {"tensors": 0, "parameters": 0, "bytes": 0})
+    for t in (comp.tensors if gguf else tensors).values():
+        if isinstance(t, GGUFStored):  # stored blocks: the GGUF type, the values they hold, their bytes
+            kind, n, size = t.type_name if t.quantized else short_name(t.dtype), t.logical_numel, t.info.nbytes
+        else:
+            kind, n, size = short_name(t.dtype), t.numel, t.numel * t.dtype.itemsize
+        d = dtypes.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
         d["tensors"] += 1
-        d["parameters"] += t.numel
-        d["bytes"] += t.numel * t.dtype.itemsize
+        d["parameters"] += n
+        d["bytes"] += size
 
     warnings += _warnings(tensors, enc, shlex.quote(ckpt.spec))
+    if gguf and any(t.quantized for t in gguf.values()):
+        out = "an HF model folder with config.json" if view is not None and view.config else "plain weights"
+        warnings.append(f"{sum(t.quantized for t in gguf.values())} GGUF-quantized weights: only GGUF loaders "
+                        f"(llama.cpp, ComfyUI-GGUF) use them; `ckpt convert {shlex.quote(ckpt.spec)} --to bf16` "
+                        f"writes {out}")
     prefixes = None if is_lora else prefix_message(parts)
     if prefixes:
         (warnings if prefixes[0] == "warning" else notes).append(prefixes[1])
@@ -153,7 +170,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "name": comp.subdir or ".",
         "files": [f.relpath for f in comp.files],
         "index": comp.index_name,
-        "container": "+".join(k for k in ("safetensors", "pickle") if k in kinds_present),
+        "container": "+".join(k for k in ("safetensors", "pickle", "gguf") if k in kinds_present),
         "config_class": config_class,
         "kind": "empty" if not tensors else "lora" if is_lora else "model",
         "family": family,
@@ -161,7 +178,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "lora": lora,
         "encodings": enc.names,
         "tensors": len(tensors),
-        "parameters": sum(t.numel for t in tensors.values()),
+        "parameters": sum(d["parameters"] for d in dtypes.values()),
         "bytes": sum(d["bytes"] for d in dtypes.values()),
         "dtypes": dtypes,
         "metadata": metadata,

@@ -24,6 +24,7 @@ from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
 
 SAFETENSORS = (".safetensors",)
 PICKLES = (".ckpt", ".pt", ".pth", ".bin")
+GGUF = ".gguf"  # llama.cpp / ComfyUI-GGUF files, one model each (ckpt.io.gguf)
 # LitGPT's LoRA-only state dict (`lit_model.pth.lora`, a torch zip): read when named, never picked
 # from a folder as the model's weights.
 LITGPT_LORA = ".pth.lora"
@@ -35,9 +36,10 @@ NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|t
 class WeightFile:
     relpath: str  # relative to the component folder
     path: Path
-    kind: str  # "safetensors" | "pickle"
+    kind: str  # "safetensors" | "pickle" | "gguf"
     metadata: dict[str, str]
     names: list[str]
+    gguf: object | None = None  # the GGUFHeader of a .gguf file (typed metadata the decoder reads)
 
 
 @dataclass
@@ -118,7 +120,7 @@ def _open_folder(spec: str, root: Path, handles: FileHandles) -> Checkpoint:
             subs.append(c)
     comps = ([top] if top else []) + subs
     if not comps:
-        raise file_error(root, "no weights found (no *.safetensors, *.safetensors.index.json or torch pickle)")
+        raise file_error(root, "no weights found (no *.safetensors, *.safetensors.index.json, torch pickle or .gguf)")
     kind = "pipeline" if subs else "folder"
     return Checkpoint(spec, root, kind, comps, _sidecars(root, comps, recursive=True), handles)
 
@@ -131,7 +133,7 @@ def _open_index(spec: str, index: Path, handles: FileHandles) -> Checkpoint:
 
 
 def _is_weight_like(p: Path) -> bool:
-    return (p.suffix in SAFETENSORS or (p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name))
+    return (p.suffix in SAFETENSORS or p.suffix == GGUF or (p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name))
             or bool(re.search(r"\.(safetensors|bin|pt|pth)\.index(\.\w+)?\.json$", p.name)))
 
 
@@ -176,6 +178,11 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
     if not st:
         st = [p for p in files if p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name)]
     if not st:
+        st = [p for p in files if p.suffix == GGUF]
+        if len(st) > 1:  # a repository of quantizations of one model: each file is a whole model
+            raise file_error(folder, f"several GGUF files ({', '.join(p.name for p in st[:4])}"
+                                     f"{', ...' if len(st) > 4 else ''}); pass the one you mean")
+    if not st:
         return None
     return _component_from_files(folder, st, handles, subdir)
 
@@ -215,7 +222,14 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
         for name, value in sd.items():
             tensors[name] = PickleTensor(name, value, relpath, mapped)
         return WeightFile(relpath, path, "pickle", {"format": "pt"}, list(sd))
-    raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors or a torch pickle)")
+    if path.suffix == GGUF:
+        from ckpt.io.gguf import read_gguf_header
+
+        h = read_gguf_header(path, handles, relpath)
+        _no_duplicates(path, h.tensors, tensors)
+        tensors.update(h.tensors)
+        return WeightFile(relpath, path, "gguf", {}, list(h.tensors), gguf=h)
+    raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors, .gguf or a torch pickle)")
 
 
 def _no_duplicates(path: Path, new, seen: dict[str, Tensor]) -> None:

@@ -6,6 +6,7 @@ Shared by every command: a command supplies `make(tensor) -> list[OutTensor]` fo
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import PurePosixPath
 from typing import Callable
@@ -71,7 +72,8 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
                     operation: str, max_shard_size: int | None = None, file_format: str = "safetensors",
                     output_dtype: Callable[[Component], torch.dtype | None] = lambda c: None) -> Plan:
     """`views[i]` is the logical view of `ckpt.components[i]`."""
-    single = ckpt.kind == "file" and max_shard_size is None
+    # A view with a config of its own (a GGUF LLM) becomes a model folder: weights beside config.json.
+    single = ckpt.kind == "file" and max_shard_size is None and not any(v.config for v in views)
     plan = Plan(single_file=single, files=[])
     dequantized_dirs = set()
     for comp, view in zip(ckpt.components, views):
@@ -90,16 +92,32 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
         if view.dequantized:
             dequantized_dirs.add(comp.subdir)
         dtype = output_dtype(comp)
-        if comp.config is not None and (view.dequantized or dtype is not None):
+        if view.config is not None:
+            rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
+            plan.generated[rel] = _config_edit(False, dtype or _main_dtype(files))(dict(view.config))
+        elif comp.config is not None and (view.dequantized or dtype is not None):
             rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
             plan.json_edits[rel] = _config_edit(view.dequantized, dtype)
     for rel in ckpt.copies:
         p = PurePosixPath(rel)
+        if rel in plan.generated:
+            plan.notes.append(f"{rel}: not copied (written from the weights' own metadata)")
+            continue
         if p.name in QUANT_SIDECARS and str(p.parent if str(p.parent) != "." else "") in dequantized_dirs:
             plan.notes.append(f"{rel}: not copied (the weights are no longer quantized)")
             continue
         plan.copies.append((ckpt.path / rel, rel))
     return plan
+
+
+def _main_dtype(files) -> torch.dtype | None:
+    """The floating dtype most output elements have (what a generated config.json declares)."""
+    counts: dict = {}
+    for f in files:
+        for t in f.tensors:
+            if t.dtype.is_floating_point:
+                counts[t.dtype] = counts.get(t.dtype, 0) + math.prod(t.shape)
+    return max(counts, key=counts.get) if counts else None
 
 
 def _config_edit(dequantized: bool, dtype: torch.dtype | None):

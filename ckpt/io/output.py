@@ -87,7 +87,7 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
                 dst = tmp / f.relpath
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 _write_file(dst, f, device, progress)
-            for rel, index in plan.indexes.items():
+            for rel, index in {**plan.indexes, **plan.generated}.items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / rel).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             for src, rel in plan.copies:

@@ -62,6 +62,7 @@ class Plan:
     indexes: dict[str, dict] = field(default_factory=dict)  # relpath -> index JSON
     copies: list[tuple[object, str]] = field(default_factory=list)  # (source Path, relpath)
     json_edits: dict[str, Callable[[dict], dict]] = field(default_factory=dict)  # relpath -> edit of a copied JSON
+    generated: dict[str, dict] = field(default_factory=dict)  # relpath -> JSON made by the plan (a GGUF's config)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -125,6 +126,8 @@ def torch_name(relpath: str) -> str:
 
 def safetensors_name(relpath: str) -> str:
     """The safetensors name for a stored weight file: pickles are renamed the way HF loaders expect."""
+    if relpath.endswith(".gguf"):  # a GGUF LLM becomes an HF model folder, whose loaders want model.safetensors
+        return relpath[: len(relpath) - len(relpath.rsplit("/", 1)[-1])] + "model.safetensors"
     name = re.sub(r"^pytorch_model", "model", relpath.rsplit("/", 1)[-1])
     name = re.sub(r"\.(bin|pt|pth|ckpt|safetensors)$", "", name)
     head = relpath.rsplit("/", 1)[0] + "/" if "/" in relpath else ""

@@ -34,6 +34,7 @@ class Decoded:
     dequantized: bool = True  # the config's quantization_config no longer applies
     notes: list[str] = field(default_factory=list)
     anchors: dict[str, str] = field(default_factory=dict)  # consumed stored key -> logical name placed there
+    config: dict | None = None  # config.json the encoding itself describes (a GGUF LLM's metadata)
 
 
 @dataclass
@@ -44,12 +45,13 @@ class View:
     drop_metadata: set[str]
     dequantized: bool
     notes: list[str]
+    config: dict | None = None  # config.json made from the stored encoding (written beside the weights)
 
 
 def _decoders():
-    from ckpt.quant import fp8, quanto
+    from ckpt.quant import fp8, gguf, quanto
 
-    return list(fp8.DECODERS) + list(quanto.DECODERS)
+    return list(gguf.DECODERS) + list(fp8.DECODERS) + list(quanto.DECODERS)
 
 
 # Stored-key patterns of encodings no decoder handles: name -> regex on a key.
@@ -69,6 +71,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
     formats, notes, drop_meta = [], list(component.notes), set()
     dequantized = False
     anchors: dict[str, str] = {}
+    config = None
     for decode in _decoders():
         d = decode(ctx)
         if d is None:
@@ -84,6 +87,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
         consumed.update(d.consumed)
         tensors.update(d.tensors)
         anchors.update(d.anchors)
+        config = d.config if d.config is not None else config
     for key in ctx.remaining:
         for fmt, pattern in UNSUPPORTED.items():
             if pattern.search(key):
@@ -99,4 +103,4 @@ def logical_view(component: Component, options: dict | None = None) -> View:
         elif anchors.get(key) in tensors:
             ordered[anchors[key]] = tensors.pop(anchors[key])
     ordered.update(tensors)  # decoded names with no stored key of their own (e.g. quanto X.weight)
-    return View(ordered, consumed, formats, drop_meta, dequantized, notes)
+    return View(ordered, consumed, formats, drop_meta, dequantized, notes, config)

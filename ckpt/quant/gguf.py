@@ -1,0 +1,197 @@
+"""GGUF blocks <-> logical tensors: the decoder of `.gguf` files and the block encoder of `--to gguf-*`.
+
+Values are `gguf.quants.dequantize` / `gguf.quants.quantize` of llama.cpp's own Python package, so every
+type it knows decodes (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants, the IQ-quants, TQ, MXFP4,
+NVFP4), bit for bit as gguf does, and every type it can encode is written exactly as gguf writes it.
+Dequantized values are float32 and rounded once to the output dtype by the caller's cast.
+
+Bands: GGUF blocks run along the innermost dimension and a row's length is a multiple of the block
+size, so a band of whole rows is a whole number of blocks. A tensor whose logical shape differs from
+its stored shape (ComfyUI-GGUF's SD1/SDXL reshapes, recorded in `comfy.gguf.orig_shape.<name>`) is
+read in bands that start on a stored row: `row_align` makes sure of it.
+
+Two kinds of GGUF are read (`decode`):
+- diffusion models (ComfyUI-GGUF layout): tensors keep the model's own names (original BFL/SAI/Wan
+  layout); `general.architecture` says flux, sd3, wan... ; orig_shape metadata restores reshaped tensors;
+- llama.cpp LLMs: `blk.N.attn_q.weight` names, mapped to Hugging Face names (ckpt.quant.gguf_llm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import torch
+
+from ckpt.errors import CkptError, file_error
+from ckpt.io.gguf import GGUFStored, block_size, plain_types, type_name
+from ckpt.io.header import read_into
+from ckpt.io.tensors import Tensor
+from ckpt.quant.view import DecodeContext, Decoded
+
+ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a reshaped tensor
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+class GGUFValues(Tensor):
+    """The values of one stored GGUF tensor, seen with `shape` (its stored shape, or the original shape
+    ComfyUI-GGUF recorded): plain types as they are stored, block types dequantized by gguf in float32."""
+
+    def __init__(self, stored: GGUFStored, shape=None, natural: torch.dtype = torch.bfloat16, name: str | None = None):
+        self.stored, self.ggml_type = stored, stored.ggml_type
+        self.name, self.home = name or stored.name, stored.home
+        self.shape = tuple(stored.stored_shape if shape is None else shape)
+        plain = plain_types().get(self.ggml_type)
+        self.dtype = plain if plain is not None else torch.float32
+        self._natural = plain if plain is not None else natural
+        self.row_len = stored.stored_shape[-1] if stored.stored_shape else 1  # elements per stored row
+        if not self.shape or self.numel == 0:
+            self.row_align = None
+        else:
+            per_row = math.prod(self.shape[1:])
+            self.row_align = self.row_len // math.gcd(per_row, self.row_len)
+
+    @property
+    def natural_dtype(self):
+        return self._natural
+
+    @property
+    def source_bytes(self):
+        return self.stored.info.nbytes
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+    def read(self, start, stop, device, scratch=None):
+        per_row = math.prod(self.shape[1:]) if self.shape else 1
+        e0, e1 = (start * per_row, stop * per_row) if self.shape else (0, 1)
+        blk, size = block_size(self.ggml_type)
+        if e0 % self.row_len or (e1 % self.row_len and e1 != self.numel):
+            raise ValueError(f"{self.name}: band {start}:{stop} does not start on a stored row")
+        b0, b1 = e0 // blk * size, e1 // blk * size
+        n = b1 - b0
+        buf = scratch.get("raw", n)[:n] if scratch is not None else torch.empty(n, dtype=torch.uint8)
+        if n:
+            info = self.stored.info
+            read_into(self.stored.handles.fd(info.path), memoryview(buf.numpy()), info.start + b0, info.path)
+        out_shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        if self.ggml_type in plain_types():
+            vals = buf.view(self.dtype)
+        else:
+            vals = dequantize(buf, self.ggml_type, self.row_len)
+        vals = vals.reshape(out_shape)
+        return vals if device.type == "cpu" else vals.to(device)
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, row_len: int) -> torch.Tensor:
+    """uint8 blocks (whole rows of `row_len` elements) -> float32 values, by gguf's own dequantize."""
+    blk, size = block_size(ggml_type)
+    if raw.numel() == 0:
+        return torch.empty(0, dtype=torch.float32)
+    rows = raw.numpy().reshape(-1, row_len // blk * size)
+    return torch.from_numpy(_gguf().quants.dequantize(rows, ggml_type)).reshape(-1)
+
+
+def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """One band (or a whole tensor) of values -> the bytes GGUF stores for it in `ggml_type`: uint8 blocks
+    for block types, the plain dtype otherwise. Blocks run along the last dimension, which must be a
+    multiple of the block size. This is the one call that (re-)encodes a tensor in a GGUF type."""
+    gguf = _gguf()
+    plain = plain_types().get(ggml_type)
+    x = values.detach().to("cpu", torch.float32).contiguous()
+    if plain is not None:
+        return x.to(plain)
+    blk, size = block_size(ggml_type)
+    row = x.shape[-1] if x.dim() else 1
+    if row % blk:
+        raise ValueError(f"rows of {row} values are not a whole number of {type_name(ggml_type)} blocks of {blk}")
+    q = gguf.quants.quantize(x.numpy().reshape(-1, row), ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(q)).reshape(-1)
+
+
+def can_encode(ggml_type: int) -> bool:
+    """Whether gguf's Python package can write this type (K- and IQ-quants: no)."""
+    if ggml_type in plain_types():
+        return True
+    quants = _gguf().quants
+    cls = quants._type_traits.get(ggml_type)  # the package's registry of block types
+    if cls is None:
+        return False
+    try:
+        quants.quantize(np.zeros((1, cls.block_size), dtype=np.float32), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def natural_dtype(stored: dict[str, GGUFStored]) -> torch.dtype:
+    """What a dequantized weight is written as by default: the float type most of the file's unquantized
+    matrices use (the model's own dtype before quantization, as ComfyUI-GGUF's first step keeps it), else
+    bf16."""
+    plain = plain_types()
+    kinds = Counter(plain[t.ggml_type] for t in stored.values()
+                    if t.ggml_type in plain and len(t.stored_shape) >= 2
+                    and plain[t.ggml_type] in (torch.float16, torch.bfloat16))
+    return kinds.most_common(1)[0][0] if kinds else torch.bfloat16
+
+
+def orig_shape(header, name: str, stored: GGUFStored):
+    """ComfyUI-GGUF's recorded original shape of `name` (ARRAY of INT32), checked against the data."""
+    key = ORIG_SHAPE + name
+    if key not in header.fields:
+        return None
+    gguf = _gguf()
+    types = header.field_type(key)
+    if types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]:
+        raise file_error(header.path, f"metadata {key!r} should be an array of INT32, not "
+                                      f"{'/'.join(t.name for t in types)}")
+    shape = tuple(int(d) for d in header.value(key))
+    if any(d < 0 for d in shape) or math.prod(shape) != math.prod(stored.stored_shape):
+        raise file_error(header.path, f"metadata {key!r} gives shape {list(shape)} for a tensor of "
+                                      f"{math.prod(stored.stored_shape)} values")
+    return shape
+
+
+def type_summary(tensors) -> str:
+    counts = Counter(type_name(t.ggml_type) for t in tensors)
+    return ", ".join(f"{k} {n}" for k, n in counts.most_common())
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    files = [f for f in ctx.component.files if f.kind == "gguf"]
+    if not files:
+        return None
+    if len(ctx.component.files) > 1:
+        raise CkptError(f"{files[0].path}: a GGUF file holds a whole model; pass it alone "
+                        "(not together with other weight files)")
+    header = files[0].gguf
+    stored = {k: t for k, t in ctx.remaining.items() if isinstance(t, GGUFStored)}
+    natural = natural_dtype(stored)
+    from ckpt.quant import gguf_llm
+
+    if gguf_llm.is_llm(header, stored):
+        return gguf_llm.decode(header, stored, natural)
+    tensors, notes = {}, []
+    reshaped = 0
+    for name, t in stored.items():
+        shape = orig_shape(header, name, t)
+        reshaped += shape is not None
+        if t.quantized or shape is not None:
+            tensors[name] = GGUFValues(t, shape, natural)
+    arch = header.architecture or "no general.architecture"
+    if reshaped:
+        notes.append(f"{files[0].relpath}: {reshaped} tensors restored to their original shapes "
+                     f"({ORIG_SHAPE}* metadata)")
+    quantized = any(t.quantized for t in stored.values())
+    return Decoded(f"GGUF {arch} ({type_summary(stored.values())})", tensors, {}, dequantized=quantized,
+                   notes=notes)
+
+
+DECODERS = [decode]
