@@ -213,12 +213,16 @@ def _ldm_unet(ctx, sdxl=False, prefix="model.diffusion_model."):
     return {prefix + k: v for k, v in t.items()}
 
 
-@pytest.mark.parametrize("ctx,sdxl,label", [(768, False, "SD1 UNet (LDM)"), (1024, False, "SD2 UNet (LDM)"),
-                                            (2048, True, "SDXL UNet (LDM)"), (1280, True, "SDXL refiner UNet (LDM)")])
-def test_ldm_unet_families(tmp_path, run_ckpt, ctx, sdxl, label):
+@pytest.mark.parametrize("ctx,sdxl,label,fid", [(768, False, "SD1 UNet (LDM)", "sd1"),
+                                                (1024, False, "SD2 UNet (LDM)", "sd2"),
+                                                (2048, True, "SDXL UNet (LDM)", "sdxl"),
+                                                (1280, True, "SDXL refiner UNet (LDM)", "sdxl")])
+def test_ldm_unet_families(tmp_path, run_ckpt, ctx, sdxl, label, fid):
     p = save(tmp_path, "u.safetensors", _ldm_unet(ctx, sdxl, prefix=""))
     c = one(inspect_json(run_ckpt, p))
-    assert c["family"] == label and c["parts"] == [{"prefix": "", "role": "", "tensors": 5 + sdxl, "family": label}]
+    assert c["family"] == label and c["family_id"] == fid and c["layout"] == "original"
+    assert c["parts"] == [{"prefix": "", "role": "", "tensors": 5 + sdxl, "family": label, "family_id": fid,
+                           "layout": "original"}]
     assert c["warnings"] == []
 
 

@@ -17,6 +17,7 @@ import logging
 import pytest
 import torch
 
+from ckpt.families import get
 from ckpt.merge.keymap import build_keymap
 from ckpt.merge.targets import Target
 
@@ -418,7 +419,7 @@ def unet_pair(request):
 def test_ldm_unet_base_answers_diffusers_and_kohya_names(unet_pair):
     kind, ldm, converted, modules = unet_pair
     km = build_keymap(shapes(ldm))
-    assert any(f.startswith("SD UNet") for f in km.families)
+    assert any(m.family is get("sd1") and m.layout == "original" for _, m in km.matches)
     assert modules
     for mod in modules:
         names = [f"lora_unet_{flat(mod)}", f"unet.{mod}", f"lycoris_{flat(mod)}", mod]
@@ -840,7 +841,7 @@ def test_full_size_unet_layouts_round_trip_through_diffusers_converter(kind):
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
-    from ckpt.merge.keymaps import sd_unet
+    from ckpt.families import DIFFUSERS, get
 
     config = {"layers_per_block": 2}
     with torch.device("meta"):
@@ -857,13 +858,8 @@ def test_full_size_unet_layouts_round_trip_through_diffusers_converter(kind):
             config["addition_embed_type"] = "text_time"
     sd = model.state_dict()
     ldm = {}
-    for alias in sd_unet.aliases(shapes(sd)):
-        if ".processor." in alias.name:
-            continue
-        (t,) = alias.targets
-        ldm[f"model.diffusion_model.{alias.name}.weight"] = sd[t.key]
-        if t.bias_key in sd:
-            ldm[f"model.diffusion_model.{alias.name}.bias"] = sd[t.bias_key]
+    for pair in get(kind).pairs(shapes(sd), DIFFUSERS):
+        ldm[f"model.diffusion_model.{pair.original}"] = sd[pair.diffusers]
     back = convert_ldm_unet_checkpoint(ldm, config)
     assert set(back) == set(sd)
     assert all(back[k] is sd[k] for k in sd)

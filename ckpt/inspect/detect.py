@@ -1,9 +1,9 @@
 """What a set of tensor names (and their shapes) is: bundle parts, model family, LoRA family.
 
-Detection works on names and header shapes only, never on values. Key names are matched with `[._]`
-where a separator may be either, so the same rule recognises a base model's keys
-(`input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight`) and a kohya LoRA's flattened module names
-(`lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_k`).
+Detection works on names and header shapes only, never on values. Model families are the registry's
+(`ckpt.families`): its signatures match `[._]` where a separator may be either, so the same rule
+recognises a base model's keys (`input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight`) and a kohya
+LoRA's flattened module names (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_k`).
 
 Why prefixes matter: a trainer that expects bare keys matches nothing in a file whose keys all start
 with `model.diffusion_model.` (ComfyUI / LDM all-in-one) and leaves its weights on the meta device
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from ckpt.families.lora_namings import LORA_PREFIXES  # prefixes LoRA files put before module names
 
 # Prefixes that mark a bundled component (LDM / ComfyUI all-in-one files), longest match wins.
 BUNDLE_PREFIXES = [
@@ -26,18 +28,6 @@ BUNDLE_PREFIXES = [
     (re.compile(r"^text_encoders\.[^.]+\."), "text encoder, ComfyUI bundle"),
     (re.compile(r"^vae\."), "VAE, ComfyUI bundle"),
 ]
-# Prefixes LoRA files put before module names (which model of a pipeline the module belongs to).
-LORA_PREFIXES = [
-    (re.compile(r"^lora_unet_"), "kohya UNet/transformer"),
-    (re.compile(r"^lora_te\d?_"), "kohya text encoder"),
-    (re.compile(r"^lora_transformer_"), "OneTrainer transformer"),
-    (re.compile(r"^lycoris_"), "LyCORIS, SimpleTuner"),
-    (re.compile(r"^base_model\.model\."), "PEFT"),
-    (re.compile(r"^(unet|transformer|prior)\."), "diffusers"),
-    (re.compile(r"^text_encoder(_\d)?\."), "diffusers text encoder"),
-    (re.compile(r"^(diffusion_model|model\.diffusion_model)\."), "ComfyUI"),
-]
-
 # LoRA-family tensor-name suffixes: family -> regex on a key; group(1) is the module name.
 LORA_KINDS: list[tuple[str, re.Pattern]] = [
     ("XLabs Flux LoRA", re.compile(r"^(.*\.processor\.\w*?_lora\d?)\.(down|up)\.weight$")),
@@ -53,7 +43,6 @@ LORA_KINDS: list[tuple[str, re.Pattern]] = [
 ]
 LORA_ALPHA = re.compile(r"^(.*?)\.alpha$")
 
-SEP = r"[._]"
 
 
 @dataclass
@@ -111,111 +100,6 @@ def lora_modules(names, shapes: dict) -> tuple[dict[str, set[str]], dict[str, tu
         locon = any(len(s) == 4 and tuple(s[2:]) != (1, 1) for s in base_shapes.values())
         kinds["kohya LoCon" if locon else "kohya LoRA"] = kinds.pop("kohya LoRA/LoCon")
     return kinds, base_shapes, ranks, alphas
-
-
-def _has(keys, pattern: str) -> list[str]:
-    rx = re.compile(pattern)
-    return [k for k in keys if rx.search(k)]
-
-
-def _dim(shapes: dict, keys, pattern: str, axis: int) -> int | None:
-    """Size along `axis` of the first key matching `pattern` whose shape is known."""
-    for k in _has(keys, pattern):
-        s = shapes.get(k)
-        if s is not None and len(s) > axis:
-            return s[axis]
-    return None
-
-
-def _ldm_unet(keys, shapes) -> str:
-    ctx = _dim(shapes, keys, rf"attn2{SEP}to_k(\.weight)?$", 1)
-    if _has(keys, rf"(^|{SEP})label_emb{SEP}") or _has(keys, rf"(^|{SEP})add_embedding{SEP}"):
-        return "SDXL refiner UNet" if ctx == 1280 else "SDXL UNet"
-    if ctx == 2048:
-        return "SDXL UNet"
-    if ctx == 768:
-        return "SD1 UNet"
-    if ctx == 1024:
-        return "SD2 UNet"
-    return "SD1/SD2/SDXL UNet"
-
-
-def _diffusers_unet_variant(keys, shapes) -> str:
-    if _has(keys, rf"(^|{SEP})add_embedding{SEP}"):
-        return _ldm_unet(keys, shapes)
-    label = _ldm_unet(keys, shapes)
-    if label == "SD1/SD2/SDXL UNet" and _has(keys, rf"down_blocks{SEP}[12]{SEP}attentions") \
-            and not _has(keys, rf"down_blocks{SEP}0{SEP}attentions"):
-        return "SDXL UNet"
-    return label
-
-
-def _flux_variant(keys) -> str:
-    if _has(keys, rf"(^|{SEP})guidance_in{SEP}") or _has(keys, r"guidance_embedder"):
-        return "Flux (dev: guidance embedding)"
-    return "Flux"
-
-
-def _vae(keys, shapes, diffusers: bool) -> str:
-    z = _dim(shapes, keys, rf"(^|{SEP})encoder{SEP}conv_out\.weight$", 0)
-    latents = f", {z // 2}-channel latents" if z else ""
-    return f"VAE ({'diffusers AutoencoderKL' if diffusers else 'LDM'}{latents})"
-
-
-CLIP_WIDTHS = {768: "CLIP-L", 1024: "OpenCLIP-H", 1280: "OpenCLIP-bigG", 512: "CLIP-B"}
-CLIP_WIDTH_KEYS = rf"(self_attn{SEP}[qkv]_proj|self_attn{SEP}out_proj|mlp{SEP}fc1)(\.weight)?$"
-
-
-def _clip(keys, shapes, hf: bool) -> str:
-    w = _dim(shapes, keys, r"token_embedding\.weight$", 1) or _dim(shapes, keys, CLIP_WIDTH_KEYS, 1)
-    name = CLIP_WIDTHS.get(w, "CLIP") if w else "CLIP"
-    return f"{name} text encoder ({'HF CLIPTextModel' if hf else 'OpenCLIP'})"
-
-
-def _at(body: str) -> str:
-    """`body` starting at a name boundary; `_` in body stands for either separator."""
-    return rf"(^|{SEP})" + body.replace("_.", SEP)
-
-
-# (label function, patterns that must all match some key), tried in order; the rule whose first
-# pattern matches the most keys wins (ties: the earlier rule).
-RULES = [
-    (lambda k, s: _flux_variant(k) + " transformer (BFL)",
-     [_at(r"(double_blocks_.\d+_.((img|txt)_(attn|mlp|mod)|processor)|single_blocks_.\d+_.(linear[12]|modulation))")]),
-    (lambda k, s: "SD3 MMDiT (BFL/SAI)", [_at(r"joint_blocks_.\d+_.(context_block|x_block)")]),
-    (lambda k, s: _flux_variant(k) + " transformer (diffusers FluxTransformer2DModel)",
-     [_at(r"single_transformer_blocks_.\d+_.")]),
-    (lambda k, s: "SD3 transformer (diffusers SD3Transformer2DModel)",
-     [_at(r"transformer_blocks_.\d+_.(attn_.add_q_proj|ff_context)"), _at(r"pos_embed_.")]),
-    (lambda k, s: _ldm_unet(k, s) + " (LDM)", [_at(r"(input_blocks|output_blocks)_.\d+_.\d+_.")]),
-    (lambda k, s: _vae(k, s, diffusers=True),
-     [_at(r"(encoder_.down_blocks_.\d+_.resnets|decoder_.up_blocks_.\d+_.resnets)")]),
-    (lambda k, s: _diffusers_unet_variant(k, s) + " (diffusers UNet2DConditionModel)",
-     [_at(r"(down_blocks|up_blocks)_.\d+_.(resnets|attentions)_.")]),
-    (lambda k, s: _vae(k, s, diffusers=False), [_at(r"(encoder_.down_.\d+_.block|decoder_.up_.\d+_.block)_.")]),
-    (lambda k, s: _clip(k, s, hf=True),
-     [_at(r"(text_model_.)?encoder_.layers_.\d+_.(self_attn|mlp_.fc[12]|layer_norm[12])")]),
-    (lambda k, s: _clip(k, s, hf=False), [_at(r"transformer_.resblocks_.\d+_.")]),
-    (lambda k, s: "T5 encoder", [_at(r"encoder_.block_.\d+_.layer_.\d+_.")]),
-    (lambda k, s: "LitGPT GPT" + (" (older attn.attn names)" if _has(k, _at(r"attn_.attn")) else ""),
-     [_at(r"h_.\d+_.(attn_.(qkv|attn)|mlp_.(fc|fc_1|fc_2|proj))")]),  # "transformer." may be stripped
-    (lambda k, s: "HF causal LM (Llama-style decoder)",
-     [_at(r"layers_.\d+_.(self_attn|mlp)_.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")]),
-]
-
-
-def detect_family(keys, shapes: dict | None = None) -> str | None:
-    """A model family label for `keys` (already stripped of bundle / LoRA prefixes), or None."""
-    keys = list(keys)
-    shapes = shapes or {}
-    best, best_n = None, 0
-    for label, patterns in RULES:
-        hits = _has(keys, patterns[0])
-        if not hits or not all(_has(keys, p) for p in patterns[1:]):
-            continue
-        if len(hits) > best_n:
-            best, best_n = label(keys, shapes), len(hits)
-    return best
 
 
 def family_from_config(config: dict | None) -> str | None:

@@ -16,8 +16,11 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
         "config_class": config.json _class_name / architectures[0] | null,
         "kind": "model" | "lora" | "empty",
         "family": one-line family label | null,
+        "family_id": stable id of the (main) model family, ckpt.families ("sdxl", "flux1", "wan", ...;
+                     of the model a LoRA is for) | null,
+        "layout": "original" | "diffusers" (the naming of the weights, or of a LoRA's module names) | null,
         "parts": [{"prefix": key prefix ("" = none), "role": what the prefix means, "tensors": n,
-                   "family": label | null}],
+                   "family": label | null, "family_id": id | null, "layout": layout | null}],
         "lora": null | {"types": [...], "modules": n, "ranks": [...], "alpha_keys": n, "targets": [...],
                         "adapter_config": {"r", "lora_alpha", "use_rslora", "use_dora"} | null,
                         "base_model": ss_base_model_version / modelspec.architecture | null,
@@ -44,7 +47,8 @@ import torch
 
 from ckpt.dtypes import FP8, is_float, short_name
 from ckpt.errors import CkptError
-from ckpt.inspect.detect import detect_family, family_from_config, lora_modules, split_parts
+from ckpt import families
+from ckpt.inspect.detect import family_from_config, lora_modules, split_parts
 from ckpt.inspect.encodings import detect_encodings
 from ckpt.io.buffers import Buffers
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
@@ -133,6 +137,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         parts, lora = _model_parts(tensors, shapes), None
     config_class = family_from_config(comp.config or (view.config if view is not None else None))
     family = _family_line(parts, is_lora, config_class)
+    family_id, layout = _family_id(parts, comp.config)
 
     dtypes: dict[str, dict[str, int]] = {}
     for t in (comp.tensors if gguf else tensors).values():
@@ -174,6 +179,8 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "config_class": config_class,
         "kind": "empty" if not tensors else "lora" if is_lora else "model",
         "family": family,
+        "family_id": family_id,
+        "layout": layout,
         "parts": parts,
         "lora": lora,
         "encodings": enc.names,
@@ -192,9 +199,28 @@ def _model_parts(tensors, shapes) -> list[dict]:
     out = []
     for p in split_parts(tensors):
         stripped = [k[len(p.prefix):] for k in p.keys]
-        fam = detect_family(stripped, {k[len(p.prefix):]: shapes[k] for k in p.keys})
-        out.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), "family": fam})
+        m = families.detect(stripped, {k[len(p.prefix):]: shapes[k] for k in p.keys})
+        out.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), **_family_fields(m)})
     return out
+
+
+def _family_fields(m) -> dict:
+    return {"family": m.label if m else None, "family_id": m.family_id if m else None,
+            "layout": m.layout if m else None}
+
+
+def _family_id(parts, config) -> tuple[str | None, str | None]:
+    """The component's family id and layout: the first part's that has one (the diffusion model comes
+    first), else what config.json's class names (a diffusers class: diffusers layout)."""
+    for p in parts:
+        if p["family_id"]:
+            return p["family_id"], p["layout"]
+    fam = families.from_config(config)
+    if fam is None or len(fam.all_ids) > 1:
+        return None, None
+    layout = "diffusers" if "diffusers" in fam.layouts and isinstance(config, dict) and "_class_name" in config \
+        else None
+    return fam.family_id, layout
 
 
 def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
@@ -202,8 +228,8 @@ def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
     parts = []
     for p in split_parts(modules, lora=True):
         stripped = {m[len(p.prefix):]: base_shapes.get(m) for m in p.keys}
-        fam = detect_family(stripped, {k: s for k, s in stripped.items() if s})
-        parts.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), "family": fam})
+        m = families.detect(stripped, {k: s for k, s in stripped.items() if s})
+        parts.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), **_family_fields(m)})
     cfg = None
     if isinstance(adapter_config, dict):
         cfg = {k: adapter_config.get(k) for k in ("r", "lora_alpha", "use_rslora", "use_dora")}

@@ -21,6 +21,7 @@ from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.layout import plan_checkpoint
 from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
+from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
@@ -64,8 +65,6 @@ class MergeError(CkptError):
 
 
 def _build_keymap(shapes: dict[str, tuple[int, ...]], component: str | None):
-    from ckpt.merge.keymap import build_keymap
-
     return build_keymap(shapes, component=component or None)
 
 
@@ -125,7 +124,9 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     bad = {s: u for s, u in report.unmatched.items() if u}
     if bad and not opts.allow_unmatched:
         s, u = next(iter(bad.items()))
-        raise MergeError(f"{s}: {len(u)} LoRA keys match no base tensor (e.g. {u[0]!r}); nothing was written "
+        f = next(f for f in files if f.spec == s)
+        raise MergeError(f"{s}: {len(u)} LoRA keys match no base tensor (e.g. {u[0]!r}; "
+                         f"{family_note(f.modules.values(), keymaps)}); nothing was written "
                          "(pass --allow-unmatched to merge the rest)", report)
     if not patches:
         raise MergeError("no LoRA module matched the base; nothing to merge", report)

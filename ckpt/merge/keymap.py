@@ -11,8 +11,9 @@ all the names a trainer may have given its module:
 - text-encoder spellings: `lora_te{N}_`/`lora_te_` + flat name, `text_encoder(_N).` + name, with N
   following kohya's order (SDXL: te1 = CLIP-L `conditioner.embedders.0`, te2 = bigG `.1`; SD3/Flux:
   CLIP-L, CLIP-G, T5);
-- the names of the other layout of the same family (`ckpt.merge.keymaps`: LDM <-> diffusers UNet names,
-  OpenCLIP <-> HF CLIP, BFL/SAI <-> diffusers transformer names, with row slices of fused weights).
+- the names of the other layout of the same family, from the family registry (`ckpt.families`: each
+  family's `pairs`, LDM <-> diffusers UNet names, OpenCLIP <-> HF CLIP, BFL/SAI/Wan <-> diffusers
+  transformer names, with row slices of fused weights) and the family's extra LoRA names.
 
 A name that two different base weights claim is ambiguous and looked up as nothing; `ambiguous()` says
 who claimed it so the merge can name them. A LoRA made on a fused weight that the base stores in pieces
@@ -22,19 +23,14 @@ who claimed it so the merge can name them. A LoRA made on a fused weight that th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
 
-from ckpt.merge.keymaps import Alias, Shapes, flux, hf_clip, module_of, openclip, sd3, sd_unet
+from ckpt import families
+from ckpt.families import ORIGINAL, Match, Pair, Shapes, module_of
+from ckpt.families import clip as clip_family
+from ckpt.families.lora_namings import lora_target
 from ckpt.merge.targets import Target
-
-# Family modules, tried in order on each part of the base; the first that recognises it adds aliases.
-FAMILIES = (
-    ("SD UNet", sd_unet.aliases),
-    ("Flux", flux.aliases),
-    ("SD3 MMDiT", sd3.aliases),
-    ("OpenCLIP text", openclip.aliases),
-    ("CLIP text (no text_model. wrapper)", hf_clip.aliases),
-)
 
 DM_DOTTED = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "unet.", "base_model.model.",
              "unet.base_model.model.")
@@ -65,6 +61,22 @@ class Part:
     plain_te: bool = False  # also `lora_te_` (SD1/SD2, or the only text encoder)
     standalone: bool = False  # the whole base is this model (PEFT `base_model.model.` names it)
     family: str = ""
+    match: Match | None = None  # what the family registry says these keys are
+
+    _detected: bool = field(default=False, repr=False)
+
+    def detect(self) -> Match | None:
+        if not self._detected:
+            self.match, self._detected = families.detect(self.keys, self.keys), True
+        return self.match
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Module `name` (a family's scheme, relative to the model) lands on `targets` (keys relative too)."""
+
+    name: str
+    targets: tuple[Target, ...]
 
 
 class KeyMap:
@@ -73,6 +85,8 @@ class KeyMap:
     def __init__(self):
         self._claims: dict[str, list[tuple[Target, ...]]] = {}
         self.families: list[str] = []  # what was recognised, for messages ("Flux (BFL layout)", ...)
+        self.matches: list[tuple[str, Match]] = []  # (part prefix, family match) of each recognised part
+        self.main: Match | None = None  # the diffusion model's (or the only model's) family
 
     def _add(self, name: str, targets: tuple[Target, ...]):
         claims = self._claims.setdefault(name, [])
@@ -120,22 +134,89 @@ def build_keymap(base: dict[str, tuple[int, ...]], component: str | None = None)
     km = KeyMap()
     for part in _parts(base, component):
         aliases = [Alias(module_of(k), (Target(k),)) for k in part.keys if not _is_bias(k)]
-        if part.role != "other":
-            for label, make in FAMILIES:
-                extra = make(part.keys)
-                if extra is not None:
-                    part.family = label
-                    km.families.append(f"{label} at {part.prefix or 'top level'}")
-                    # A family alias that reuses a raw name says more (OpenCLIP `text_projection` is
-                    # stored transposed): it replaces the raw alias instead of making the name ambiguous.
-                    renamed = {a.name for a in extra}
-                    aliases = [a for a in aliases if a.name not in renamed] + extra
-                    break
+        match = part.detect() if part.role != "other" else None
+        if match is not None:
+            part.family = match.label
+            km.families.append(f"{match.label} at {part.prefix or 'top level'}")
+            km.matches.append((part.prefix, match))
+            if km.main is None and part.role == "dm":
+                km.main = match
+            raw = {a.name for a in aliases}
+            extra = family_aliases(match, part.keys)
+            if match.layout == ORIGINAL:
+                # A name both layouts use means the diffusers module there (OpenCLIP `text_projection` is
+                # stored transposed): the family alias replaces the raw one instead of making it ambiguous.
+                renamed = {a.name for a in extra}
+                aliases = [a for a in aliases if a.name not in renamed] + extra
+            else:
+                aliases += [a for a in extra if a.name not in raw]
         for alias in aliases:
             targets = tuple(replace(t, key=part.prefix + t.key) for t in alias.targets)
             for name in _spellings(part, alias.name):
                 km._add(name, targets)
     return km
+
+
+def family_note(modules, keymaps: list[KeyMap]) -> str:
+    """What the LoRA's module names look like and what the base is, for the unmatched-keys error:
+    "kohya LoRA for wan (original names); base is flux2 (diffusers layout)"."""
+    names, shapes = [], {}
+    for m in modules:
+        names.append(m.name)
+        down, up = m.parts.get("down"), m.parts.get("up")
+        if down is not None and up is not None and len(down.shape) >= 2 and up.shape:
+            shapes[m.name] = (up.shape[0], down.shape[1], *down.shape[2:])
+    naming, lora = lora_target(names, shapes)
+    said = f"{naming} LoRA for " + (f"{_family_text(lora)}" if lora else "a model no family recognises")
+    base = next((km.main for km in keymaps if km.main), None) or next(
+        (m for km in keymaps for _, m in km.matches), None)
+    return said + "; base is " + (_family_text(base) if base else "a model no family recognises")
+
+
+def _family_text(m: Match) -> str:
+    return f"{m.family_id or m.family.label} ({families.layout_name(m.layout)})"
+
+
+def family_aliases(match: Match, keys: Shapes) -> list[Alias]:
+    """The other layout's module names for a recognised base, and the family's extra LoRA names."""
+    fam = match.family
+    out: list[Alias] = []
+    if fam.pairs is not None and match.layout is not None:
+        out += pair_aliases(fam.pairs(keys, match.layout), keys, match.layout == ORIGINAL)
+    if fam.lora_aliases is not None:
+        out += [Alias(a.name, (Target(a.key, a.rows, a.transform),)) for a in fam.lora_aliases(keys, match.layout)]
+    return out
+
+
+def pair_aliases(pairs: list[Pair], base: Shapes, original_base: bool) -> list[Alias]:
+    """Aliases for a base stored in the original layout (diffusers names -> original rows) or as
+    diffusers (the reverse).
+
+    In the reverse direction an original module fused from several diffusers tensors (qkv, linear1)
+    becomes one alias with one Target per piece, each saying which rows of the LoRA delta it takes
+    (`part`). An original module is only offered when every piece exists in the base.
+    """
+    out: list[Alias] = []
+    # biases follow their weight's Target; one-side-only tensors have no other name
+    pairs = [p for p in pairs if p.original and p.diffusers and not p.original.endswith((".bias", "_bias"))]
+    if original_base:
+        for p in pairs:
+            if p.original in base:
+                out.append(Alias(module_of(p.diffusers), (Target(p.original, p.rows, p.transform),)))
+        return out
+    groups: dict[str, list[Pair]] = defaultdict(list)
+    for p in pairs:
+        groups[p.original].append(p)
+    for original, group in groups.items():
+        if not all(p.diffusers in base for p in group):
+            continue
+        if len(group) == 1 and group[0].rows is None:
+            p = group[0]
+            targets = (Target(p.diffusers, transform=p.transform),)
+        else:
+            targets = tuple(Target(p.diffusers, transform=p.transform, part=p.rows) for p in group)
+        out.append(Alias(module_of(original), targets))
+    return out
 
 
 def _is_bias(key: str) -> bool:
@@ -167,7 +248,7 @@ def _parts(base: Shapes, component: str | None) -> list[Part]:
         part = Part("", comp + "/", dict(base), standalone=True)
         _assign_role(part, comp + "/")
         if part.role == "other" and comp != "vae":
-            part.role = "te" if _te_kind(part.keys) else "dm"
+            part.role = "te" if _te_kind(part) else "dm"
         if part.role == "te" and not part.te_numbers:
             _standalone_te(part)
         return [part]
@@ -189,10 +270,10 @@ def _parts(base: Shapes, component: str | None) -> list[Part]:
         others = [p for p in parts if p is not top and p.role != "other"]
         if not others:
             top.standalone = True
-            top.role = "te" if _te_kind(top.keys) else "dm"
+            top.role = "te" if _te_kind(top) else "dm"
             if top.role == "te":
                 _standalone_te(top)
-        elif not any(p.role == "dm" for p in others) and not _te_kind(top.keys):
+        elif not any(p.role == "dm" for p in others) and not _te_kind(top):
             top.role = "dm"
     _number_text_encoders([p for p in parts if p.role == "te" and not p.te_numbers])
     return parts
@@ -210,28 +291,26 @@ def _assign_role(part: Part, identity: str):
         part.te_numbers = (int(m.group(2)) + 1,)
     elif identity.endswith("/"):  # pipeline text_encoder, text_encoder_2, ...
         n = int(m.group(4) or 1)
-        part.te_numbers = (n, 3) if n == 2 and _te_kind(part.keys) == "t5" else (n,)
+        part.te_numbers = (n, 3) if n == 2 and _te_kind(part) == "t5" else (n,)
     elif identity == "cond_stage_model.":
         part.te_numbers = (1,)
     if part.te_numbers and part.te_numbers[0] == 1:
         part.plain_te = True
 
 
-def _te_kind(keys: Shapes) -> str | None:
+def _te_kind(part: Part) -> str | None:
     """"clip_l" / "clip_g" (HF CLIP or OpenCLIP, by width), "t5", or None for anything else."""
-    if openclip.is_openclip(keys):
-        return "clip_g" if openclip.width(keys) == 1280 else "clip_l"
-    if any(k.startswith("text_model.encoder.layers.") for k in keys) or hf_clip.is_unwrapped(keys):
-        ln = keys.get("text_model.final_layer_norm.weight") or keys.get("final_layer_norm.weight")
-        return "clip_g" if ln and ln[0] == 1280 else "clip_l"
-    if any(k.startswith("encoder.block.") for k in keys):
-        return "t5"
-    return None
+    match = part.detect()
+    if match is None:
+        return None
+    if match.family.family_id == "clip":
+        return clip_family.kind(list(part.keys), part.keys)
+    return "t5" if match.family.family_id == "t5" else None
 
 
 def _standalone_te(part: Part):
     """A lone text-encoder file: numbers under which kohya/diffusers name this kind of encoder."""
-    kind = _te_kind(part.keys)
+    kind = _te_kind(part)
     part.te_numbers = {"clip_g": (2,), "t5": (1, 2, 3)}.get(kind, (1,))
     part.plain_te = True
 
@@ -246,7 +325,7 @@ def _number_text_encoders(parts: list[Part]):
     kinds = {}
     for ident, ps in by_identity.items():
         name = ident.split(".")[1] if ident.startswith("text_encoders.") else ""
-        kind = next((k for k in (_te_kind(p.keys) for p in ps) if k), None)
+        kind = next((k for k in (_te_kind(p) for p in ps) if k), None)
         if name in ("clip_l", "clip_h"):
             kind = "clip_l"
         elif name == "clip_g":

@@ -1,0 +1,194 @@
+"""Flux.1 (dev, schnell, Kontext, Fill, Canny/Depth): BFL layout (`double_blocks`, `single_blocks`, fused
+`qkv` and `linear1`) <-> diffusers FluxTransformer2DModel.
+
+In the BFL layout diffusers' `to_q/to_k/to_v` are row thirds of `img_attn.qkv` (`add_*_proj` of
+`txt_attn.qkv`); in single blocks `to_q/k/v` and `proj_mlp` are rows [0,H), [H,2H), [2H,3H), [3H,3H+M)
+of `linear1`. `norm_out.linear` is `final_layer.adaLN_modulation.1` with its two halves (shift, scale)
+swapped. Widths come from the shapes, block by block. Reference: diffusers
+`convert_flux_transformer_checkpoint_to_diffusers`.
+
+LoRAs: kohya/ai-toolkit name the BFL modules, diffusers/PEFT/OneTrainer/SimpleTuner the diffusers ones;
+LyCORIS also uses Flux.2's `ff.linear_in/out` names on Flux.1, XLabs `processor.{qkv,proj}_lora{1,2}`,
+ComfyUI `single_blocks.N.linear1_qkv` for the attention rows of `linear1`.
+"""
+
+from __future__ import annotations
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, Family, Pair, Shapes, Signature, at, block_indices,
+                                dim, has, present, renames, thirds)
+
+BASIC = (
+    ("img_in", "x_embedder"),
+    ("txt_in", "context_embedder"),
+    ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+    ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+    ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+    ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+    ("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
+    ("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
+    ("final_layer.linear", "proj_out"),
+)
+DOUBLE = (
+    ("img_attn.proj", "attn.to_out.0"),
+    ("txt_attn.proj", "attn.to_add_out"),
+    ("img_mod.lin", "norm1.linear"),
+    ("txt_mod.lin", "norm1_context.linear"),
+    ("img_mlp.0", "ff.net.0.proj"),
+    ("img_mlp.2", "ff.net.2"),
+    ("txt_mlp.0", "ff_context.net.0.proj"),
+    ("txt_mlp.2", "ff_context.net.2"),
+)
+DOUBLE_NORMS = (
+    ("img_attn.norm.query_norm", "attn.norm_q"),
+    ("img_attn.norm.key_norm", "attn.norm_k"),
+    ("txt_attn.norm.query_norm", "attn.norm_added_q"),
+    ("txt_attn.norm.key_norm", "attn.norm_added_k"),
+)
+SINGLE_NORMS = (("norm.query_norm", "attn.norm_q"), ("norm.key_norm", "attn.norm_k"))
+# LyCORIS names the gated feed-forwards as Flux.2's diffusers class does.
+FF_LINEAR = (
+    ("img_mlp.0", "ff.linear_in"),
+    ("img_mlp.2", "ff.linear_out"),
+    ("txt_mlp.0", "ff_context.linear_in"),
+    ("txt_mlp.2", "ff_context.linear_out"),
+)
+XLABS = (
+    ("img_attn.qkv", "processor.qkv_lora1"),
+    ("txt_attn.qkv", "processor.qkv_lora2"),
+    ("img_attn.proj", "processor.proj_lora1"),
+    ("txt_attn.proj", "processor.proj_lora2"),
+)
+
+BFL = at(r"(double_blocks_.\d+_.((img|txt)_(attn|mlp|mod)|processor)|single_blocks_.\d+_.(linear[12]|modulation))")
+DIFFUSERS_SINGLE = at(r"single_transformer_blocks_.\d+_.")
+# Names only Flux.2 has (shared modulations, whole-linear1 projection, time_guidance_embed).
+FLUX2_NAMES = at(r"((double|single)_stream_modulation|to_qkv_mlp_proj|time_guidance_embed)")
+
+
+def flux2_evidence(keys, shapes: Shapes) -> bool:
+    """Flux.2 by names, or by shapes where its names are Flux.1's: gated MLPs make `img_mlp.0` 6H rows
+    (Flux.1: 4H) and `linear1` 9H rows (Flux.1: 7H), H being the columns."""
+    if has(keys, FLUX2_NAMES):
+        return True
+    for pattern, ratio in ((at(r"double_blocks_.\d+_.(img|txt)_mlp_.0(\.weight)?$"), 6),
+                           (at(r"single_blocks_.\d+_.linear1(\.weight)?$"), 9)):
+        rows, cols = dim(shapes, keys, pattern, 0), dim(shapes, keys, pattern, 1)
+        if rows and cols and rows == ratio * cols:
+            return True
+    return False
+
+
+def _not_flux2(keys, shapes) -> bool:
+    return not flux2_evidence(keys, shapes)
+
+
+def identify(keys, shapes, layout):
+    guidance = has(keys, at(r"guidance_in_.")) or has(keys, r"guidance_embedder")
+    label = "Flux (dev: guidance embedding)" if guidance else "Flux"
+    width = dim(shapes, keys, at(r"(img_in|x_embedder)(\.weight)?$"), 1)
+    if width in (384, 128):  # Fill: 64 latent + 320 mask/image channels; Canny/Depth: 64 + 64
+        label = f"Flux ({'Fill' if width == 384 else 'Canny/Depth'}: {width} input channels)"
+    where = "(BFL)" if layout == ORIGINAL else "(diffusers FluxTransformer2DModel)"
+    return "flux1", f"{label} transformer {where}"
+
+
+def pairs_for(doubles: dict[int, int], singles: dict[int, tuple[int, int]]) -> list[Pair]:
+    """BFL <-> diffusers tensors for double blocks {i: H} and single blocks {j: (H, M)}."""
+    out = renames(BASIC)
+    out += [Pair(f"final_layer.adaLN_modulation.1.{e}", f"norm_out.linear.{e}", transform="swap_halves")
+            for e in ("weight", "bias")]
+    for i, h in doubles.items():
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        for e in ("weight", "bias"):
+            for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
+                out.append(Pair(f"{b}.img_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
+            for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
+                out.append(Pair(f"{b}.txt_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
+        out += renames(DOUBLE, b + ".", d + ".")
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+    for j, (h, m) in singles.items():
+        b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
+        for e in ("weight", "bias"):
+            for rows, name in zip(thirds(0, h), ("attn.to_q", "attn.to_k", "attn.to_v")):
+                out.append(Pair(f"{b}.linear1.{e}", f"{d}.{name}.{e}", rows))
+            out.append(Pair(f"{b}.linear1.{e}", f"{d}.proj_mlp.{e}", (3 * h, 3 * h + m)))
+        out += renames((("linear2", "proj_out"), ("modulation.lin", "norm.linear")), b + ".", d + ".")
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+    return out
+
+
+def widths(shapes: Shapes, layout: str):
+    """{double block: H}, {single block: (H, M)} from either layout's shapes."""
+    doubles, singles = {}, {}
+    if layout == ORIGINAL:
+        for i in block_indices(shapes, "double_blocks"):
+            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
+                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
+            if qkv:
+                doubles[i] = qkv[0] // 3
+        for j in block_indices(shapes, "single_blocks"):
+            lin1, lin2 = shapes.get(f"single_blocks.{j}.linear1.weight"), shapes.get(f"single_blocks.{j}.linear2.weight")
+            if lin1 and lin2:
+                singles[j] = (lin2[0], lin1[0] - 3 * lin2[0])
+    else:
+        for i in block_indices(shapes, "transformer_blocks"):
+            q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
+                f"transformer_blocks.{i}.attn.add_q_proj.weight")
+            if q:
+                doubles[i] = q[0]
+        for j in block_indices(shapes, "single_transformer_blocks"):
+            q = shapes.get(f"single_transformer_blocks.{j}.attn.to_q.weight")
+            mlp = shapes.get(f"single_transformer_blocks.{j}.proj_mlp.weight")
+            if q and mlp:
+                singles[j] = (q[0], mlp[0])
+    return doubles, singles
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    return present(pairs_for(*widths(shapes, layout)), shapes, layout)
+
+
+def lora_aliases(shapes: Shapes, layout: str) -> list[Alias]:
+    """On a BFL base: LyCORIS's Flux.2-style diffusers names (`ff.linear_in`, whole-`linear1`
+    `attn.to_qkv_mlp_proj`, `attn.to_out`), XLabs names, and ComfyUI's `linear1_qkv`."""
+    if layout != ORIGINAL:
+        return []
+    out: list[Alias] = []
+    for i in block_indices(shapes, "double_blocks"):
+        b = f"double_blocks.{i}"
+        for o, name in FF_LINEAR:
+            if f"{b}.{o}.weight" in shapes:
+                out.append(Alias(f"transformer_blocks.{i}.{name}", f"{b}.{o}.weight"))
+        for o, xl in XLABS:
+            if f"{b}.{o}.weight" in shapes:
+                out.append(Alias(f"{b}.{xl}", f"{b}.{o}.weight"))
+    for j in block_indices(shapes, "single_blocks"):
+        b = f"single_blocks.{j}"
+        for o, name in (("linear1", "attn.to_qkv_mlp_proj"), ("linear2", "attn.to_out")):
+            if f"{b}.{o}.weight" in shapes:
+                out.append(Alias(f"single_transformer_blocks.{j}.{name}", f"{b}.{o}.weight"))
+    for j, (h, _m) in widths(shapes, ORIGINAL)[1].items():
+        # ComfyUI's name for a LoRA on the attention rows of linear1 only
+        out.append(Alias(f"single_blocks.{j}.linear1_qkv", f"single_blocks.{j}.linear1.weight", (0, 3 * h)))
+    return out
+
+
+FAMILY = Family(
+    family_id="flux1",
+    label="Flux.1",
+    layouts={
+        ORIGINAL: Signature(BFL, check=_not_flux2),
+        DIFFUSERS: Signature(DIFFUSERS_SINGLE, check=_not_flux2),
+    },
+    identify=identify,
+    diffusers_class="FluxTransformer2DModel",
+    pairs=pairs,
+    lora_aliases=lora_aliases,
+    kohya_layout=ORIGINAL,
+    lora_namings=("kohya/ai-toolkit (BFL names)", "ComfyUI", "diffusers/PEFT", "OneTrainer", "SimpleTuner LyCORIS",
+                  "XLabs"),
+    high_precision={
+        ORIGINAL: (r"^(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)\.",),
+        DIFFUSERS: (r"^(x_embedder|context_embedder|time_text_embed|norm_out|proj_out)\.",),
+    },
+)

@@ -1,0 +1,116 @@
+"""Flux.2 (dev, klein): BFL layout <-> diffusers Flux2Transformer2DModel.
+
+The BFL layout is Flux.1's, minus biases and per-block modulations: one shared
+`double_stream_modulation_img/txt.lin` and `single_stream_modulation.lin`, gated MLPs
+(`img_mlp.0` is 2 x mlp rows), and single blocks whose `linear1` (qkv + gated mlp) and `linear2` are
+kept whole in diffusers (`attn.to_qkv_mlp_proj`, `attn.to_out`). Double-block `img_attn.qkv` is split
+into `to_q/k/v` (`txt_attn.qkv` into `add_*_proj`), and `final_layer.adaLN_modulation.1` is
+`norm_out.linear` with shift and scale swapped. Reference: diffusers
+`convert_flux2_transformer_checkpoint_to_diffusers` (there is no reverse converter).
+
+LoRAs: musubi-tuner/ai-toolkit name the BFL modules (`lora_unet_double_blocks_0_img_attn_qkv`),
+diffusers/PEFT the diffusers ones; a LoRA on the fused `qkv` lands on the three diffusers pieces and a
+LoRA on `to_q/k/v` on rows of `qkv`.
+"""
+
+from __future__ import annotations
+
+from ckpt.families.flux1 import BFL, flux2_evidence
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, present,
+                                thirds)
+
+BASIC = (
+    ("img_in", "x_embedder"),
+    ("txt_in", "context_embedder"),
+    ("time_in.in_layer", "time_guidance_embed.timestep_embedder.linear_1"),
+    ("time_in.out_layer", "time_guidance_embed.timestep_embedder.linear_2"),
+    ("guidance_in.in_layer", "time_guidance_embed.guidance_embedder.linear_1"),
+    ("guidance_in.out_layer", "time_guidance_embed.guidance_embedder.linear_2"),
+    ("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+    ("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
+    ("single_stream_modulation.lin", "single_stream_modulation.linear"),
+    ("final_layer.linear", "proj_out"),
+)
+DOUBLE = (
+    ("img_attn.proj", "attn.to_out.0"),
+    ("txt_attn.proj", "attn.to_add_out"),
+    ("img_mlp.0", "ff.linear_in"),
+    ("img_mlp.2", "ff.linear_out"),
+    ("txt_mlp.0", "ff_context.linear_in"),
+    ("txt_mlp.2", "ff_context.linear_out"),
+)
+DOUBLE_NORMS = (
+    ("img_attn.norm.query_norm", "attn.norm_q"),
+    ("img_attn.norm.key_norm", "attn.norm_k"),
+    ("txt_attn.norm.query_norm", "attn.norm_added_q"),
+    ("txt_attn.norm.key_norm", "attn.norm_added_k"),
+)
+SINGLE = (("linear1", "attn.to_qkv_mlp_proj"), ("linear2", "attn.to_out"))
+SINGLE_NORMS = (("norm.query_norm", "attn.norm_q"), ("norm.key_norm", "attn.norm_k"))
+
+DIFFUSERS_NAMES = at(r"(single_transformer_blocks_.\d+_.|transformer_blocks_.\d+_.ff(_context)?_.linear_(in|out))")
+
+
+def identify(keys, shapes, layout):
+    return "flux2", "Flux.2 transformer " + ("(BFL)" if layout == ORIGINAL else "(diffusers Flux2Transformer2DModel)")
+
+
+def pairs_for(doubles: dict[int, int], singles: list[int]) -> list[Pair]:
+    """BFL <-> diffusers tensors for double blocks {i: H} and single blocks [j]. Flux.2 has no biases."""
+    out = [Pair(f"{o}.weight", f"{d}.weight") for o, d in BASIC]
+    out.append(Pair("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight", transform="swap_halves"))
+    for i, h in doubles.items():
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
+            out.append(Pair(f"{b}.img_attn.qkv.weight", f"{d}.attn.{name}.weight", rows))
+        for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
+            out.append(Pair(f"{b}.txt_attn.qkv.weight", f"{d}.attn.{name}.weight", rows))
+        out += [Pair(f"{b}.{o}.weight", f"{d}.{n}.weight") for o, n in DOUBLE]
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+    for j in singles:
+        b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
+        out += [Pair(f"{b}.{o}.weight", f"{d}.{n}.weight") for o, n in SINGLE]
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+    return out
+
+
+def widths(shapes: Shapes, layout: str):
+    doubles = {}
+    if layout == ORIGINAL:
+        for i in block_indices(shapes, "double_blocks"):
+            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
+                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
+            if qkv:
+                doubles[i] = qkv[0] // 3
+        return doubles, block_indices(shapes, "single_blocks")
+    for i in block_indices(shapes, "transformer_blocks"):
+        q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
+            f"transformer_blocks.{i}.attn.add_q_proj.weight")
+        if q:
+            doubles[i] = q[0]
+    return doubles, block_indices(shapes, "single_transformer_blocks")
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    return present(pairs_for(*widths(shapes, layout)), shapes, layout)
+
+
+FAMILY = Family(
+    family_id="flux2",
+    label="Flux.2",
+    layouts={
+        ORIGINAL: Signature(BFL, check=flux2_evidence),
+        DIFFUSERS: Signature(DIFFUSERS_NAMES, check=flux2_evidence),
+    },
+    identify=identify,
+    diffusers_class="Flux2Transformer2DModel",
+    pairs=pairs,
+    kohya_layout=ORIGINAL,
+    lora_namings=("musubi/ai-toolkit/kohya (BFL names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
+                  "SimpleTuner LyCORIS"),
+    high_precision={
+        ORIGINAL: (r"^(img_in|txt_in|time_in|guidance_in|final_layer|(double|single)_stream_modulation\w*)\.",),
+        DIFFUSERS: (r"^(x_embedder|context_embedder|time_guidance_embed|norm_out|proj_out"
+                    r"|(double|single)_stream_modulation\w*)\.",),
+    },
+)

@@ -1,0 +1,230 @@
+"""SD1/SD2/SDXL UNets: LDM names (`input_blocks.4.1.proj_in`) <-> diffusers UNet2DConditionModel
+(`down_blocks.1.attentions.0.proj_in`). One module for the ids `sd1`, `sd2`, `sdxl` (the correspondence
+is the same); the cross-attention width tells which (768 / 1024 / 2048, SDXL refiner 1280).
+
+The block correspondence is derived from the file's own keys (which input blocks hold a downsampler,
+which output blocks an upsampler), so it holds for any number of levels and resnets per level without
+a config. Reference: diffusers `convert_ldm_unet_checkpoint`.
+
+LoRAs: kohya's SD1/SD2 LoRAs and every diffusers/PEFT LoRA name UNet modules the diffusers way, kohya's
+SDXL LoRAs the LDM way; old diffusers LoRAs name attention processors (`attn1.processor.to_q`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, SEP, Alias, Family, Pair, Shapes, Signature, at, block_indices,
+                                dim, has, module_of, prefixes_of)
+
+# LDM resnet submodules -> diffusers ResnetBlock2D submodules.
+RESNET = (
+    ("in_layers.0", "norm1"),
+    ("in_layers.2", "conv1"),
+    ("emb_layers.1", "time_emb_proj"),
+    ("out_layers.0", "norm2"),
+    ("out_layers.3", "conv2"),
+    ("skip_connection", "conv_shortcut"),
+)
+# Top-level modules. `label_emb` is SDXL's `add_embedding` (SD2-unCLIP's `class_embedding`: LoRA alias).
+BASIC = (
+    ("input_blocks.0.0", "conv_in"),
+    ("time_embed.0", "time_embedding.linear_1"),
+    ("time_embed.2", "time_embedding.linear_2"),
+    ("label_emb.0.0", "add_embedding.linear_1"),
+    ("label_emb.0.2", "add_embedding.linear_2"),
+    ("out.0", "conv_norm_out"),
+    ("out.2", "conv_out"),
+)
+UNCLIP = (("label_emb.0.0", "class_embedding.linear_1"), ("label_emb.0.2", "class_embedding.linear_2"))
+
+_ATTN_PROC = re.compile(r"\.(attn[12])\.(to_q|to_k|to_v|to_out\.0)$")
+
+
+def _blocks_from_ldm(keys) -> list[tuple[str, str, bool]]:
+    """(LDM prefix, diffusers prefix, is_resnet) for every block, walking the LDM layout."""
+    has_ = prefixes_of(keys)
+    out: list[tuple[str, str, bool]] = []
+    level, i = 0, 0
+    for n in block_indices(keys, "input_blocks"):
+        if n == 0:
+            continue
+        if f"input_blocks.{n}.0.op" in has_:
+            out.append((f"input_blocks.{n}.0.op", f"down_blocks.{level}.downsamplers.0.conv", False))
+            level, i = level + 1, 0
+            continue
+        out.append((f"input_blocks.{n}.0", f"down_blocks.{level}.resnets.{i}", True))
+        if f"input_blocks.{n}.1" in has_:
+            out.append((f"input_blocks.{n}.1", f"down_blocks.{level}.attentions.{i}", False))
+        i += 1
+    r = a = 0
+    for n in block_indices(keys, "middle_block"):
+        if f"middle_block.{n}.in_layers" in has_:
+            out.append((f"middle_block.{n}", f"mid_block.resnets.{r}", True))
+            r += 1
+        else:
+            out.append((f"middle_block.{n}", f"mid_block.attentions.{a}", False))
+            a += 1
+    level, i = 0, 0
+    for n in block_indices(keys, "output_blocks"):
+        out.append((f"output_blocks.{n}.0", f"up_blocks.{level}.resnets.{i}", True))
+        if f"output_blocks.{n}.1" in has_ and f"output_blocks.{n}.1.conv" not in has_:
+            out.append((f"output_blocks.{n}.1", f"up_blocks.{level}.attentions.{i}", False))
+        up = next((c for c in (1, 2) if f"output_blocks.{n}.{c}.conv" in has_), None)
+        if up is not None:
+            out.append((f"output_blocks.{n}.{up}.conv", f"up_blocks.{level}.upsamplers.0.conv", False))
+            level, i = level + 1, 0
+        else:
+            i += 1
+    return out
+
+
+def _blocks_from_diffusers(keys) -> list[tuple[str, str, bool]]:
+    """The same correspondence, walking a diffusers UNet2DConditionModel layout."""
+    has_ = prefixes_of(keys)
+    out: list[tuple[str, str, bool]] = []
+    n = 1
+    for x in block_indices(keys, "down_blocks"):
+        for i in block_indices(keys, f"down_blocks.{x}.resnets"):
+            out.append((f"input_blocks.{n}.0", f"down_blocks.{x}.resnets.{i}", True))
+            if f"down_blocks.{x}.attentions.{i}" in has_:
+                out.append((f"input_blocks.{n}.1", f"down_blocks.{x}.attentions.{i}", False))
+            n += 1
+        if f"down_blocks.{x}.downsamplers.0.conv" in has_:
+            out.append((f"input_blocks.{n}.0.op", f"down_blocks.{x}.downsamplers.0.conv", False))
+            n += 1
+    m = 0
+    for i in block_indices(keys, "mid_block.resnets"):
+        out.append((f"middle_block.{m}", f"mid_block.resnets.{i}", True))
+        m += 1
+        if f"mid_block.attentions.{i}" in has_:
+            out.append((f"middle_block.{m}", f"mid_block.attentions.{i}", False))
+            m += 1
+    n = 0
+    for x in block_indices(keys, "up_blocks"):
+        resnets = block_indices(keys, f"up_blocks.{x}.resnets")
+        for i in resnets:
+            out.append((f"output_blocks.{n}.0", f"up_blocks.{x}.resnets.{i}", True))
+            c = 1
+            if f"up_blocks.{x}.attentions.{i}" in has_:
+                out.append((f"output_blocks.{n}.1", f"up_blocks.{x}.attentions.{i}", False))
+                c = 2
+            if i == resnets[-1] and f"up_blocks.{x}.upsamplers.0.conv" in has_:
+                out.append((f"output_blocks.{n}.{c}.conv", f"up_blocks.{x}.upsamplers.0.conv", False))
+            n += 1
+    return out
+
+
+def _translate(module: str, table: dict[str, list[tuple[str, bool]]], resnet_renames) -> list[str]:
+    """Names of `module` in the other layout, by its longest block prefix in `table`."""
+    parts = module.split(".")
+    for cut in range(len(parts), 0, -1):
+        head = ".".join(parts[:cut])
+        if head not in table:
+            continue
+        rest = ".".join(parts[cut:])
+        outs = []
+        for other, is_resnet in table[head]:
+            r = rest
+            if is_resnet:
+                for a, b in resnet_renames:
+                    if r == a or r.startswith(a + "."):
+                        r = b + r[len(a):]
+                        break
+            outs.append(other + ("." + r if r else ""))
+        return outs
+    return []
+
+
+def _table(keys, layout: str):
+    """{block prefix in `layout`: [(prefix in the other layout, is_resnet)]} and the resnet renames."""
+    table: dict[str, list[tuple[str, bool]]] = {}
+    if layout == ORIGINAL:
+        for ldm, dif, res in _blocks_from_ldm(keys):
+            table.setdefault(ldm, []).append((dif, res))
+        for ldm, dif in BASIC:
+            table.setdefault(ldm, []).append((dif, False))
+        return table, RESNET
+    for ldm, dif, res in _blocks_from_diffusers(keys):
+        table.setdefault(dif, []).append((ldm, res))
+    for ldm, dif in BASIC + UNCLIP:
+        table.setdefault(dif, []).append((ldm, False))
+    return table, tuple((b, a) for a, b in RESNET)
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    """One Pair per tensor of the UNet (weights, biases, norms): renames only."""
+    table, rn = _table(shapes, layout)
+    out = []
+    for key in shapes:
+        module, _, param = key.rpartition(".")
+        for other in _translate(module, table, rn):
+            other_key = f"{other}.{param}"
+            out.append(Pair(key, other_key) if layout == ORIGINAL else Pair(other_key, key))
+    return out
+
+
+def _processor_names(diffusers_module: str) -> list[str]:
+    """Old diffusers attention-processor LoRA names (`attn1.processor.to_q`, `processor.to_out`)."""
+    m = _ATTN_PROC.search(diffusers_module)
+    if not m:
+        return []
+    proj = "to_out" if m.group(2) == "to_out.0" else m.group(2)
+    return [diffusers_module[: m.start()] + f".{m.group(1)}.processor.{proj}"]
+
+
+def lora_aliases(shapes: Shapes, layout: str) -> list[Alias]:
+    out = []
+    if layout == ORIGINAL:
+        for p in pairs(shapes, layout):
+            if p.original.endswith(".weight"):
+                out += [Alias(n, p.original) for n in _processor_names(module_of(p.diffusers))]
+        for ldm, name in UNCLIP:
+            if f"{ldm}.weight" in shapes:
+                out.append(Alias(name, f"{ldm}.weight"))
+        return out
+    for key in shapes:
+        if key.endswith(".weight"):
+            out += [Alias(n, key) for n in _processor_names(module_of(key))]
+    return out
+
+
+def _ldm_unet(keys, shapes) -> tuple[str | None, str]:
+    ctx = dim(shapes, keys, rf"attn2{SEP}to_k(\.weight)?$", 1)
+    if has(keys, at(r"label_emb_.")) or has(keys, at(r"add_embedding_.")):
+        return "sdxl", "SDXL refiner UNet" if ctx == 1280 else "SDXL UNet"
+    return {2048: ("sdxl", "SDXL UNet"), 768: ("sd1", "SD1 UNet"), 1024: ("sd2", "SD2 UNet")}.get(
+        ctx, (None, "SD1/SD2/SDXL UNet"))
+
+
+def identify(keys, shapes, layout):
+    fid, label = _ldm_unet(keys, shapes)
+    if layout == ORIGINAL:
+        return fid, label + " (LDM)"
+    if fid is None and not has(keys, at(r"add_embedding_.")) and has(keys, rf"down_blocks{SEP}[12]{SEP}attentions") \
+            and not has(keys, rf"down_blocks{SEP}0{SEP}attentions"):
+        fid, label = "sdxl", "SDXL UNet"  # SDXL has no attention in its first level
+    return fid, label + " (diffusers UNet2DConditionModel)"
+
+
+FAMILY = Family(
+    family_id="sd1",
+    ids=("sd2", "sdxl"),
+    label="SD1/SD2/SDXL UNet",
+    layouts={
+        ORIGINAL: Signature(at(r"(input_blocks|output_blocks)_.\d+_.\d+_.")),
+        DIFFUSERS: Signature(at(r"(down_blocks|up_blocks)_.\d+_.(resnets|attentions)_."),
+                             forbidden=(at(r"(encoder_.down_blocks|decoder_.up_blocks)_."),)),
+    },
+    identify=identify,
+    diffusers_class="UNet2DConditionModel",
+    pairs=pairs,
+    lora_aliases=lora_aliases,
+    kohya_layout=None,  # SD1/SD2: diffusers names; SDXL: LDM names (both answer on either base)
+    lora_namings=("kohya (SD1/SD2 diffusers names, SDXL LDM names)", "diffusers/PEFT", "old diffusers processors",
+                  "OneTrainer", "SimpleTuner LyCORIS"),
+    high_precision={
+        ORIGINAL: (r"^(input_blocks\.0\.|out\.|time_embed\.|label_emb\.)",),
+        DIFFUSERS: (r"^(conv_in|conv_out|conv_norm_out|time_embedding|add_embedding|class_embedding)\.",),
+    },
+)

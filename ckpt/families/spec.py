@@ -1,0 +1,229 @@
+"""The vocabulary every family module is written in: `Family`, `Signature`, `Pair`, `Alias`, and small
+helpers over key sets. Pure data and functions over names and shapes; nothing here reads tensors.
+
+A *layout* is a naming scheme of one model: "original" (the reference implementation's names, what
+ComfyUI single files, BFL/SAI/Wan releases, kohya/musubi use) or "diffusers" (the diffusers model
+class's names, what diffusers, PEFT and SimpleTuner use). Families with a single naming (T5, LLMs) have
+layout None.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+Shapes = dict[str, tuple[int, ...]]
+
+ORIGINAL, DIFFUSERS = "original", "diffusers"
+LAYOUTS = (ORIGINAL, DIFFUSERS)
+
+# Parameter suffixes that name a module's main tensor; a LoRA module name is the key without them.
+PARAM_SUFFIXES = (".weight", ".scale")
+
+SEP = r"[._]"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One tensor of the original layout and the diffusers tensor made from it.
+
+    `rows` is the [start, stop) slice of the original tensor that the diffusers tensor is (fused qkv,
+    qkv+mlp); `transform` is what turns the original rows into the diffusers tensor:
+    "swap_halves" (adaLN shift/scale order; its own inverse), "transpose" (2-D; its own inverse),
+    "squeeze" (original [o, i, 1, 1...] -> diffusers [o, i]; inverse: the original shape back).
+    A side that is None marks a tensor that exists in one layout only (diffusers' converter drops it,
+    or the model class makes it): layout conversion drops it with a note and cannot bring it back.
+    """
+
+    original: str | None
+    diffusers: str | None
+    rows: tuple[int, int] | None = None
+    transform: str | None = None
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An extra LoRA module name (relative to the model) for rows of one base tensor: names a trainer
+    uses that are in neither layout (XLabs `processor.qkv_lora1`, old diffusers `attn1.processor.to_q`,
+    HF CLIP names of an OpenCLIP tower)."""
+
+    name: str
+    key: str
+    rows: tuple[int, int] | None = None
+    transform: str | None = None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How to recognise one layout of a family from tensor (or LoRA module) names.
+
+    Patterns are regexes searched in each key; write `_.` where a separator may be `.` or `_` so the same
+    rule recognises `blocks.0.self_attn.q.weight` and kohya's `blocks_0_self_attn_q` (use `at()`).
+    The score is how many keys `primary` finds; every pattern of `required` must find a key, none of
+    `forbidden` may, and `check(keys, shapes)`, when given, must say yes (shapes may be partial: a
+    LoRA's factors tell only some base shapes)."""
+
+    primary: str
+    required: tuple[str, ...] = ()
+    forbidden: tuple[str, ...] = ()
+    check: Callable[[list[str], Shapes], bool] | None = None
+
+    def score(self, keys: list[str], shapes: Shapes) -> int:
+        hits = _count(keys, self.primary)
+        if not hits:
+            return 0
+        if not all(_count(keys, p, first=True) for p in self.required):
+            return 0
+        if any(_count(keys, p, first=True) for p in self.forbidden):
+            return 0
+        if self.check is not None and not self.check(keys, shapes):
+            return 0
+        return hits
+
+    @property
+    def specificity(self) -> int:
+        return len(self.required) + len(self.forbidden) + (self.check is not None)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: recognition, correspondence between its layouts, and the facts the commands
+    that read it need. Declared as `FAMILY = Family(...)` in one module of `ckpt.families`.
+
+    - `family_id`: the stable id (`ckpt inspect --json`), `ids`: further ids this module answers for when
+      several share one correspondence (sd1/sd2/sdxl); `identify(keys, shapes, layout)` returns
+      (family id or None when the keys cannot tell, free-text label).
+    - `layouts`: layout name ("original", "diffusers", or None for single-naming families) -> Signature.
+    - `pairs(shapes, layout)`: every Pair of the model whose keys (prefix stripped) and shapes are given,
+      in that layout. Widths come from the shapes; nothing is hard-coded to one model size.
+    - `lora_aliases(shapes, layout)`: extra LoRA module names (Alias) beyond both layouts' names.
+    - `kohya_layout`: the layout kohya/musubi (`lora_unet_<path with _>`) module names follow.
+    - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
+      (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
+    """
+
+    family_id: str
+    label: str
+    layouts: dict[str | None, Signature]
+    identify: Callable[[list[str], Shapes, str | None], tuple[str | None, str]] | None = None
+    ids: tuple[str, ...] = ()
+    diffusers_class: str | None = None
+    config_classes: tuple[str, ...] = ()
+    pairs: Callable[[Shapes, str], list[Pair]] | None = None
+    lora_aliases: Callable[[Shapes, str], list[Alias]] | None = None
+    kohya_layout: str | None = None
+    lora_namings: tuple[str, ...] = ()
+    high_precision: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
+
+    @property
+    def all_ids(self) -> tuple[str, ...]:
+        return (self.family_id,) + tuple(i for i in self.ids if i != self.family_id)
+
+    def describe(self, keys: list[str], shapes: Shapes, layout: str | None) -> tuple[str | None, str]:
+        if self.identify is not None:
+            return self.identify(keys, shapes, layout)
+        return self.family_id, self.label
+
+    def keeps_high_precision(self, key: str, shape: tuple[int, ...], layout: str | None) -> bool:
+        """Whether a quantizing writer keeps this tensor in high precision (1-D tensors always)."""
+        if len(shape) <= 1:
+            return True
+        return any(re.search(p, key) for p in self.high_precision.get(layout or "", ()))
+
+
+@dataclass(frozen=True)
+class Match:
+    """What a set of keys is: the family module, the id it resolved to (None: the keys do not tell
+    which of the module's ids), the layout, a free-text label, and how many keys the signature found."""
+
+    family: Family
+    family_id: str | None
+    layout: str | None
+    label: str
+    hits: int
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+def at(body: str) -> str:
+    """`body` starting at a name boundary; `_.` in body stands for either separator."""
+    return rf"(^|{SEP})" + body.replace("_.", SEP)
+
+
+def start(body: str) -> str:
+    """`body` at the start of the key (families whose top-level names are common words: `blocks.`)."""
+    return "^" + body.replace("_.", SEP)
+
+
+def _count(keys: Iterable[str], pattern: str, first: bool = False) -> int:
+    rx = re.compile(pattern)
+    n = 0
+    for k in keys:
+        if rx.search(k):
+            n += 1
+            if first:
+                return n
+    return n
+
+
+def has(keys: Iterable[str], pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    return [k for k in keys if rx.search(k)]
+
+
+def dim(shapes: Shapes, keys: Iterable[str], pattern: str, axis: int) -> int | None:
+    """Size along `axis` of the first key matching `pattern` whose shape is known."""
+    for k in has(keys, pattern):
+        s = shapes.get(k)
+        if s is not None and len(s) > axis:
+            return s[axis]
+    return None
+
+
+def module_of(key: str) -> str:
+    """`a.b.weight` -> `a.b`; keys without a parameter suffix are their own module name."""
+    for suffix in PARAM_SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
+
+
+def prefixes_of(keys) -> set[str]:
+    """Every dotted prefix of every key (`a`, `a.b`, `a.b.c` for `a.b.c`): cheap `has_module` tests."""
+    out: set[str] = set()
+    for k in keys:
+        parts = k.split(".")
+        for i in range(1, len(parts) + 1):
+            out.add(".".join(parts[:i]))
+    return out
+
+
+def block_indices(keys, head: str) -> list[int]:
+    """Sorted N of keys `head.N.…` (e.g. `double_blocks`)."""
+    found = set()
+    lead = head + "."
+    for k in keys:
+        if k.startswith(lead):
+            rest = k[len(lead):].split(".", 1)[0]
+            if rest.isdigit():
+                found.add(int(rest))
+    return sorted(found)
+
+
+def thirds(begin: int, width: int) -> list[tuple[int, int]]:
+    """Row ranges of q, k, v in a fused qkv weight whose pieces are `width` rows each."""
+    return [(begin + i * width, begin + (i + 1) * width) for i in range(3)]
+
+
+def renames(table, prefix_o: str = "", prefix_d: str = "", ends=("weight", "bias")) -> list[Pair]:
+    """Pairs for a table of (original module, diffusers module) renames, one per parameter suffix."""
+    return [Pair(f"{prefix_o}{o}.{e}", f"{prefix_d}{d}.{e}") for o, d in table for e in ends]
+
+
+def present(pairs: list[Pair], shapes: Shapes, layout: str) -> list[Pair]:
+    """The pairs whose tensor in `layout` exists in `shapes` (tables list optional tensors too: biases,
+    I2V-only modules). A pair with no tensor on this side does not concern a file of this layout."""
+    side = (lambda p: p.original) if layout == ORIGINAL else (lambda p: p.diffusers)
+    return [p for p in pairs if side(p) is not None and side(p) in shapes]

@@ -1,0 +1,149 @@
+"""Test helpers shared by the family tests: tiny diffusers models of each family, values no other tensor
+shares, and the original layout of a diffusers state dict made from a family's pairs (checked, in every
+test that uses it, by diffusers' own converter in the forward direction).
+
+Adding a family's tests: add a `tiny_<family>()` maker here and a case to the lists in
+tests/test_families.py and tests/test_merge_families.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+from ckpt.families import DIFFUSERS, ORIGINAL, Family
+
+logging.getLogger("diffusers").setLevel(logging.ERROR)
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def shapes(sd: dict) -> dict:
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+def unique_values(sd: dict, dtype=torch.float32) -> dict:
+    """The same keys and shapes, every element a value no other element has (small ints, exact in fp32)."""
+    out, n = {}, 0
+    for k, v in sd.items():
+        out[k] = torch.arange(n, n + v.numel(), dtype=dtype).reshape(v.shape)
+        n += v.numel()
+    return out
+
+
+def state_dict(model) -> dict:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def _transform(t: torch.Tensor, name: str | None) -> torch.Tensor:
+    if name is None:
+        return t
+    if name == "swap_halves":
+        a, b = t.chunk(2, dim=0)
+        return torch.cat([b, a])
+    if name == "transpose":
+        return t.T.contiguous()
+    raise ValueError(name)
+
+
+def original_from_pairs(family: Family, diffusers_sd: dict) -> dict:
+    """The original-layout state dict of a diffusers one, put together from the family's pairs."""
+    pieces: dict[str, list] = {}
+    for p in family.pairs(shapes(diffusers_sd), DIFFUSERS):
+        if p.original is None:
+            continue
+        pieces.setdefault(p.original, []).append(p)
+    out = {}
+    for key, ps in pieces.items():
+        ps.sort(key=lambda p: p.rows[0] if p.rows else 0)
+        out[key] = torch.cat([_transform(diffusers_sd[p.diffusers], p.transform) for p in ps]).contiguous()
+    return out
+
+
+def diffusers_from_pairs(family: Family, original_sd: dict) -> dict:
+    out = {}
+    for p in family.pairs(shapes(original_sd), ORIGINAL):
+        if p.diffusers is None:
+            continue
+        t = original_sd[p.original]
+        if p.rows:
+            t = t[p.rows[0]:p.rows[1]]
+        out[p.diffusers] = _transform(t, p.transform).contiguous()
+    return out
+
+
+# ------------------------------------------------------------------------------------- tiny models
+
+def tiny_wan(kind: str = "t2v"):
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+
+    kw = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+              text_dim=16, freq_dim=8, ffn_dim=32, num_layers=2)
+    if kind == "i2v":
+        return WanTransformer3DModel(**kw, image_dim=12, added_kv_proj_dim=12)
+    if kind == "vace":
+        return WanVACETransformer3DModel(**kw, vace_layers=[0], vace_in_channels=6)
+    return WanTransformer3DModel(**kw)
+
+
+def tiny_flux2():
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                                   num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=8,
+                                   axes_dims_rope=(2, 2, 2, 2))
+
+
+def tiny_flux1():
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+                                  guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+
+
+def tiny_sd3():
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                                 pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8,
+                                 dual_attention_layers=(0,), qk_norm="rms_norm")
+
+
+def tiny_unet(kind: str = "sd1"):
+    from diffusers import UNet2DConditionModel
+
+    if kind == "sdxl":
+        return UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2), cross_attention_dim=2048, attention_head_dim=8, norm_num_groups=32,
+            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=2048 + 6 * 8)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32)
+
+
+def tiny_clip(width: int = 32, proj: int = 24):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
+                         vocab_size=64, max_position_embeddings=8, projection_dim=proj, bos_token_id=0,
+                         eos_token_id=1, pad_token_id=1)
+    return CLIPTextModelWithProjection(cfg)
+
+
+def flux1_converter(width: int):
+    """diffusers' BFL -> diffusers Flux converter with its one hard-coded constant, Flux's width 3072,
+    set to `width` (it is only used to split `linear1`); everything else is diffusers' own code."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers as fn
+
+    code = fn.__code__
+    assert code.co_consts.count(3072) == 1
+    consts = tuple(width if c == 3072 and type(c) is int else c for c in code.co_consts)
+    return types.FunctionType(code.replace(co_consts=consts), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
