@@ -59,6 +59,11 @@ class Caster:
         self.target, self.report, self.clamp = target, report, clamp
 
     def __call__(self, x: torch.Tensor, name: str, buffers: Buffers | None = None) -> torch.Tensor:
+        # Element-wise work on a flat view: the result has x's shape, but reductions and masks never walk
+        # a shape like [1] * 100000 + [4] (torch takes minutes reducing over that many dims).
+        return self._cast(x.reshape(-1), name, buffers).view(x.shape)
+
+    def _cast(self, x: torch.Tensor, name: str, buffers: Buffers | None) -> torch.Tensor:
         dst = self.target
         if not is_float(x.dtype) or x.dtype == dst:
             if is_float(x.dtype):

@@ -6,6 +6,7 @@ Shared by every command: a command supplies `make(tensor) -> list[OutTensor]` fo
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import PurePosixPath
@@ -17,6 +18,8 @@ from ckpt import __version__
 from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES
 from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.errors import CkptError
+from ckpt.io.header import MAX_HEADER
+from ckpt.io.writer import layout as header_layout
 from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, safetensors_name, shard
 
 QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
@@ -86,6 +89,8 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
             return meta
 
         files, indexes = plan_component(comp, outs, metadata_of, max_shard_size, single, file_format)
+        for f in files:
+            _check_header_size(comp, f)
         plan.files += files
         plan.indexes.update(indexes)
         plan.notes += view.notes
@@ -118,6 +123,21 @@ def _main_dtype(files) -> torch.dtype | None:
             if t.dtype.is_floating_point:
                 counts[t.dtype] = counts.get(t.dtype, 0) + math.prod(t.shape)
     return max(counts, key=counts.get) if counts else None
+
+
+def _check_header_size(comp: Component, f: OutFile) -> None:
+    """An output safetensors header over the 100 MB safetensors readers accept would be unreadable: refuse
+    it while planning (an input header just under the limit grows by ckpt's provenance metadata)."""
+    if f.format != "safetensors":
+        return
+    head, _ = header_layout([t.entry for t in f.tensors], f.metadata)
+    if len(head) - 8 <= MAX_HEADER:
+        return
+    meta = len(json.dumps(f.metadata, ensure_ascii=False).encode())
+    why = (f"its __metadata__ alone is {meta / 1e6:.1f} MB" if meta > MAX_HEADER // 2 else
+           f"{len(f.tensors)} tensors; --max-shard-size splits them over several files")
+    raise CkptError(f"{comp.where}: the output {f.relpath or 'file'} would have a {(len(head) - 8) / 1e6:.1f} MB header, "
+                    f"over the {MAX_HEADER / 1e6:.0f} MB that safetensors readers accept ({why}); nothing was written")
 
 
 def _config_edit(dequantized: bool, dtype: torch.dtype | None):
