@@ -52,6 +52,48 @@ def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None) -> to
     return y.view(x.shape)
 
 
+# NaN payloads: devices disagree (CUDA's fp32 -> fp16 gives 0x7FFF for every NaN, x86 keeps sign and payload)
+# and even torch's CPU kernels do in two cases (their vector body and scalar tail give different NaNs for
+# fp16 -> fp32 and fp64 -> bf16). Every NaN a cast makes is therefore rewritten with one rule, computed with
+# integer operations on whatever device holds it: the bytes torch 2.13 writes on x86 CPUs (the vector body
+# where the two disagree), measured in tests/test_cast_nan.py for random payloads of every source/target pair.
+_BITS = {torch.float64: (torch.int64, 52, 11), torch.float32: (torch.int32, 23, 8),
+         torch.float16: (torch.int16, 10, 5), torch.bfloat16: (torch.int16, 7, 8)}
+_NAN_CONSTANT = {(torch.float32, torch.bfloat16): 0xFFFF, (torch.float64, torch.bfloat16): 0xFFFF,
+                 (torch.float16, torch.bfloat16): 0x7FC0}
+
+
+def nan_bits(x: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
+    """The `dst` values torch's CPU cast gives the NaNs `x` (a tensor of NaNs only): a fixed NaN for the
+    pairs listed in _NAN_CONSTANT; bf16 -> fp32 shifts the bits (exact); every other pair keeps the sign,
+    sets the quiet bit and truncates or zero-extends the payload."""
+    itype, ms, es = _BITS[x.dtype]
+    otype, md, ed = _BITS[dst]
+    width = 1 + md + ed
+    if (x.dtype, dst) in _NAN_CONSTANT:
+        out = torch.full(x.shape, _NAN_CONSTANT[(x.dtype, dst)], dtype=torch.int64, device=x.device)
+    else:
+        b = x.view(itype).to(torch.int64)
+        if x.dtype != torch.float64:
+            b = b & ((1 << (1 + ms + es)) - 1)  # the unsigned bit pattern
+        sign = (b >> (ms + es)) & 1
+        frac = b & ((1 << ms) - 1)
+        frac = frac >> (ms - md) if ms >= md else frac << (md - ms)
+        quiet = 0 if (x.dtype, dst) == (torch.bfloat16, torch.float32) else 1 << (md - 1)
+        out = (sign << (width - 1)) | (((1 << ed) - 1) << md) | quiet | frac
+    out = out - (out >= (1 << (width - 1))).to(torch.int64) * (1 << width)  # as a signed `width`-bit integer
+    return out.to(otype).view(dst)
+
+
+def canonical_nans(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Rewrite, in place, the NaNs of `y` (the cast of `x`) with `nan_bits`: the same bytes on every device."""
+    if x.dtype not in _BITS or y.dtype not in _BITS or y.dtype == torch.float64 or x.dtype == y.dtype:
+        return
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        y[nan] = nan_bits(x[nan], y.dtype)
+
+
 class Caster:
     """Casts bands of floating tensors to `target`, counting what the user must know about."""
 
@@ -87,6 +129,7 @@ class Caster:
             # (values just above `limit` round down to it and are not overflows).
             bad_in = ~torch.isfinite(x)
             self.report.count("nonfinite_input", name, int(bad_in.sum()))
+            canonical_nans(x, y)
             over = torch.isinf(y) & ~bad_in
             n_over = int(over.sum())
             if n_over and self.clamp:
