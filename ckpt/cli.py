@@ -33,8 +33,14 @@ def cli():
 @cli.command()
 @click.argument("src")
 @click.option("-o", "--output", "out", help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
-@click.option("--to", "to", required=True, type=click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn"]),
-              help="Target dtype of floating tensors.")
+@click.option("--to", "to", type=click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn"]),
+              help="Target dtype of floating tensors (optional with --layout: keep each tensor's dtype).")
+@click.option("--layout", type=click.Choice(["diffusers", "original"]),
+              help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
+                   "original layout (one file with the reference keys).")
+@click.option("--config", "config", metavar="REF",
+              help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
+                   "instead of the one derived from the shapes.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype (repeatable).")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
@@ -44,12 +50,14 @@ def cli():
 @DEVICE
 @OVERWRITE
 @QUIET
-def convert(src, out, to, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
-    """Cast a checkpoint to fp32/fp16/bf16 (decoding every FP8 layout), or to fp8."""
+def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
+    """Cast a checkpoint to fp32/fp16/bf16 (decoding every FP8 layout) or fp8, and/or rename it to its
+    family's diffusers or original layout."""
     from ckpt.convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size,
-                          device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run, format=fmt)
+                          device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run, format=fmt,
+                          layout=layout, config=config)
     path, report = run(src, out, opts)
     _print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")

@@ -21,7 +21,7 @@ from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, out
 
 @dataclass
 class ConvertOptions:
-    to: str
+    to: str | None  # None: keep each tensor's dtype (only with layout)
     keep: list[str] = field(default_factory=list)
     clamp: bool = False
     scaled: bool = False
@@ -31,18 +31,25 @@ class ConvertOptions:
     quiet: bool = False
     dry_run: bool = False
     format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else safetensors
+    layout: str | None = None  # "diffusers" | "original": rename to that layout (ckpt.convert.layout)
+    config: str | None = None  # --config REF: the diffusers config.json for --layout diffusers
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
-    if opts.to not in TARGETS:
+    if opts.to is None and opts.layout is None:
+        raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
+    if opts.to is not None and opts.to not in TARGETS:
         raise CkptError(f"--to {opts.to}: unknown dtype (choose {', '.join(TARGETS)})")
-    target = TARGETS[opts.to]
+    if opts.config and opts.layout != "diffusers":
+        raise CkptError("--config applies to --layout diffusers only")
+    target = TARGETS[opts.to] if opts.to else None
     if opts.scaled and target != torch.float8_e4m3fn:
         raise CkptError("--scaled applies to --to fp8_e4m3fn only")
     views = [logical_view(c) for c in ckpt.components]
 
     def out_dtype(t):
-        return t.natural_dtype if any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep) else target
+        keep = target is None or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
+        return t.natural_dtype if keep else target
 
     if opts.scaled:
         from ckpt.convert.fp8_out import scaled_fp8_outputs
@@ -52,9 +59,17 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
         make = cast_outputs(report, out_dtype, clamp=opts.clamp)
 
     shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
-    op = f"convert --to {opts.to}" + (" --scaled" if opts.scaled else "")
-    plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size, file_format=file_format,
-                           output_dtype=lambda c: target if target in (torch.float16, torch.bfloat16, torch.float32) else None)
+    op = "convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "") \
+        + (" --scaled" if opts.scaled else "")
+    if opts.layout is not None:
+        from ckpt.convert.layout import plan_layout
+
+        plan = plan_layout(ckpt, views, make, layout=opts.layout, operation=op, config_ref=opts.config,
+                           max_shard_size=shard_size, file_format=file_format)
+    else:
+        plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size, file_format=file_format,
+                               output_dtype=lambda c: target if target in (torch.float16, torch.bfloat16, torch.float32)
+                               else None)
     plan.notes += decoded_notes(ckpt, views)
     return plan, views
 
@@ -66,9 +81,9 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
     fmt = output_format(opts.format, out)
     with open_checkpoint(src) as ckpt:
         plan, _ = plan_convert(ckpt, opts, report, fmt)
-        suffix = opts.to + ("-scaled" if opts.scaled else "")
+        suffix = "-".join(x for x in (opts.layout, opts.to) if x) + ("-scaled" if opts.scaled else "")
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=file_ext(fmt))
-        out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report,
-                         desc=f"convert -> {short_name(TARGETS[opts.to])}", device=device,
+        desc = "convert -> " + " ".join(x for x in (opts.layout, short_name(TARGETS[opts.to]) if opts.to else None) if x)
+        out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc=desc, device=device,
                          overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

@@ -14,8 +14,8 @@ ComfyUI `single_blocks.N.linear1_qkv` for the attention rows of `linear1`.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, Family, Pair, Shapes, Signature, at, block_indices,
-                                dim, has, present, renames, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
+                                block_indices, blocks_count, dim, has, present, renames, thirds)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -173,6 +173,33 @@ def lora_aliases(shapes: Shapes, layout: str) -> list[Alias]:
     return out
 
 
+# What the weights do not say (diffusers' FluxTransformer2DModel configs of the Flux.1 releases).
+CONVENTIONS = {"patch_size": 1, "axes_dims_rope": {128: [16, 56, 56]}}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    head = s["transformer_blocks.0.attn.norm_q.weight"][0]
+    width = s["x_embedder.weight"][0]
+    rope = CONVENTIONS["axes_dims_rope"].get(head)
+    if rope is None:
+        raise ConventionError(f"Flux.1's rope axes are known for an attention head size of 128, not {head}")
+    in_ch, out_ch = s["x_embedder.weight"][1], s["proj_out.weight"][0]
+    return {
+        "_class_name": "FluxTransformer2DModel",
+        "patch_size": CONVENTIONS["patch_size"],
+        "in_channels": in_ch,
+        "out_channels": None if out_ch == in_ch else out_ch,
+        "num_layers": blocks_count(s, "transformer_blocks"),
+        "num_single_layers": blocks_count(s, "single_transformer_blocks"),
+        "attention_head_dim": head,
+        "num_attention_heads": width // head,
+        "joint_attention_dim": s["context_embedder.weight"][1],
+        "pooled_projection_dim": s["time_text_embed.text_embedder.linear_1.weight"][1],
+        "guidance_embeds": "time_text_embed.guidance_embedder.linear_1.weight" in s,
+        "axes_dims_rope": rope,
+    }
+
+
 FAMILY = Family(
     family_id="flux1",
     label="Flux.1",
@@ -184,6 +211,7 @@ FAMILY = Family(
     diffusers_class="FluxTransformer2DModel",
     pairs=pairs,
     lora_aliases=lora_aliases,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("kohya/ai-toolkit (BFL names)", "ComfyUI", "diffusers/PEFT", "OneTrainer", "SimpleTuner LyCORIS",
                   "XLabs"),

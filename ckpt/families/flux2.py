@@ -16,8 +16,8 @@ LoRA on `to_q/k/v` on rows of `qkv`.
 from __future__ import annotations
 
 from ckpt.families.flux1 import BFL, flux2_evidence
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, present,
-                                thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
+                                block_indices, blocks_count, present, thirds)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -95,6 +95,39 @@ def pairs(shapes: Shapes, layout: str) -> list[Pair]:
     return present(pairs_for(*widths(shapes, layout)), shapes, layout)
 
 
+# What the weights do not say (diffusers' Flux2Transformer2DModel configs of the Flux.2 releases).
+CONVENTIONS = {"patch_size": 1, "axes_dims_rope": {128: [32, 32, 32, 32]}, "rope_theta": 2000, "eps": 1e-6}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    head = s["transformer_blocks.0.attn.norm_q.weight"][0] if "transformer_blocks.0.attn.norm_q.weight" in s else \
+        s["single_transformer_blocks.0.attn.norm_q.weight"][0]
+    width = s["x_embedder.weight"][0]
+    rope = CONVENTIONS["axes_dims_rope"].get(head)
+    if rope is None:
+        raise ConventionError(f"Flux.2's rope axes are known for an attention head size of 128, not {head}")
+    lin_in = s.get("transformer_blocks.0.ff.linear_in.weight")
+    in_ch = s["x_embedder.weight"][1]
+    out_ch = s["proj_out.weight"][0]
+    return {
+        "_class_name": "Flux2Transformer2DModel",
+        "patch_size": CONVENTIONS["patch_size"],
+        "in_channels": in_ch,
+        "out_channels": None if out_ch == in_ch else out_ch,
+        "num_layers": blocks_count(s, "transformer_blocks"),
+        "num_single_layers": blocks_count(s, "single_transformer_blocks"),
+        "attention_head_dim": head,
+        "num_attention_heads": width // head,
+        "joint_attention_dim": s["context_embedder.weight"][1],
+        "timestep_guidance_channels": s["time_guidance_embed.timestep_embedder.linear_1.weight"][1],
+        "mlp_ratio": lin_in[0] / 2 / width if lin_in else 3.0,
+        "axes_dims_rope": rope,
+        "rope_theta": CONVENTIONS["rope_theta"],
+        "eps": CONVENTIONS["eps"],
+        "guidance_embeds": "time_guidance_embed.guidance_embedder.linear_1.weight" in s,
+    }
+
+
 FAMILY = Family(
     family_id="flux2",
     label="Flux.2",
@@ -105,6 +138,7 @@ FAMILY = Family(
     identify=identify,
     diffusers_class="Flux2Transformer2DModel",
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("musubi/ai-toolkit/kohya (BFL names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
                   "SimpleTuner LyCORIS"),

@@ -11,8 +11,10 @@ LoRAs: diffusers/PEFT and OneTrainer name the diffusers modules, kohya the SAI o
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, present,
-                                renames, thirds)
+import math
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, blocks_count,
+                                present, renames, thirds)
 
 BASIC = (
     ("x_embedder.proj", "pos_embed.proj"),
@@ -86,6 +88,35 @@ def pairs(shapes: Shapes, layout: str) -> list[Pair]:
     return present(pairs_for(blocks(shapes, layout)), shapes, layout)
 
 
+# What the weights do not say: SD3 without q/k norms has heads of 64 (SD3 Medium); the sample size is
+# 128 latent pixels in every release.
+CONVENTIONS = {"attention_head_dim": 64, "sample_size": 128}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    proj = s["pos_embed.proj.weight"]  # [H, in, p, p]
+    width, patch = proj[0], proj[2]
+    norm = s.get("transformer_blocks.0.attn.norm_q.weight")
+    head = norm[0] if norm else CONVENTIONS["attention_head_dim"]
+    n = blocks_count(s, "transformer_blocks")
+    return {
+        "_class_name": "SD3Transformer2DModel",
+        "sample_size": CONVENTIONS["sample_size"],
+        "patch_size": patch,
+        "in_channels": proj[1],
+        "num_layers": n,
+        "attention_head_dim": head,
+        "num_attention_heads": width // head,
+        "joint_attention_dim": s["context_embedder.weight"][1],
+        "caption_projection_dim": s["context_embedder.weight"][0],
+        "pooled_projection_dim": s["time_text_embed.text_embedder.linear_1.weight"][1],
+        "out_channels": s["proj_out.weight"][0] // (patch * patch),
+        "pos_embed_max_size": math.isqrt(s["pos_embed.pos_embed"][1]),
+        "dual_attention_layers": [i for i in range(n) if f"transformer_blocks.{i}.attn2.to_q.weight" in s],
+        "qk_norm": "rms_norm" if norm else None,
+    }
+
+
 FAMILY = Family(
     family_id="sd3",
     label="SD3/SD3.5",
@@ -97,6 +128,7 @@ FAMILY = Family(
                                    else "SD3 transformer (diffusers SD3Transformer2DModel)"),
     diffusers_class="SD3Transformer2DModel",
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("kohya (SAI names)", "ComfyUI", "diffusers/PEFT", "OneTrainer", "SimpleTuner LyCORIS"),
     high_precision={

@@ -101,6 +101,9 @@ class Family:
     - `kohya_layout`: the layout kohya/musubi (`lora_unet_<path with _>`) module names follow.
     - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
       (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
+    - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
+      diffusers-layout shapes are given; what shapes do not determine comes from the family's
+      `CONVENTIONS`; raises `ConventionError` where they do not apply (then `--config REF` is needed).
     """
 
     family_id: str
@@ -115,6 +118,7 @@ class Family:
     kohya_layout: str | None = None
     lora_namings: tuple[str, ...] = ()
     high_precision: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    diffusers_config: Callable[[Shapes], dict] | None = None
     priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
 
     @property
@@ -131,6 +135,10 @@ class Family:
         if len(shape) <= 1:
             return True
         return any(re.search(p, key) for p in self.high_precision.get(layout or "", ()))
+
+
+class ConventionError(ValueError):
+    """The shapes do not say a config value and the family's convention does not fit them."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,11 @@ def dim(shapes: Shapes, keys: Iterable[str], pattern: str, axis: int) -> int | N
         if s is not None and len(s) > axis:
             return s[axis]
     return None
+
+
+def blocks_count(shapes: Shapes, head: str) -> int:
+    found = block_indices(shapes, head)
+    return found[-1] + 1 if found else 0
 
 
 def module_of(key: str) -> str:

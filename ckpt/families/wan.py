@@ -17,8 +17,10 @@ to one base tensor in either direction.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, block_indices, dim, has,
-                                present, renames, start)
+import math
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, block_indices,
+                                blocks_count, dim, has, present, renames, start)
 
 TOP = (
     ("patch_embedding", "patch_embedding"),
@@ -90,6 +92,46 @@ def identify(keys, shapes, layout):
     return "wan", f"Wan 2.x {variant + ' ' if variant else ''}video transformer {where}"
 
 
+# What the weights do not say (diffusers' WanTransformer3DModel configs of the Wan 2.1/2.2 releases).
+CONVENTIONS = {"attention_head_dim": 128, "eps": 1e-6, "rope_max_seq_len": 1024, "qk_norm": "rms_norm_across_heads"}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    pe = s["patch_embedding.weight"]  # [dim, in, pt, ph, pw]
+    width, head = pe[0], CONVENTIONS["attention_head_dim"]
+    if width % head:
+        raise ConventionError(f"Wan's attention head size is {head} in every release, but the width {width} is no "
+                              f"multiple of it")
+    patch = tuple(pe[2:])
+    image = s.get("condition_embedder.image_embedder.norm1.weight")
+    added = s.get("blocks.0.attn2.add_k_proj.weight")
+    cfg = {
+        "_class_name": "WanTransformer3DModel",
+        "patch_size": list(patch),
+        "num_attention_heads": width // head,
+        "attention_head_dim": head,
+        "in_channels": pe[1],
+        "out_channels": s["proj_out.weight"][0] // math.prod(patch),
+        "text_dim": s["condition_embedder.text_embedder.linear_1.weight"][1],
+        "freq_dim": s["condition_embedder.time_embedder.linear_1.weight"][1],
+        "ffn_dim": s["blocks.0.ffn.net.0.proj.weight"][0],
+        "num_layers": blocks_count(s, "blocks"),
+        "cross_attn_norm": "blocks.0.norm2.weight" in s,
+        "qk_norm": CONVENTIONS["qk_norm"] if "blocks.0.attn1.norm_q.weight" in s else None,
+        "eps": CONVENTIONS["eps"],
+        "image_dim": image[0] if image else None,
+        "added_kv_proj_dim": added[1] if added else None,
+        "rope_max_seq_len": CONVENTIONS["rope_max_seq_len"],
+        "pos_embed_seq_len": None,
+    }
+    vace = blocks_count(s, "vace_blocks")
+    if vace:
+        # VACE blocks sit at evenly spaced layers (1.3B: every 2nd of 30, 14B: every 5th of 40)
+        cfg.update(_class_name="WanVACETransformer3DModel", vace_in_channels=s["vace_patch_embedding.weight"][1],
+                   vace_layers=list(range(0, cfg["num_layers"], cfg["num_layers"] // vace))[:vace])
+    return cfg
+
+
 FAMILY = Family(
     family_id="wan",
     label="Wan 2.1/2.2",
@@ -98,6 +140,7 @@ FAMILY = Family(
     diffusers_class="WanTransformer3DModel",
     config_classes=(r"WanVACETransformer3DModel",),
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("musubi-tuner/kohya (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
                   "SimpleTuner LyCORIS", "Wan-Fun"),

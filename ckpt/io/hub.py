@@ -88,3 +88,19 @@ def resolve_repo(spec: str) -> Path:
     if not path.exists():
         raise CkptError(f"{spec}: the repository has no {sub!r}")
     return path
+
+
+def config_from_hub(spec: str) -> Path:
+    """The config.json of a hub model `owner/name[@rev][/subfolder]`, fetched alone (or from the cache)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, rev, sub = parse_repo_spec(spec)
+    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+    try:
+        return Path(hf_hub_download(repo, "config.json", subfolder=sub.strip("/") if sub else None, revision=rev,
+                                    cache_dir=_cache_dir(), local_files_only=offline))
+    except (LocalEntryNotFoundError, EntryNotFoundError):
+        raise CkptError(f"{spec}: no config.json in the local Hugging Face cache or on the hub") from None
+    except HfHubHTTPError as e:
+        raise CkptError(f"{spec}: hub error: {str(e).splitlines()[0]}") from None

@@ -169,9 +169,20 @@ class ComputedTensor(Tensor):
         return self.value_fn().to(device)
 
 
+def read_rows(t: Tensor, start: int, stop: int, device: torch.device, scratch: Buffers | None = None):
+    """Rows [start, stop) of `t` whatever its `row_align`: the aligned band around them is read and cut
+    (a whole read for tensors that are read whole)."""
+    align = t.row_align
+    if align == 1 or (align is not None and start % align == 0 and (stop % align == 0 or stop == t.rows)):
+        return t.read(start, stop, device, scratch)
+    a, b = (0, t.rows) if align is None else (start - start % align, min(t.rows, -(-stop // align) * align))
+    return t.read(a, b, device, scratch)[start - a: stop - a]
+
+
 class RowSlice(Tensor):
     """Rows [start, stop) of another tensor, read on demand (a piece of a fused weight or factor:
-    LitGPT stores its q/k/v LoRA factors stacked in one `lora_A` / `lora_B`)."""
+    LitGPT stores its q/k/v LoRA factors stacked in one `lora_A` / `lora_B`; diffusers' `to_q` is rows
+    of a BFL `qkv`)."""
 
     def __init__(self, base: Tensor, start: int, stop: int, name: str | None = None):
         if not base.shape or not 0 <= start <= stop <= base.rows:
@@ -179,7 +190,85 @@ class RowSlice(Tensor):
         self.base, self.start = base, start
         self.name, self.dtype, self.home = name or f"{base.name}[{start}:{stop}]", base.dtype, base.home
         self.shape = (stop - start, *base.shape[1:])
-        self.row_align = base.row_align
+        self.row_align = None if base.row_align is None else 1
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        return self.base.natural_dtype
 
     def read(self, start, stop, device, scratch=None):
-        return self.base.read(self.start + start, self.start + stop, device, scratch)
+        return read_rows(self.base, self.start + start, self.start + stop, device, scratch)
+
+
+class RowConcat(Tensor):
+    """The rows of several tensors stacked in order, read band by band: a fused weight (BFL `qkv`) made
+    from its pieces, or one tensor's halves in swapped order. A band copies the rows it needs from each
+    piece into one buffer, so no piece is ever held whole (unless a piece can only be read whole)."""
+
+    def __init__(self, name: str, parts: list[Tensor], home: str = ""):
+        first = parts[0]
+        for p in parts:
+            if p.dtype != first.dtype or tuple(p.shape[1:]) != tuple(first.shape[1:]) or not p.shape:
+                raise ValueError(f"{name}: pieces {first.name} {first.dtype} {list(first.shape)} and {p.name} "
+                                 f"{p.dtype} {list(p.shape)} cannot be stacked")
+        self.name, self.parts, self.home = name, list(parts), home or first.home
+        self.dtype = first.dtype
+        self.shape = (sum(p.rows for p in parts), *first.shape[1:])
+        self.row_align = None if any(p.row_align is None for p in parts) else 1
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        return self.parts[0].natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        shape = (stop - start, *self.shape[1:])
+        if scratch is not None and device.type == "cpu":
+            out = scratch.typed("rowconcat", self.dtype, shape)
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=device)
+        at = 0
+        for p in self.parts:
+            a, b = max(start, at), min(stop, at + p.rows)
+            if a < b:
+                out[a - start: b - start].copy_(read_rows(p, a - at, b - at, device, scratch))
+            at += p.rows
+        return out
+
+
+class Reshaped(Tensor):
+    """Another tensor with the same rows in another shape (a 1x1 conv kernel [o, i, 1, 1] as a linear
+    weight [o, i] and back)."""
+
+    def __init__(self, base: Tensor, shape, name: str | None = None):
+        shape = tuple(shape)
+        if math.prod(shape) != base.numel or (shape and base.shape and shape[0] != base.shape[0]):
+            raise ValueError(f"{base.name}: cannot view {list(base.shape)} as {list(shape)}")
+        self.base, self.name, self.dtype, self.shape = base, name or base.name, base.dtype, shape
+        self.home, self.row_align = base.home, base.row_align
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        return self.base.natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch).reshape((stop - start, *self.shape[1:]))
+
+
+class Transposed(Tensor):
+    """The transpose of a 2-D tensor (OpenCLIP's `text_projection`), read whole: a transpose has no
+    row bands."""
+
+    row_align = None
+
+    def __init__(self, base: Tensor, name: str | None = None):
+        if len(base.shape) != 2:
+            raise ValueError(f"{base.name}: only 2-D tensors are transposed, not {list(base.shape)}")
+        self.base, self.name, self.dtype = base, name or base.name, base.dtype
+        self.shape, self.home = (base.shape[1], base.shape[0]), base.home
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        return self.base.natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        return read_rows(self.base, 0, self.base.rows, device, scratch).T.contiguous()[start:stop]

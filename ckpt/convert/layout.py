@@ -1,0 +1,233 @@
+"""`ckpt convert --layout diffusers|original`: the same weights under the other layout's names.
+
+Planning only (the write is the shared one): the family registry says what the input is and gives the
+tensor-by-tensor correspondence (`Pair`s); each output tensor is a lazy view of input tensors (a row
+slice of a fused `qkv`, pieces stacked back into one, halves swapped, a reshape), so nothing is read
+before the plan is complete and data then streams band by band. Every input tensor must have a
+counterpart: one that has none, an unknown family, or a fused tensor with a missing piece is refused
+before anything is written, naming the keys.
+
+Outputs: `--layout diffusers` writes a diffusers model folder (`config.json` derived from the shapes and
+the family's CONVENTIONS, or taken from `--config REF`; `diffusion_pytorch_model.safetensors`, sharded with
+an index past `--max-shard-size`); `--layout original` writes one safetensors file with the reference
+model's keys (no `model.diffusion_model.` prefix: ComfyUI and the reference code load bare keys).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ckpt import families
+from ckpt.errors import CkptError
+from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair
+from ckpt.families.spec import ConventionError
+from ckpt.io.layout import provenance
+from ckpt.io.plan import OutFile, Plan, shard
+from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
+
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+# File prefixes of a model stored inside a single file (ComfyUI / LDM).
+MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+SHOW = 8
+
+
+class Renamed(Tensor):
+    """Another tensor under a new name (a rename is all most pairs are)."""
+
+    def __init__(self, base: Tensor, name: str):
+        self.base, self.name, self.dtype, self.shape = base, name, base.dtype, tuple(base.shape)
+        self.home, self.row_align = base.home, base.row_align
+
+    @property
+    def natural_dtype(self):
+        return self.base.natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch)
+
+
+def _listed(keys, n=SHOW) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+
+
+def _rows(t: Tensor, rows: tuple[int, int] | None) -> list[Tensor]:
+    """`t` (or its rows) as a list of row pieces."""
+    if rows is None or rows == (0, t.rows):
+        return [t]
+    return [RowSlice(t, rows[0], rows[1])]
+
+
+def _pieces(t: Tensor, rows, transform: str | None, to_original: bool) -> list[Tensor]:
+    """Row pieces that, stacked, are the other layout's tensor made from rows `rows` of `t`."""
+    if transform is None:
+        return _rows(t, rows)
+    (part,) = _rows(t, rows)
+    if transform == "swap_halves":
+        h = part.rows // 2
+        if part.rows % 2:
+            raise CkptError(f"{t.name}: {part.rows} rows cannot be split in two halves")
+        return [RowSlice(part, h, part.rows), RowSlice(part, 0, h)]
+    if transform == "transpose":
+        return [Transposed(part)]
+    if transform == "squeeze":
+        shape = tuple(part.shape) + (1, 1) if to_original else tuple(part.shape[:2])
+        return [Reshaped(part, shape)]
+    raise CkptError(f"{t.name}: unknown transform {transform!r}")
+
+
+def _one(name: str, pieces: list[Tensor]) -> Tensor:
+    if len(pieces) == 1:
+        return Renamed(pieces[0], name)
+    try:
+        return RowConcat(name, pieces)
+    except ValueError as e:
+        raise CkptError(str(e)) from None
+
+
+def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> tuple[dict[str, Tensor], list[str]]:
+    """The tensors of layout `dst` made from `tensors` (keys in layout `src`, file prefix stripped), and
+    the keys dropped because they exist in `src` only. Raises CkptError before anything is read when a
+    tensor has no counterpart or a fused tensor is incomplete."""
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    pairs = family.pairs(shapes, src)
+    covered: set[str] = set()
+    dropped: list[str] = []
+    out: dict[str, Tensor] = {}
+    if src == ORIGINAL:
+        for p in pairs:
+            covered.add(p.original)
+            if p.diffusers is None:
+                dropped.append(p.original)
+                continue
+            out[p.diffusers] = _one(p.diffusers, _pieces(tensors[p.original], p.rows, p.transform, False))
+    else:
+        groups: dict[str, list[Pair]] = {}
+        for p in pairs:
+            covered.add(p.diffusers)
+            if p.original is None:
+                dropped.append(p.diffusers)
+                continue
+            groups.setdefault(p.original, []).append(p)
+        for key, group in groups.items():
+            group.sort(key=lambda p: p.rows[0] if p.rows else 0)
+            at = 0
+            for p in group:
+                t = tensors[p.diffusers]
+                a, b = p.rows if p.rows else (0, t.rows)
+                if a != at or b - a != t.rows:
+                    raise CkptError(f"{key}: rows {at}:{a if a != at else b} have no diffusers tensor "
+                                    f"(it is made from {', '.join(q.diffusers for q in group)}; is one missing?)")
+                at = b
+            pieces = [x for p in group for x in _pieces(tensors[p.diffusers], None, p.transform, True)]
+            out[key] = _one(key, pieces)
+    unmatched = [k for k in tensors if k not in covered]
+    if unmatched:
+        raise CkptError(f"{len(unmatched)} tensors have no counterpart in the {dst} layout of {family.label}: "
+                        f"{_listed(unmatched)}; nothing was written")
+    return out, dropped
+
+
+def _strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
+    """Keys without the single-file model prefix; mixed prefixes (a bundle) are refused."""
+    for prefix in MODEL_PREFIXES:
+        inside = [k for k in tensors if k.startswith(prefix)]
+        if inside:
+            others = [k for k in tensors if not k.startswith(prefix)]
+            if others:
+                raise CkptError(f"the file holds more than one model ({prefix}* and e.g. {_listed(others, 3)}): "
+                                "--layout converts one model; extract it first")
+            return {k[len(prefix):]: t for k, t in tensors.items()}, prefix
+    return dict(tensors), ""
+
+
+def _match(tensors: dict[str, Tensor], where) -> families.Match:
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    m = families.detect(shapes, shapes)
+    if m is None or m.family.pairs is None or m.layout is None:
+        what = f"{m.label}, which has one naming" if m is not None else "no known model family"
+        raise CkptError(f"{where}: {what} (keys such as {_listed(tensors, 4)}); --layout converts "
+                        + ", ".join(f.family_id for f in families.all_families() if f.pairs and len(f.layouts) > 1))
+    return m
+
+
+def load_config_ref(ref: str) -> dict:
+    """A diffusers config.json named by REF: the file, a model folder holding it, or a hub id
+    `owner/name[/subfolder]` (config.json fetched alone through the hub cache)."""
+    p = Path(ref).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    elif not p.exists():
+        from ckpt.io.hub import config_from_hub, looks_like_repo_id
+
+        if not looks_like_repo_id(ref):
+            raise CkptError(f"--config {ref}: no such file or folder")
+        p = config_from_hub(ref)
+    try:
+        cfg = json.loads(p.read_text())
+        assert isinstance(cfg, dict)
+    except FileNotFoundError:
+        raise CkptError(f"--config {ref}: no config.json there") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AssertionError):
+        raise CkptError(f"--config {ref}: {p} is not a JSON object") from None
+    return cfg
+
+
+def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: str | None = None,
+                max_shard_size: int | None = None, file_format: str = "safetensors") -> Plan:
+    """The plan of `convert --layout`: `views` are the components' logical views, `make` turns each
+    output tensor into OutTensors (the dtype choice)."""
+    if layout not in (DIFFUSERS, ORIGINAL):
+        raise CkptError(f"--layout {layout}: choose diffusers or original")
+    if len(ckpt.components) != 1:
+        raise CkptError(f"{ckpt.path}: --layout converts one model (a single file, a sharded set or a model "
+                        f"folder); this holds {len(ckpt.components)} ({', '.join(c.subdir or '.' for c in ckpt.components)})")
+    comp, view = ckpt.components[0], views[0]
+    tensors, _prefix = _strip_prefix(view.tensors)
+    m = _match(tensors, comp.where)
+    if m.layout == layout:
+        raise CkptError(f"{comp.where}: already in the {layout} layout ({m.label})")
+    if layout == DIFFUSERS and file_format != "safetensors":
+        raise CkptError("--layout diffusers writes safetensors (diffusers model folders hold no torch pickles)")
+    out, dropped = relayout(tensors, m.family, m.layout, layout)
+    metadata = {k: v for f in comp.files for k, v in f.metadata.items() if k not in view.drop_metadata}
+    metadata.setdefault("format", "pt")
+    metadata.update(provenance(operation))
+    outs = [o for t in out.values() for o in make(t)]
+    notes = list(view.notes) + [f"{m.label} -> {layout} layout: {len(out)} tensors from {len(tensors)}"]
+    if dropped:
+        notes.append(f"{len(dropped)} tensors exist in the {m.layout} layout only and are not written: "
+                     f"{_listed(dropped)}")
+    if layout == ORIGINAL:
+        if max_shard_size is None:
+            plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])
+        else:
+            files, index = shard(outs, max_shard_size, "model")
+            plan = Plan(single_file=False, files=[OutFile(fn, dict(metadata), ts) for fn, ts in files.items()])
+            if index is not None:
+                plan.indexes["model.safetensors.index.json"] = index
+        plan.notes += notes
+        return plan
+    shapes = {k: tuple(t.shape) for k, t in out.items()}
+    if config_ref:
+        config = load_config_ref(config_ref)
+        notes.append(f"config.json taken from {config_ref}")
+    elif m.family.diffusers_config is None:
+        raise CkptError(f"{m.label}: no config.json can be derived for this family; pass --config REF "
+                        "(a diffusers config.json, model folder or hub id)")
+    else:
+        try:
+            config = m.family.diffusers_config(shapes)
+        except (ConventionError, KeyError) as e:
+            why = str(e) if isinstance(e, ConventionError) else f"tensor {e} is missing"
+            raise CkptError(f"{comp.where}: cannot derive the diffusers config.json ({why}); pass --config REF "
+                            "(a diffusers config.json, model folder or hub id)") from None
+    files, index = shard(outs, max_shard_size, DIFFUSERS_STEM) if max_shard_size else (
+        {f"{DIFFUSERS_STEM}.safetensors": outs}, None)
+    plan = Plan(single_file=False, files=[OutFile(fn, dict(metadata), ts) for fn, ts in files.items()])
+    if index is not None:
+        plan.indexes[f"{DIFFUSERS_STEM}.safetensors.index.json"] = index
+    plan.generated["config.json"] = config
+    plan.notes += notes
+    return plan
