@@ -10,6 +10,7 @@ import click
 
 from ckpt import __version__
 from ckpt.errors import CkptError
+from ckpt.interrupts import load
 from ckpt.report import Report
 
 from ckpt.cli_options import (ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, MERGE_TO,
@@ -53,6 +54,7 @@ def cli():
 def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every FP8 layout) or fp8, and/or rename it to its
     family's diffusers or original layout."""
+    load("ckpt.convert")
     from ckpt.convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size,
@@ -76,6 +78,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
 @QUIET
 def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, overwrite, quiet):
     """optimum-quanto (and FP8-scaled) checkpoints back to plain X.weight tensors."""
+    load("ckpt.quant.dequant")
     from ckpt.quant.dequant import DequantOptions, dequant as run
 
     opts = DequantOptions(to=to, shapes_from=shapes_from, qtype=qtype, max_shard_size=max_shard_size, device=device,
@@ -96,6 +99,7 @@ def inspect(src, as_json, scan):
     """Format, model/LoRA family, dtypes, sizes, metadata, and warnings that predict trainer failures."""
     import json
 
+    load("ckpt.inspect")
     from ckpt.inspect import inspect as run, render_text
 
     report = run(src, scan=scan)
@@ -120,6 +124,7 @@ def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, devi
 
     A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
     its hyperparameters.yaml names and writes a LitGPT checkpoint folder."""
+    load("ckpt.merge.command")
     from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
 
     opts = MergeOptions(ratios=list(ratios), to=to, device=device, allow_unmatched=allow_unmatched,
@@ -141,28 +146,76 @@ from ckpt.batch.cli import batch  # noqa: E402  (the `ckpt batch ...` group; imp
 cli.add_command(batch)
 
 
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt
+class _Signals:
+    """SIGINT/SIGTERM become one KeyboardInterrupt while a command runs (the writer then removes its temp
+    output); any later one is only recorded. `seen` is set either way, so an interrupt that a library
+    turned into another exception (numpy's ImportError during start-up) still reads as an interrupt."""
+
+    def __init__(self):
+        self.active, self.seen = True, False
+
+    def __call__(self, signum, frame):
+        self.seen = True
+        if self.active:
+            self.active = False  # at most once: a second signal never interrupts the cleanup of the first
+            raise KeyboardInterrupt
 
 
-def main(argv=None):
-    signal.signal(signal.SIGTERM, _sigterm)
+def _published(since: int) -> list:
+    """What the output writer published since `since` (ckpt.io.publish is loaded only by writing commands)."""
+    publish = sys.modules.get("ckpt.io.publish")
+    return publish.PUBLISHED[since:] if publish is not None else []
+
+
+def _interrupted(since: int) -> None:
+    done = _published(since)
+    if done:
+        click.echo(f"interrupted after writing {', '.join(str(p) for p in done)} (complete)", err=True)
+    else:
+        click.echo("interrupted: nothing was written", err=True)
+    sys.exit(130)
+
+
+def _dispatch(argv, handler: _Signals, since: int) -> None:
     try:
         cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
+        handler.active = False
     except CkptError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("interrupted: nothing was written", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted: nothing was written", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _interrupted(since)
     except click.ClickException as e:
         e.show()
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except Exception:
+        if handler.seen:  # the interrupt came back as another exception (an import failing half-way)
+            _interrupted(since)
+        raise
+    if handler.seen:  # arrived after the command finished: all of it is done, and we were asked to stop
+        _interrupted(since)
+
+
+def main(argv=None):
+    """The console script (argv None: the process ends when this returns), or an in-process call."""
+    handler = _Signals()
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    since = len(_published(0))
+    try:
+        try:
+            _dispatch(argv, handler, since)
+        except KeyboardInterrupt:  # the one interrupt landed inside one of _dispatch's own handlers
+            _interrupted(since)
+    finally:
+        handler.active = False
+        if argv is None:  # exiting: a late signal must not kill the interpreter's shutdown without a word
+            for s in old:
+                signal.signal(s, signal.SIG_IGN)
+        else:
+            for s, h in old.items():
+                signal.signal(s, h)
 
 
 if __name__ == "__main__":

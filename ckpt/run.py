@@ -16,7 +16,7 @@ import torch
 from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
-from ckpt.io.output import execute, preflight
+from ckpt.io.output import execute, preflight, target_state
 from ckpt.io.checkpoint import PICKLES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.tensors import Tensor
@@ -109,15 +109,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
-    """-o as given, or the derived default. `-o existing_folder` for a one-file output puts the file
-    in that folder under the default name; `-o missing/` (trailing slash) is an error, not a file."""
+    """-o as given, or the derived default. `-o folder` (an existing folder, or any path ending in "/")
+    for a one-file output puts the file in that folder under the default name (a missing folder is
+    created, like any missing parent of -o)."""
     if not out:
         return derived
     p = Path(out).expanduser()
-    if plan.single_file and p.is_dir() and not p.is_symlink():
+    if plan.single_file and ((p.is_dir() and not p.is_symlink()) or str(out).endswith(("/", os.sep))):
         return p / derived.name
-    if plan.single_file and str(out).endswith(("/", os.sep)):
-        raise CkptError(f"{out}: no such folder (the output is one file: name a file or an existing folder)")
     return p
 
 
@@ -127,12 +126,14 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     say what a dry run would write or write it atomically with a progress bar."""
     for n in plan.notes:
         report.note(n)
-    need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite)
-    if dry_run:
+    need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite, dry_run=dry_run)
+    if dry_run:  # never refused for an existing output: says what a real run would do with it
         n_files = len(plan.files)
         kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
+        state = target_state(out_path, overwrite)
         report.note(f"dry run: would write {n_files} {kinds} file{'s' * (n_files != 1)}, "
-                    f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}")
+                    f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}"
+                    + ("" if state == "new" else f"; {out_path}: {state}"))
         return out_path
     with progress_bar(plan.nbytes, desc, quiet) as bar:
         execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)

@@ -175,9 +175,19 @@ def test_dry_run_writes_nothing_but_checks_everything(tmp_path, run_ckpt):
     assert out.strip() == f"would write {tmp_path / 'm-fp16.safetensors'}"
     assert "dry run: would write 1 safetensors file" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    # an existing output is reported, never refused: a dry run writes nothing
     (tmp_path / "m-fp16.safetensors").write_text("x")
     code, out, err = run_ckpt("convert", src, "--to", "fp16", "--dry-run")
-    assert code == 2 and "already exists" in err
+    assert code == 0 and f"{tmp_path / 'm-fp16.safetensors'}: exists: needs --overwrite" in err, err
+    code, out, err = run_ckpt("convert", src, "--to", "fp16", "--dry-run", "--overwrite")
+    assert code == 0 and "m-fp16.safetensors: would overwrite it" in err, err
+    assert (tmp_path / "m-fp16.safetensors").read_text() == "x"
+    code, out, err = run_ckpt("convert", src, "--to", "fp16", "--dry-run", "-o", tmp_path / "new" / "sub" / "x.safetensors")
+    assert code == 0 and f"would create folder {tmp_path / 'new'}" in err, err
+    # what a real run would refuse for any other reason, a dry run refuses too
+    code, out, err = run_ckpt("convert", src, "--to", "fp16", "--dry-run", "-o", src, "--overwrite")
+    assert code == 2 and "refusing to write over an input" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-fp16.safetensors", "m.safetensors"]
 
 
 def test_quiet_hides_notes_not_warnings(tmp_path, run_ckpt):

@@ -339,12 +339,25 @@ def test_sigterm_to_a_running_convert_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == ["big.safetensors"]
 
 
-def test_missing_parent_folder_is_refused(tmp_path, run_ckpt):
+def test_missing_parent_folders_are_created_and_removed_if_the_run_fails(tmp_path, monkeypatch, run_ckpt):
     src = tmp_path / "m.safetensors"
-    save_file({"w": torch.ones(2)}, src)
-    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", tmp_path / "no" / "such" / "x.safetensors")
-    assert code == 2 and "parent folder" in err and "does not exist" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    save_file({f"t{i}": torch.randn(8, 8) for i in range(3)}, src)
+    dst = tmp_path / "no" / "such" / "x.safetensors"
+    _fail_on_nth_write(monkeypatch, 2, OSError(errno.EIO, os.strerror(errno.EIO)))
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", dst)
+    assert code == 2 and err.count("\n") == 1 and "nothing written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no/ and no/such/ removed again
+    (tmp_path / "no").mkdir()  # a folder that was there before is never removed
+    _fail_on_nth_write(monkeypatch, 2, OSError(errno.EIO, os.strerror(errno.EIO)))
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", dst)
+    assert code == 2 and sorted(p.name for p in tmp_path.rglob("*")) == ["m.safetensors", "no"]
+    monkeypatch.undo()
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", dst, "-q")
+    assert code == 0, err
+    assert torch.equal(load_file(dst)["t1"], load_file(src)["t1"].half())
+    # a parent that is a file is refused in one line
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", src / "x.safetensors")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "is not a folder" in err
 
 
 def test_pipeline_folder_output_keeps_structure_and_edits_configs(tmp_path):
@@ -370,9 +383,9 @@ def test_pipeline_folder_output_keeps_structure_and_edits_configs(tmp_path):
 def test_trailing_slash_names_a_folder(tmp_path, run_ckpt):
     src = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(2)}, src)
-    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", f"{tmp_path}/nope/")
-    assert code == 2 and "no such folder" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", f"{tmp_path}/new/", "-q")
+    assert code == 0, err
+    assert load_file(tmp_path / "new" / "m-fp16.safetensors")["w"].dtype == torch.float16
 
 
 def test_training_state_is_not_copied(tmp_path, run_ckpt):

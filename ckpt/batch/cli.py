@@ -13,6 +13,7 @@ import click
 
 from ckpt.cli_options import ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, MERGE_TO, QTYPE, SHAPES_FROM
 from ckpt.errors import CkptError
+from ckpt.interrupts import load
 
 
 def _batch_options(f):
@@ -34,6 +35,7 @@ OUTDIR = click.option("-o", "--output", "outdir", type=click.Path(path_type=Path
 
 
 def _run(op_name: str, params: dict, folder, outdir, pattern, jobs, dry_run, overwrite, quiet, csv=None):
+    load("ckpt.batch.runner")
     from ckpt.batch.operations import make_operation
     from ckpt.batch.runner import BatchFailed, run_batch, summary_lines, write_csv
 

@@ -74,10 +74,12 @@ class Checkpoint:
 
     @property
     def inputs(self) -> list[Path]:
-        """Every file this checkpoint reads or copies: an output may never replace one of them."""
+        """Every file this checkpoint reads or copies, and its folder (unless it is one file): an output
+        may never replace one of them, nor lie inside that folder (a second model in it)."""
         weights = [f.path for c in self.components for f in c.files]
         indexes = [self.path / c.subdir / c.index_name for c in self.components if c.index_name]
-        return weights + indexes + [self.path / rel for rel in self.copies]
+        folder = [self.path] if self.kind != "file" else []
+        return folder + weights + indexes + [self.path / rel for rel in self.copies]
 
     def close(self):
         self.handles.close()

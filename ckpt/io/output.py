@@ -1,20 +1,20 @@
 """Executing a plan: atomic output (temp on the same filesystem, then rename) with bounded memory.
 
 Nothing appears at OUT until everything is written and fsynced; an exception, Ctrl-C (KeyboardInterrupt,
-and SIGTERM which the CLI turns into one) or a full disk removes the temp path. Inputs are never
-written: an OUT that is, or contains, an input is refused.
+and SIGTERM which the CLI turns into one), a full disk or a vanished temp folder removes the temp output.
+How the temp output is made, checked and published (atomically, never over an output that appeared
+meanwhile unless --overwrite) is `ckpt.io.publish`. Inputs are never written: an OUT that is, contains,
+or lies inside an input is refused.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
-import signal
 import threading
-import uuid
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.buffers import Buffers
 from ckpt.io.plan import OutTensor, Plan, name_single_file
+from ckpt.io.publish import Staging, missing_parents
 from ckpt.io.writer import SafetensorsWriter
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
@@ -29,31 +30,62 @@ HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; two sets in flight)
 
 
-def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bool | None = None) -> None:
-    """Refuse an OUT that is, contains or replaces an input, that exists (without --overwrite), that
-    is a folder a single file would replace, or whose parent folder is missing."""
+def _exists(out: Path) -> bool:
+    return out.exists() or out.is_symlink()
+
+
+def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bool | None = None,
+                 dry_run: bool = False) -> None:
+    """Refuse an OUT that is, contains or replaces an input, or lies inside an input folder; that exists
+    (without --overwrite; a dry run only reports it, see `target_state`); that is a folder a single file
+    would replace; or whose nearest existing parent is not a writable folder. Missing parent folders are
+    fine: `execute` creates them."""
     out_r = out.resolve()
-    for p in inputs:
-        p_r = Path(p).resolve()
+    resolved = [(Path(p), Path(p).resolve()) for p in inputs]
+    for p, p_r in resolved:
         if p_r == out_r or out_r in p_r.parents:
             raise CkptError(f"{out}: refusing to write over an input ({p})")
-    if out.exists() or out.is_symlink():
-        if not overwrite:
+    for p, p_r in resolved:
+        if p_r in out_r.parents and p.is_dir():
+            raise CkptError(f"{out}: is inside the input folder {p}; choose an output outside it")
+    if _exists(out):
+        if not overwrite and not dry_run:
             raise CkptError(f"{out}: already exists (pass --overwrite to replace it)")
         if single_file and out.is_dir() and not out.is_symlink():
             raise CkptError(f"{out}: is a folder; refusing to replace it with a single file (name a file)")
-    if not out.absolute().parent.is_dir():
-        raise CkptError(f"{out}: parent folder {out.absolute().parent} does not exist")
+    missing = missing_parents(out)
+    home = missing[0].parent if missing else out.absolute().parent
+    if not home.is_dir():
+        raise CkptError(f"{out}: {home} is not a folder")
+    if not os.access(home, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only_fs(home) else "permission denied"
+        raise CkptError(f"{out}: cannot write in {home} ({why})")
 
 
-def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False) -> int:
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def target_state(out: Path, overwrite: bool) -> str:
+    """What publishing would do to OUT, in words a dry run prints."""
+    if _exists(out):
+        return "would overwrite it" if overwrite else "exists: needs --overwrite"
+    missing = missing_parents(out)
+    return f"would create folder {missing[0]}" if missing else "new"
+
+
+def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False, dry_run: bool = False) -> int:
     """Every check `execute` makes before writing (also what --dry-run runs); returns bytes needed."""
     out = Path(out)
     name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
-    check_target(out, inputs, overwrite, plan.single_file)
+    check_target(out, inputs, overwrite, plan.single_file, dry_run)
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
-    free = shutil.disk_usage(out.absolute().parent).free
+    missing = missing_parents(out)
+    free = shutil.disk_usage(missing[0].parent if missing else out.absolute().parent).free
     if need + HEADROOM > free:
         raise CkptError(f"{out}: not enough free space ({(need + HEADROOM) / 1e9:.2f} GB needed, "
                         f"{free / 1e9:.2f} GB free)")
@@ -76,57 +108,51 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
             device: torch.device = torch.device("cpu"), progress=None) -> None:
     out = Path(out)
     preflight(plan, out, inputs=inputs, overwrite=overwrite)
-    # Beside OUT itself (not beside a symlink's target): same filesystem, so the rename is atomic.
-    tmp = out.absolute().parent / f".{out.name}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
+    stage = Staging(out, plan.single_file)
     try:
+        stage.open()
         if plan.single_file:
-            _write_file(tmp, plan.files[0], device, progress)
+            _write_file(stage.tmp, plan.files[0], device, progress, stage.file())
         else:
-            tmp.mkdir()
             for f in plan.files:
-                dst = tmp / f.relpath
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                _write_file(dst, f, device, progress)
+                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath))
             for rel, index in {**plan.indexes, **plan.generated}.items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / rel).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                stage.write_bytes(rel, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
             for src, rel in plan.copies:
-                dst = tmp / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                _copy_sidecar(Path(src), dst, plan.json_edits.get(rel))
-        _replace(tmp, out)
+                _copy_sidecar(Path(src), rel, plan.json_edits.get(rel), stage)
+        stage.publish(overwrite)
     except OSError as e:
-        _remove(tmp)
+        if e.errno == errno.ENOENT and stage.lock_fd >= 0:  # a folder of the temp output vanished
+            raise CkptError(f"{out}: the temporary output was removed during the run; nothing written") from None
         raise CkptError(f"{out}: write failed, nothing written ({e.strerror or e})") from None
-    except BaseException:
-        _remove(tmp)
-        raise
-    _fsync_dir(out.absolute().parent)
+    finally:
+        stage.close()
 
 
-def _copy_sidecar(src: Path, dst: Path, edit) -> None:
+def _copy_sidecar(src: Path, rel: str, edit, stage: Staging) -> None:
     """Copy byte for byte, unless `edit` really changes the JSON (then it is rewritten, indented)."""
     if edit is not None:
         original = json.loads(src.read_text())
         edited = edit(copy.deepcopy(original))
         if edited != original:
-            dst.write_text(json.dumps(edited, indent=2, ensure_ascii=False) + "\n")
+            stage.write_bytes(rel, (json.dumps(edited, indent=2, ensure_ascii=False) + "\n").encode())
             return
-    shutil.copyfile(src, dst)
+    stage.copy_file(src, rel)
 
 
-def _open_writer(path: Path, f):
-    """The writer of the file's format; both take the whole plan up front and then bands in order."""
+def _open_writer(path: Path, f, fd: int):
+    """The writer of the file's format; both take the whole plan up front and then bands in order.
+    `fd` is the new file, already created by the staging; the writer owns it."""
     entries = [t.entry for t in f.tensors]
     if f.format == "torch":
         from ckpt.io.torchzip import TorchZipWriter
 
-        return TorchZipWriter(path, entries, f.archive)
-    return SafetensorsWriter(path, entries, f.metadata)
+        return TorchZipWriter(path, entries, f.archive, fd=fd)
+    return SafetensorsWriter(path, entries, f.metadata, fd=fd)
 
 
-def _write_file(path: Path, f, device, progress) -> None:
-    w = _open_writer(path, f)
+def _write_file(path: Path, f, device, progress, fd: int) -> None:
+    w = _open_writer(path, f, fd)
     writer = _BandWriter(w)
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
@@ -191,59 +217,3 @@ def _stream_tensor(t: OutTensor, writer: _BandWriter, device, progress) -> None:
         writer.submit(t.name, y.contiguous())
         if progress is not None:
             progress.update(y.numel() * y.element_size())
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished temp output to OUT. Replacing an existing folder takes two renames; signals
-    wait until both are done so OUT is never left missing."""
-    if out.is_dir() and not out.is_symlink():
-        with _signals_deferred():
-            trash = out.parent / f".{out.name}.ckpt-old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, trash)
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(trash, out)
-                raise
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        if tmp.is_dir() and (out.exists() or out.is_symlink()):
-            out.unlink()
-        os.replace(tmp, out)
-
-
-def _remove(tmp: Path) -> None:
-    """Delete the temp output; a second Ctrl-C / SIGTERM waits until this is done."""
-    with _signals_deferred():
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Block SIGINT/SIGTERM (main thread only); pending ones are delivered on exit."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable (best effort: not every filesystem allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

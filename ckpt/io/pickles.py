@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -56,7 +57,9 @@ def _load(path: Path, zipped: bool | None = None):
     if zipped is None:
         zipped = zipfile.is_zipfile(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        with warnings.catch_warnings():  # torch's protocol-4 UserWarning would precede our own one-line error
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         unsafe = _unsafe_globals(path) if zipped else re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         if unsafe:

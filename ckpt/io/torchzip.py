@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt.io.writer import Entry, RegionWriter, _pwrite_all
+from ckpt.io.writer import Entry, RegionWriter, _close, _pwrite_all
 
 ALIGN = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # miniz: a size or offset >= this gets zip64 fields (tests lower it to exercise them)
@@ -161,9 +161,13 @@ def file_size(entries: list[Entry], archive_name: str = "archive") -> int:
 
 
 class TorchZipWriter(RegionWriter):
-    def __init__(self, path, entries: list[Entry], archive_name: str):
-        self.layout = lay = layout(entries, archive_name)
-        self._open(path, entries, lay.regions)
+    def __init__(self, path, entries: list[Entry], archive_name: str, fd: int | None = None):
+        try:
+            self.layout = lay = layout(entries, archive_name)
+        except BaseException:
+            _close(fd)
+            raise
+        self._open(path, entries, lay.regions, fd)
         names = [e.name for e in entries]
         self.records = dict(zip(names, lay.records[4:]))
         self.crc = {n: 0 for n in names}

@@ -70,17 +70,34 @@ def _pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
         mv, pos = mv[n:], pos + n
 
 
+def _close(fd: int | None) -> None:
+    """Close a descriptor handed to a writer that failed before taking it."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class RegionWriter:
     """What both file writers share: each tensor has a region planned up front; bands are appended to it
     in order with pwrite (so tensors may come in any order) and every region must end up full."""
 
-    def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]]) -> None:
+    fd = -1
+
+    def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]], fd: int | None = None) -> None:
+        """`fd`: the file, already created (ckpt.io.publish creates output files exclusively); the writer
+        owns it from here on and closes it on close() or abort(), also when this raises. Else `path`
+        is created (or truncated)."""
+        self.fd = -1 if fd is None else fd
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
+            self.abort()
             raise ValueError("duplicate tensor names in plan")
         self.path, self.regions = path, regions
         self.written = {n: 0 for n in names}
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        if fd is None:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
 
     def write(self, name: str, data: torch.Tensor) -> None:
         """Append `data` (CPU, contiguous) to tensor `name`'s region."""
@@ -108,9 +125,13 @@ class RegionWriter:
 
 
 class SafetensorsWriter(RegionWriter):
-    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None):
-        head, regions = layout(entries, metadata)
-        self._open(path, entries, regions)
+    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None, fd: int | None = None):
+        try:
+            head, regions = layout(entries, metadata)
+        except BaseException:
+            _close(fd)
+            raise
+        self._open(path, entries, regions, fd)
         try:
             _pwrite_all(self.fd, memoryview(head), 0)
             # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.

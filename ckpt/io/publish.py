@@ -1,0 +1,395 @@
+"""Publishing an output atomically: the temp output beside OUT, its checks, and the one rename.
+
+Every writing command ends here (through `ckpt.io.output.execute`). The rules it keeps:
+
+- The temp output is `.OUT.ckpt-tmp-PID-XXXXXXXX` beside OUT (same filesystem, so the rename is atomic),
+  created exclusively and locked (`flock`) by its owner for as long as it lives. A later run removes
+  such leftovers only when they are provably stale: the name is ckpt's, the process PID is gone and
+  nobody holds the lock (`remove_stale_temps`).
+- Everything inside the temp output is created relative to directory descriptors opened once
+  (`O_EXCL`, `O_NOFOLLOW`, never `mkdir(parents=True)` by path): if the temp output, one of its
+  folders or OUT's parent folder is removed or replaced during the run, a later step fails or the
+  identity check before the rename does (same `st_dev`/`st_ino`), and nothing is published.
+- Without --overwrite, "OUT does not exist" is checked by the rename itself (`renameat2` with
+  `RENAME_NOREPLACE`; where the filesystem lacks it: `link` + `unlink` for a file, an exclusive `mkdir`
+  placeholder for a folder): of two runs racing for one OUT, exactly one wins and the other fails with
+  "already exists". With --overwrite a folder is swapped in one step (`RENAME_EXCHANGE`) where possible.
+- Missing parent folders of OUT are created (as `save_pretrained` does) and removed again if the run
+  fails before publishing.
+- `PUBLISHED` lists what this process published, recorded in the same signal-free step as the rename:
+  the CLI reads it to say "interrupted after writing X" rather than "nothing was written".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import stat
+import uuid
+from pathlib import Path
+
+from ckpt.errors import CkptError
+from ckpt.interrupts import signals_deferred
+
+PUBLISHED: list[Path] = []  # every output this process published, in order
+
+# `.NAME.ckpt-tmp-PID-8hex` (a temp output) and `.NAME.ckpt-old-PID-8hex` (a replaced output being removed)
+_TEMP_TAIL = re.compile(r"ckpt-(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def temp_name(out_name: str, kind: str = "tmp") -> str:
+    return f".{out_name}.ckpt-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# --------------------------------------------------------------------------------------- renameat2
+
+
+def _load_renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2_fn = _load_renameat2()
+
+
+def _renameat2(dir_fd: int, old: str, new: str, flags: int) -> None:
+    """renameat2(2) within one folder. Raises OSError; ENOSYS/EINVAL where the C library, the kernel or
+    the filesystem has no such flag (callers fall back)."""
+    if _renameat2_fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if _renameat2_fn(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _unsupported(e: OSError) -> bool:
+    return e.errno in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+# ----------------------------------------------------------------------------------- small helpers
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    """Delete `name` in the folder `dir_fd` (a file, a link, or a whole folder, without following links).
+    Best effort: an error (EROFS, EACCES, already gone) leaves the rest for the stale-temp cleanup."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        for _, dirs, files, fd in os.fwalk(name, topdown=False, dir_fd=dir_fd):
+            for n in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(n, dir_fd=fd)
+            for n in dirs:
+                try:
+                    os.rmdir(n, dir_fd=fd)
+                except NotADirectoryError:  # a link to a folder is listed with the folders
+                    with contextlib.suppress(OSError):
+                        os.unlink(n, dir_fd=fd)
+                except OSError:
+                    pass
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def missing_parents(path: Path) -> list[Path]:
+    """The folders above `path` that do not exist yet, outermost first."""
+    missing = []
+    p = Path(path).absolute().parent
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    return missing[::-1]
+
+
+# ------------------------------------------------------------------------------- stale temp outputs
+
+
+def _owner_gone(dir_fd: int, name: str, pid: int) -> bool:
+    """True only when the PID is not a live process here and nobody holds the entry's lock (a process
+    in another PID namespace or on another NFS client still holds it)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        pass
+    except OSError:  # EPERM: alive, someone else's
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(out: Path) -> list[str]:
+    """Remove ckpt's own leftovers beside OUT (`.OUT.ckpt-tmp-PID-X`, `.OUT.ckpt-old-PID-X`) whose
+    process is gone: what a SIGKILL or a power loss left. Returns the names removed. Never raises."""
+    out = Path(out).absolute()
+    prefix = f".{out.name}."
+    removed = []
+    try:
+        dfd = os.open(out.parent, _DIR_FLAGS)
+    except OSError:
+        return removed
+    try:
+        for entry in os.scandir(dfd):
+            if not entry.name.startswith(prefix):
+                continue
+            m = _TEMP_TAIL.fullmatch(entry.name[len(prefix):])
+            if m and _owner_gone(dfd, entry.name, int(m["pid"])):
+                _remove_at(dfd, entry.name)
+                removed.append(entry.name)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------- staging
+
+
+class Staging:
+    """The temp output of one run and its publication as OUT.
+
+    `open()` creates missing parents, the temp file or folder (locked), and remembers the identity of
+    OUT's parent and of everything created inside; `file()` / `create(rel)` hand out descriptors of new
+    files; `publish(overwrite)` checks identities and renames; `discard()` removes the temp output (and
+    the parents this run created) unless it was published. A `Staging` is used once."""
+
+    def __init__(self, out: Path, single_file: bool):
+        self.out = Path(out).absolute()  # not resolved: a symlink at OUT is replaced, not followed
+        self.single_file = single_file
+        self.name = temp_name(self.out.name)
+        self.created: list[Path] = []
+        self.pfd = -1
+        self.lock_fd = -1  # the temp file, or the temp folder; flock-ed until we are done
+        self.parent_id: tuple[int, int] | None = None
+        self.ids: dict[str, tuple[int, int]] = {}  # relpath inside the temp folder -> identity
+        self.dir_fds: dict[str, int] = {}  # "" and created subfolders -> open descriptor
+        self.published = False
+        self.old: str | None = None  # the previous OUT, moved aside by an --overwrite publish
+
+    @property
+    def tmp(self) -> Path:
+        return self.out.parent / self.name
+
+    def open(self) -> None:
+        for p in missing_parents(self.out):
+            try:
+                p.mkdir()
+            except FileExistsError:
+                continue  # made meanwhile by someone else: not ours to remove
+            self.created.append(p)
+        self.pfd = os.open(self.out.parent, _DIR_FLAGS)
+        self.parent_id = _ident(os.fstat(self.pfd))
+        remove_stale_temps(self.out)
+        if self.single_file:
+            self.lock_fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+                                   | getattr(os, "O_CLOEXEC", 0), 0o666, dir_fd=self.pfd)
+        else:
+            os.mkdir(self.name, 0o777, dir_fd=self.pfd)
+            self.lock_fd = os.open(self.name, _DIR_FLAGS | _NOFOLLOW, dir_fd=self.pfd)
+            self.dir_fds[""] = self.lock_fd
+        fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.root_id = _ident(os.fstat(self.lock_fd))
+
+    def file(self) -> int:
+        """A new descriptor of the single temp file (the writer owns and closes it)."""
+        return os.dup(self.lock_fd)
+
+    def _dir(self, rel: str) -> int:
+        """The descriptor of folder `rel` inside the temp folder, creating it (one level at a time)."""
+        if rel in self.dir_fds:
+            return self.dir_fds[rel]
+        parent, _, name = rel.rpartition("/")
+        pfd = self._dir(parent)
+        try:
+            os.mkdir(name, 0o777, dir_fd=pfd)
+        except FileExistsError:
+            raise CkptError(f"{self.out}: {rel} is planned twice in the output (internal error)") from None
+        fd = os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=pfd)
+        self.dir_fds[rel] = fd
+        self.ids[rel] = _ident(os.fstat(fd))
+        return fd
+
+    def create(self, rel: str) -> int:
+        """A descriptor of the new file `rel` (POSIX path) inside the temp folder; the caller closes it."""
+        folder, _, name = rel.rpartition("/")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o666, dir_fd=self._dir(folder))
+        self.ids[rel] = _ident(os.fstat(fd))
+        return fd
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with os.fdopen(self.create(rel), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def copy_file(self, src: Path, rel: str) -> None:
+        with open(src, "rb") as fsrc, os.fdopen(self.create(rel), "wb") as fdst:
+            while chunk := fsrc.read(1 << 20):
+                fdst.write(chunk)
+            fdst.flush()
+            os.fsync(fdst.fileno())
+
+    def verify(self) -> None:
+        """Everything this run created is still where it was put (same device and inode), and OUT's
+        parent folder is still the one the temp output lives in."""
+        gone = f"{self.out}: the temporary output was removed or replaced during the run; nothing written"
+        try:
+            parent = os.stat(self.out.parent)
+        except OSError:
+            parent = None
+        if parent is None or _ident(parent) != self.parent_id:
+            raise CkptError(f"{self.out}: its folder {self.out.parent} was removed or replaced during the run; "
+                            "nothing written")
+        st = _lstat_at(self.pfd, self.name)
+        if st is None or _ident(st) != self.root_id:
+            raise CkptError(gone)
+        for rel, ident in self.ids.items():
+            st = _lstat_at(self.lock_fd, rel)
+            if st is None or _ident(st) != ident:
+                raise CkptError(f"{self.out}: {rel} in the temporary output was removed or replaced during the run; "
+                                "nothing written")
+
+    def publish(self, overwrite: bool) -> None:
+        """Rename the temp output to OUT; without `overwrite` only if OUT does not exist at that moment."""
+        for fd in self.dir_fds.values():
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
+        with signals_deferred():
+            self.verify()
+            if overwrite:
+                self.old = self._replace()
+            else:
+                self._rename_noreplace()
+            self.published = True
+            PUBLISHED.append(self.out)
+        if self.old is not None:
+            _remove_at(self.pfd, self.old)
+            self.old = None
+        with contextlib.suppress(OSError):
+            os.fsync(self.pfd)
+
+    def _exists(self) -> CkptError:
+        return CkptError(f"{self.out}: already exists (another run wrote it meanwhile; pass --overwrite to replace it)")
+
+    def _rename_noreplace(self) -> None:
+        try:
+            _renameat2(self.pfd, self.name, self.out.name, _RENAME_NOREPLACE)
+            return
+        except FileExistsError:
+            raise self._exists() from None
+        except OSError as e:
+            if not _unsupported(e):
+                raise
+        if self.single_file:  # link fails if OUT exists: the check and the publish are one step
+            try:
+                os.link(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd, follow_symlinks=False)
+            except FileExistsError:
+                raise self._exists() from None
+            os.unlink(self.name, dir_fd=self.pfd)
+            return
+        try:  # an exclusive placeholder; renaming a folder over an empty folder is atomic
+            os.mkdir(self.out.name, 0o700, dir_fd=self.pfd)
+        except FileExistsError:
+            raise self._exists() from None
+        try:
+            os.rename(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.out.name, dir_fd=self.pfd)
+            raise
+
+    def _replace(self) -> str | None:
+        """Replace OUT (or create it). Returns the temp name now holding the previous OUT, to remove."""
+        st = _lstat_at(self.pfd, self.out.name)
+        if st is None:
+            try:
+                self._rename_noreplace()
+                return None
+            except CkptError:  # appeared just now: replace it after all
+                st = _lstat_at(self.pfd, self.out.name)
+        out_is_dir = st is not None and stat.S_ISDIR(st.st_mode)
+        if self.single_file and out_is_dir:
+            raise CkptError(f"{self.out}: is a folder; refusing to replace it with a single file (name a file)")
+        if self.single_file or st is None:
+            os.rename(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+            return None
+        try:  # one step: the temp folder and OUT swap places
+            _renameat2(self.pfd, self.name, self.out.name, _RENAME_EXCHANGE)
+            return self.name
+        except OSError as e:
+            if not _unsupported(e):
+                raise
+        old = temp_name(self.out.name, "old")
+        os.rename(self.out.name, old, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+        try:
+            os.rename(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+        except BaseException:
+            os.rename(old, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+            raise
+        return old
+
+    def close(self) -> None:
+        """Release descriptors (and with them the lock); remove the temp output unless it was published."""
+        with signals_deferred():
+            if self.pfd >= 0:
+                if not self.published:
+                    _remove_at(self.pfd, self.name)
+                elif self.old is not None:
+                    _remove_at(self.pfd, self.old)
+            for fd in set(self.dir_fds.values()) | {self.lock_fd}:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self.dir_fds.clear()
+            self.lock_fd = -1
+            if not self.published:
+                for p in reversed(self.created):
+                    with contextlib.suppress(OSError):
+                        p.rmdir()  # only if still empty: another run may be using it meanwhile
+            if self.pfd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self.pfd)
+                self.pfd = -1
