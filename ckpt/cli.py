@@ -145,6 +145,10 @@ from ckpt.batch.cli import batch  # noqa: E402  (the `ckpt batch ...` group; imp
 
 cli.add_command(batch)
 
+from ckpt.lora.cli import lora  # noqa: E402  (the `ckpt lora ...` group; imports only click here)
+
+cli.add_command(lora)
+
 
 class _Signals:
     """SIGINT/SIGTERM become one KeyboardInterrupt while a command runs (the writer then removes its temp

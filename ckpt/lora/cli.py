@@ -1,0 +1,117 @@
+"""`ckpt lora extract`: the click commands. Each builds `LoraOptions` and calls its
+Python API; usage errors (a bad value, a missing argument) are one `error: ...` line with exit 2 like
+every other bad input, not click's usage text."""
+
+from __future__ import annotations
+
+import click
+
+from ckpt.cli_options import DEVICE, DRY_RUN, OVERWRITE, QUIET
+from ckpt.errors import CkptError
+
+
+class _OneLine:
+    """Turns click's usage errors into a CkptError (printed as one line by ckpt.cli.main)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise CkptError(f"{self._where(info_name, parent)}: {e.format_message()}") from None
+
+    @staticmethod
+    def _where(info_name, parent):
+        path = [info_name]
+        while parent is not None:
+            path.insert(0, parent.info_name)
+            parent = parent.parent
+        return " ".join(p for p in path if p)
+
+
+class LoraCommand(_OneLine, click.Command):
+    pass
+
+
+class LoraGroup(_OneLine, click.Group):
+    command_class = LoraCommand
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise CkptError(f"ckpt lora: {e.format_message()}") from None
+
+
+def _rank_options(f):
+    f = click.option("--save-dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+                     help="dtype of the written factors (fp16 costs about 2e-4 relative error).")(f)
+    f = click.option("--threshold", type=float, metavar="X",
+                     help="Parameter of --dynamic: sv_ratio keeps S > max(S)/X; sv_fro / sv_cumulative keep the "
+                          "smallest rank reaching fraction X of the Frobenius norm / of sum(S).")(f)
+    f = click.option("--dynamic", type=click.Choice(["sv_ratio", "sv_fro", "sv_cumulative"]),
+                     help="Choose each module's rank from its singular values (kohya's methods); --rank caps it.")(f)
+    f = click.option("--conv-rank", type=int, metavar="R2", help="Rank of 3x3 (kernel > 1) conv layers (default: --rank).")(f)
+    return f
+
+
+CLAMP = click.option("--clamp-quantile", type=float, metavar="Q",
+                     help="Clamp factor values at their Q-quantile, as kohya does by default (0.99); off unless "
+                          "given: clamping breaks the best-rank property.")
+
+
+def _common(f):
+    f = QUIET(f)
+    f = OVERWRITE(f)
+    f = DEVICE(f)
+    f = DRY_RUN(f)
+    return f
+
+
+def _options(**kw):
+    from ckpt.lora.common import LoraOptions
+
+    return LoraOptions(**kw)
+
+
+def _show(report, path, quiet, dry_run, print_report):
+    if not quiet:
+        for line in report.module_lines():
+            click.echo(line)
+    for line in report.summary:
+        click.echo(line)
+    print_report(report, quiet)
+    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+
+
+@click.group("lora", cls=LoraGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def lora():
+    """LoRA operations: extract from a fine-tune."""
+
+
+@lora.command()
+@click.argument("base")
+@click.argument("tuned")
+@click.option("-o", "--output", "out", help="Output file (PEFT: folder) (default: TUNED-lora beside TUNED).")
+@click.option("--rank", "-r", type=int, help="Rank of every module (the cap with --dynamic).")
+@_rank_options
+@CLAMP
+@click.option("--min-diff", type=float, default=0.0, show_default=True, metavar="D",
+              help="Skip (and list) weights whose delta has max |dW| <= D.")
+@click.option("--format", "fmt", type=click.Choice(["kohya", "peft", "diffusers"]),
+              help="Naming of the output (default: peft for a transformers model folder, kohya otherwise).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Base tensor names to leave out (repeatable).")
+@click.option("--lowrank", is_flag=True, help="torch.svd_lowrank instead of the full SVD (faster; the measured "
+                                              "error is reported per module).")
+@click.option("--niter", type=int, default=2, show_default=True, help="Power iterations of --lowrank.")
+@_common
+def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, min_diff, fmt,
+            exclude, lowrank, niter, dry_run, device, overwrite, quiet):
+    """A LoRA approximating TUNED - BASE (truncated SVD of each weight's delta, one weight at a time)."""
+    from ckpt.cli import _print_report
+    from ckpt.lora.extract import extract as run
+
+    opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
+                    clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, lowrank=lowrank, niter=niter,
+                    device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+    path, report = run(base, tuned, out, opts, min_diff=min_diff, exclude=list(exclude))
+    _show(report, path, quiet, dry_run, _print_report)

@@ -1,0 +1,140 @@
+"""What the `ckpt lora` commands share: options, the per-module report, and the two-phase write
+(decompose every module into the scratch store, then plan and write the output header-first)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.output import check_target
+from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
+from ckpt.report import Report
+
+SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SHOW = 10  # names listed in one summary line
+
+
+@dataclass
+class LoraOptions:
+    rank: int | None = None
+    conv_rank: int | None = None
+    dynamic: str | None = None
+    threshold: float | None = None
+    clamp_quantile: float | None = None
+    save_dtype: str = "fp32"
+    format: str | None = None
+    lowrank: bool = False
+    niter: int = 2
+    device: str = "cpu"
+    dry_run: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+    def check(self, rank_required: bool = True) -> None:
+        """Usage errors, one line each, before any file is opened."""
+        if self.rank is None and rank_required and self.dynamic is None:
+            raise CkptError("give --rank R (or --dynamic METHOD --threshold X, with --rank as the cap)")
+        for flag, v in (("--rank", self.rank), ("--conv-rank", self.conv_rank)):
+            if v is not None and v < 1:
+                raise CkptError(f"{flag} {v}: a rank is at least 1")
+        if self.dynamic is not None and self.dynamic not in DYNAMIC:
+            raise CkptError(f"--dynamic {self.dynamic}: choose one of {', '.join(DYNAMIC)}")
+        if (self.dynamic is None) != (self.threshold is None):
+            raise CkptError("--dynamic and --threshold go together (e.g. --dynamic sv_fro --threshold 0.9)")
+        if self.dynamic == "sv_ratio" and not self.threshold > 1:
+            raise CkptError(f"--threshold {self.threshold}: sv_ratio keeps singular values above max(S) / X, X > 1")
+        if self.dynamic in ("sv_fro", "sv_cumulative") and not 0 < self.threshold <= 1:
+            raise CkptError(f"--threshold {self.threshold}: {self.dynamic} takes a fraction in (0, 1]")
+        if self.clamp_quantile is not None and not 0 < self.clamp_quantile <= 1:
+            raise CkptError(f"--clamp-quantile {self.clamp_quantile}: a quantile in (0, 1]")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise CkptError(f"--save-dtype {self.save_dtype}: choose one of {', '.join(SAVE_DTYPES)}")
+        if self.niter < 0:
+            raise CkptError(f"--niter {self.niter}: at least 0")
+        if self.lowrank and self.dynamic == "sv_cumulative":
+            raise CkptError("--lowrank cannot pick ranks by sv_cumulative (it needs every singular value); "
+                            "use sv_fro or sv_ratio, or drop --lowrank")
+
+    def rule(self, conv: bool, cap: int | None = None) -> RankRule:
+        r = self.conv_rank if conv and self.conv_rank is not None else self.rank
+        if r is None:
+            r = cap if cap is not None else 1 << 30
+        return RankRule(r, self.dynamic, self.threshold)
+
+    @property
+    def svd(self) -> SvdOptions:
+        return SvdOptions(lowrank=self.lowrank, niter=self.niter)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return SAVE_DTYPES[self.save_dtype]
+
+
+@dataclass
+class ModuleResult:
+    name: str
+    shape: tuple[int, ...]  # the delta's 2-D shape (rows, flattened columns)
+    rank: int
+    cap: int
+    error: float  # measured ||dW - up @ down||_F / ||dW||_F
+    norm: float  # ||dW||_F
+    from_rank: int | None = None  # resize / merge: the input rank(s) summed
+    note: str = ""
+
+
+@dataclass
+class LoraReport(Report):
+    """Report plus the lines every run prints on stdout: one per module (unless --quiet), a summary."""
+
+    modules: list[ModuleResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # modules whose delta is below --min-diff
+    capped: list[str] = field(default_factory=list)  # modules whose rank was capped by the layer
+    kept: list[str] = field(default_factory=list)  # modules passed through unchanged
+    summary: list[str] = field(default_factory=list)
+
+    def module_lines(self) -> list[str]:
+        if not self.modules:
+            return []
+        w = max(len(m.name) for m in self.modules)
+        out = [f"{'module':<{w}}  {'shape':>13}  {'rank':>5}  rel.error"]
+        for m in self.modules:
+            shape = f"{m.shape[0]}x{m.shape[1]}"
+            rank = f"{m.rank}" if m.from_rank is None else f"{m.from_rank}->{m.rank}"
+            out.append(f"{m.name:<{w}}  {shape:>13}  {rank:>5}  {m.error:.3e}" + (f"  ({m.note})" if m.note else ""))
+        return out
+
+    def finish(self, verb: str) -> None:
+        """The summary lines: counts, ranks, errors (worst first), skipped and capped modules."""
+        ms = self.modules
+        if ms:
+            ranks = [m.rank for m in ms]
+            total = math.sqrt(sum((m.error * m.norm) ** 2 for m in ms))
+            norm = math.sqrt(sum(m.norm ** 2 for m in ms))
+            worst = sorted(ms, key=lambda m: -m.error)[:3]
+            self.summary.append(
+                f"{verb} {len(ms)} modules: rank {min(ranks)}..{max(ranks)} (median {statistics.median(ranks):g}); "
+                f"relative error overall {total / norm if norm else 0.0:.3e}, worst "
+                + ", ".join(f"{m.name} {m.error:.3e}" for m in worst))
+        else:
+            self.summary.append(f"{verb} 0 modules")
+        if self.capped:
+            self.summary.append(f"{len(self.capped)} modules capped at min(out, in x kh x kw): {_listed(self.capped)}")
+        if self.skipped:
+            self.summary.append(f"{len(self.skipped)} modules skipped (delta at or below --min-diff): "
+                                f"{_listed(self.skipped)}")
+        if self.kept:
+            self.summary.append(f"{len(self.kept)} modules passed through unchanged: {_listed(self.kept)}")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:SHOW]) + (f", ... ({len(names) - SHOW} more)" if len(names) > SHOW else "")
+
+
+def early_target_check(out: Path, inputs: list[Path], overwrite: bool, single_file: bool) -> None:
+    """The output checks `write` makes, made before the (long) decomposition so a bad -o fails at once."""
+    check_target(Path(out), inputs, overwrite, single_file)

@@ -1,0 +1,257 @@
+"""`ckpt lora extract BASE TUNED`: a LoRA approximating TUNED - BASE, one weight at a time.
+
+Both checkpoints are read through the same views as every command (FP8 layouts and quanto decoded),
+paired by name, component by component; shapes must agree and every weight must have its counterpart
+(a different family or layout is an error, not a partial LoRA). For each weight the delta is formed in
+fp32 on the work device from row bands of both (two band buffers, one delta), decomposed (full
+`torch.linalg.svd`, or `torch.svd_lowrank` with --lowrank), cut to its rank, optionally clamped, cast
+to the save dtype, measured, and spilled to the scratch store; memory is one delta and its SVD at a
+time. When every module is done the output is planned from the factors' shapes and written
+header-first (`ckpt.lora.store`).
+
+Which weights: the floating `.weight` tensors of 2 or more dimensions (Linear, Conv; conv layers as
+LoCon: down [r, in, kh, kw], up [out, r, 1, 1]) of the diffusion model and text encoders; every other
+tensor that changed (biases, norms, a VAE) is listed, never silently dropped. A weight whose delta has
+max |dW| <= --min-diff (default 0: unchanged) is skipped and listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from pathlib import Path
+
+import torch
+
+from ckpt.dtypes import is_float
+from ckpt.errors import CkptError
+from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.buffers import Buffers
+from ckpt.io.output import bands
+from ckpt.io.plan import Plan
+from ckpt.lora import svd as S
+from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.formats import FORMATS, Layout, OutModule, plan_lora
+from ckpt.lora.naming import Naming
+from ckpt.lora.store import FactorStore
+from ckpt.progress import progress_bar
+from ckpt.quant import logical_view
+from ckpt.run import _human, default_output, output_path, resolve_device, write
+
+
+def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *, min_diff: float = 0.0,
+            exclude: list[str] = (), report: LoraReport | None = None) -> tuple[Path, LoraReport]:
+    """Extract TUNED - BASE as a LoRA; returns (output path, report). Raises CkptError on bad input."""
+    report = report or LoraReport()
+    opts.check()
+    if min_diff < 0:
+        raise CkptError(f"--min-diff {min_diff}: at least 0")
+    if opts.format is not None and opts.format not in FORMATS:
+        raise CkptError(f"--format {opts.format}: choose one of {', '.join(FORMATS)}")
+    device = resolve_device(opts.device)
+    with contextlib.ExitStack() as stack:
+        b = stack.enter_context(open_checkpoint(base))
+        t = stack.enter_context(open_checkpoint(tuned))
+        fmt = opts.format or _default_format(b)
+        jobs, others, namings = _pair(b, t, fmt, exclude, base, tuned)
+        _check_ranks(jobs, opts)
+        layout = Layout.of(fmt, tuple(sorted({p for n in namings for p in n.prefixes})))
+        derived = default_output(tuned, t.path, "lora", folder=layout.container == "folder")
+        out_path = output_path(out, derived, Plan(single_file=layout.container == "file", files=[]))
+        inputs = b.inputs + t.inputs
+        early_target_check(out_path, inputs, opts.overwrite, layout.container == "file")
+        op = f"lora extract {Path(base).name} {Path(tuned).name} --rank {opts.rank}" + (
+            f" --dynamic {opts.dynamic} --threshold {opts.threshold:g}" if opts.dynamic else "")
+        if opts.dry_run:
+            return _dry_run(jobs, opts, fmt, layout, out_path, report), report
+        store = stack.enter_context(FactorStore(out_path))
+        modules = _decompose(jobs, opts, layout, device, store, report, min_diff)
+        _changed_others(others, device, report)
+        report.finish("extracted")
+        if not modules:
+            raise CkptError(f"{tuned}: no weight differs from {base} by more than --min-diff {min_diff:g}; "
+                            "nothing to extract, nothing written")
+        meta = _kohya_metadata(opts) if fmt == "kohya" else {}
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta)
+        write(plan, out_path, inputs=inputs, report=report, desc="lora extract", device=torch.device("cpu"),
+              overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
+    return out_path, report
+
+
+def _default_format(ckpt) -> str:
+    """What the base's users expect: a PEFT adapter for a transformers model folder, kohya otherwise."""
+    if len(ckpt.components) == 1:
+        cfg = ckpt.components[0].config or {}
+        if cfg.get("architectures") or (cfg.get("model_type") and "_class_name" not in cfg):
+            return "peft"
+    return "kohya"
+
+
+class _Job:
+    """One base weight and its tuned counterpart, with the pieces it becomes in the output naming."""
+
+    def __init__(self, key, base_t, tuned_t, pieces, shape):
+        self.key, self.base, self.tuned, self.pieces, self.shape = key, base_t, tuned_t, pieces, shape
+
+    @property
+    def conv(self) -> bool:
+        return len(self.shape) > 2 and math.prod(self.shape[2:]) > 1
+
+    def piece_shape(self, p) -> tuple[int, int]:
+        rows = self.shape[0] if p.rows is None else p.rows[1] - p.rows[0]
+        cols = math.prod(self.shape[1:])
+        return (cols, rows) if p.transform == "transpose" else (rows, cols)
+
+
+def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
+    """Jobs for every extractable weight, the other paired tensors (checked for change only), and the
+    namings. Any weight without a counterpart, or with another shape, is an error."""
+    bsubs = {c.subdir: c for c in b.components}
+    tsubs = {c.subdir: c for c in t.components}
+    if set(bsubs) != set(tsubs):
+        raise CkptError(f"{tuned_spec}: its components ({', '.join(sorted(tsubs)) or 'one model'}) differ from "
+                        f"{base_spec}'s ({', '.join(sorted(bsubs)) or 'one model'}): not the same model family")
+    jobs, others, namings = [], [], []
+    single = len(bsubs) == 1
+    for sub in sorted(bsubs):
+        bv, tv = logical_view(bsubs[sub]), logical_view(tsubs[sub])
+        where = f"{sub}/" if sub else ""
+        only_b = [k for k in bv.tensors if k not in tv.tensors and len(bv.tensors[k].shape) >= 2]
+        only_t = [k for k in tv.tensors if k not in bv.tensors and len(tv.tensors[k].shape) >= 2]
+        if only_b or only_t:
+            side, names = (base_spec, only_b) if only_b else (tuned_spec, only_t)
+            other = tuned_spec if only_b else base_spec
+            raise CkptError(f"{side}: {len(names)} weights have no counterpart in {other} (e.g. {where}{names[0]!r}): "
+                            "not the same model family and layout")
+        shapes = {k: tuple(x.shape) for k, x in bv.tensors.items()}
+        naming = Naming(fmt, shapes, sub, bsubs[sub].config, single)
+        namings.append(naming)
+        for k, bt in bv.tensors.items():
+            tt = tv.tensors.get(k)
+            if tt is None:
+                continue
+            if tuple(tt.shape) != tuple(bt.shape):
+                raise CkptError(f"{tuned_spec}: {where}{k} is {list(tt.shape)} but {list(bt.shape)} in {base_spec}: "
+                                "not the same model")
+            if not (is_float(bt.dtype) and is_float(tt.dtype)):
+                continue
+            if any(fnmatch.fnmatchcase(where + k, pat) for pat in exclude):
+                continue
+            pieces = naming.pieces(k) if len(bt.shape) >= 2 else None
+            if pieces is None:
+                others.append((where + k, bt, tt))
+            else:
+                jobs.append(_Job(where + k, bt, tt, pieces, tuple(bt.shape)))
+    return jobs, others, namings
+
+
+def _check_ranks(jobs, opts: LoraOptions) -> None:
+    """--rank (--conv-rank) larger than every layer of its kind allows is a usage error."""
+    for conv, flag, r in ((False, "--rank", opts.rank), (True, "--conv-rank", opts.conv_rank or opts.rank)):
+        if r is None:
+            continue
+        caps = [min(j.piece_shape(p)) for j in jobs if j.conv == conv and not isinstance(j.pieces, str)
+                for p in j.pieces]
+        if caps and r > max(caps):
+            kind = "conv layer" if conv else "layer"
+            raise CkptError(f"{flag} {r}: larger than any {kind} allows (the largest allows {max(caps)}: "
+                            "min(out, in x kh x kw))")
+
+
+def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
+    n = sum(len(j.pieces) for j in jobs if not isinstance(j.pieces, str))
+    most = 0
+    for j in jobs:
+        if isinstance(j.pieces, str):
+            continue
+        for p in j.pieces:
+            rows, cols = j.piece_shape(p)
+            k = min(opts.rule(j.conv, min(rows, cols)).rank, rows, cols)
+            most += k * (rows + cols) * opts.dtype.itemsize
+    report.summary.append(f"would extract up to {n} modules from {len(jobs)} weights in {fmt} naming "
+                          f"({'adapter folder' if layout.container == 'folder' else 'one file'}), at most "
+                          f"{_human(most)}; ranks, skipped modules and errors are known after the SVDs")
+    report.note(f"dry run: would write {out_path}")
+    return out_path
+
+
+def _read_delta(job: _Job, device, buffers: Buffers) -> torch.Tensor:
+    """tuned - base in fp32 on `device`, [rows, prod(shape[1:])], filled one row band at a time."""
+    rows = job.shape[0]
+    delta = torch.empty((rows, math.prod(job.shape[1:])), dtype=torch.float32, device=device)
+    for a, b in bands(job.tuned):
+        delta[a:b].copy_(job.tuned.read(a, b, device, buffers).reshape(b - a, -1))
+    for a, b in bands(job.base):
+        delta[a:b].sub_(job.base.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32))
+    return delta
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi))
+
+
+def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorStore, report: LoraReport,
+               min_diff: float) -> list[OutModule]:
+    modules: list[OutModule] = []
+    buffers = Buffers()
+    total = sum(j.tuned.source_bytes + j.base.source_bytes for j in jobs)
+    dtype = opts.dtype
+    with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+        for job in jobs:
+            delta = _read_delta(job, device, buffers)
+            bar.update(job.tuned.source_bytes + job.base.source_bytes)
+            if _max_abs(delta) <= min_diff:
+                report.skipped.append(job.key)
+                continue
+            if isinstance(job.pieces, str):
+                raise CkptError(f"{job.key} changed, but {job.pieces}; nothing written (pass --exclude to leave "
+                                "it out, or choose another --format)")
+            for p in job.pieces:
+                d = p.of(delta)
+                rows, cols = d.shape
+                cap = min(rows, cols)
+                rule = opts.rule(job.conv, cap)
+                U, sv, Vh = S.svd(d, min(rule.rank, cap), opts.svd)
+                fro = float(torch.linalg.vector_norm(d)) if opts.lowrank else None
+                k = rule.choose(sv, cap, fro)
+                if rule.rank > cap and opts.dynamic is None:
+                    report.capped.append(f"{p.name} ({cap})")
+                up, down = S.truncate(U, sv, Vh, k)
+                del U, Vh
+                if opts.clamp_quantile is not None:
+                    S.clamp_quantile(up, down, opts.clamp_quantile)
+                up, down = up.to(dtype), down.to(dtype)
+                err, norm = S.error_of_whole(d, up.float(), down.float())
+                up_shape = (rows, k) + (1,) * (len(job.shape) - 2 if p.transform is None else 0)
+                down_shape = (k,) + (tuple(job.shape[1:]) if p.transform is None else (cols,))
+                m = OutModule(p.name, store.put(p.name + ".up", up.reshape(up_shape)),
+                              store.put(p.name + ".down", down.reshape(down_shape)), layout.alpha_for(1.0, k))
+                modules.append(m)
+                report.modules.append(ModuleResult(p.name, (rows, cols), k, cap, S.rel(err, norm), norm))
+            del delta
+    return modules
+
+
+def _changed_others(others, device, report: LoraReport) -> None:
+    """Tensors that have no LoRA form (biases, norms, VAE...): read and compared, and listed if changed."""
+    changed = []
+    tuned_buffers, base_buffers = Buffers(), Buffers()
+    for key, bt, tt in others:
+        for a, b in bands(tt):
+            x = tt.read(a, b, device, tuned_buffers).to(torch.float32)
+            y = bt.read(a, b, device, base_buffers).to(torch.float32)
+            if not torch.equal(x, y):
+                changed.append(key)
+                break
+    if changed:
+        from ckpt.lora.common import _listed
+
+        report.summary.append(f"{len(changed)} changed tensors have no LoRA form and are not in the output "
+                              f"(biases, norms, embeddings, VAE...): {_listed(changed)}")
+
+
+def _kohya_metadata(opts: LoraOptions) -> dict[str, str]:
+    dim = "Dynamic" if opts.dynamic else str(opts.rank)
+    return {"ss_network_module": "networks.lora", "ss_network_dim": dim, "ss_network_alpha": dim}

@@ -1,0 +1,68 @@
+"""Factors whose shapes are known only after their SVD, spilled to a scratch file until the output
+can be planned.
+
+With a dynamic rank (or modules skipped by --min-diff) the output's header is not known before every
+module has been decomposed, and a writer that is header-first needs it. Holding all factors in memory
+would cost a whole LoRA (a rank-32 fp32 Flux LoRA is about 0.6 GB, rank 128 about 2.5 GB), beyond the
+bounded-memory promise. So each module's factors, once computed and cast to the save dtype, are
+appended to a scratch file beside the output (same filesystem, named like the writer's temp files so
+`ckpt batch` cleans it up after a SIGKILL); the final file is then planned from their shapes and
+written header-first, each factor read back band by band like any stored tensor (`RawTensor`). The
+scratch file is removed on success, error and Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.header import TensorInfo
+from ckpt.io.tensors import FileHandles, RawTensor, Tensor
+
+
+class FactorStore:
+    def __init__(self, out: Path):
+        out = Path(out)
+        self.path = out.absolute().parent / f".{out.name}.ckpt-tmp-{uuid.uuid4().hex[:8]}.factors"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.size = 0
+        self.handles = FileHandles()
+
+    def put(self, name: str, value: torch.Tensor) -> Tensor:
+        """Append `value` (any device) and return a logical tensor that reads it back."""
+        data = value.detach().to("cpu").contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+        mv, pos = memoryview(raw), self.size
+        try:
+            while len(mv):
+                n = os.pwrite(self.fd, mv, pos)
+                mv, pos = mv[n:], pos + n
+        except OSError as e:
+            raise CkptError(f"{self.path.parent}: cannot hold the factors being computed "
+                            f"({e.strerror or e}); nothing written") from None
+        info = TensorInfo(name, data.dtype, tuple(data.shape), self.path, self.size, pos)
+        self.size = pos
+        return RawTensor(info, self.handles, "")
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        self.handles.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
