@@ -1,4 +1,4 @@
-"""`ckpt lora extract`: the click commands. Each builds `LoraOptions` and calls its
+"""`ckpt lora extract|resize`: the click commands. Each builds `LoraOptions` and calls its
 Python API; usage errors (a bad value, a missing argument) are one `error: ...` line with exit 2 like
 every other bad input, not click's usage text."""
 
@@ -85,7 +85,7 @@ def _show(report, path, quiet, dry_run, print_report):
 
 @click.group("lora", cls=LoraGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def lora():
-    """LoRA operations: extract from a fine-tune."""
+    """LoRA operations: extract from a fine-tune, resize."""
 
 
 @lora.command()
@@ -114,4 +114,21 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
                     clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, lowrank=lowrank, niter=niter,
                     device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
     path, report = run(base, tuned, out, opts, min_diff=min_diff, exclude=list(exclude))
+    _show(report, path, quiet, dry_run, _print_report)
+
+
+@lora.command()
+@click.argument("lora_file", metavar="LORA")
+@click.option("-o", "--output", "out", help="Output file or folder (default: LORA-resized beside LORA).")
+@click.option("--rank", "-r", type=int, help="New rank (the cap with --dynamic; default cap: each module's rank).")
+@_rank_options
+@_common
+def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, dry_run, device, overwrite, quiet):
+    """Lower a LoRA's rank by SVD of each module's up @ down, keeping its effective scale."""
+    from ckpt.cli import _print_report
+    from ckpt.lora.resize import resize as run
+
+    opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold, save_dtype=save_dtype,
+                    device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+    path, report = run(lora_file, out, opts)
     _show(report, path, quiet, dry_run, _print_report)

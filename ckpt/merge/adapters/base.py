@@ -69,6 +69,13 @@ class Adapter:
     def apply_bias(self, bias: torch.Tensor, a: int, b: int, ratio: float) -> None:
         raise NotImplementedError
 
+    def delta(self) -> torch.Tensor:
+        """The module's whole delta (scale included) in its 2-D row view [rows, cols], fp32 on
+        `self.device`, for commands that work on deltas without a base (`ckpt lora resize/merge`).
+        Families whose change depends on the base weight have none: an error naming the module."""
+        raise self.error(f"a {self.family} module changes the base weight in a way that depends on it; "
+                         "it has no delta of its own")
+
     def part(self, role: str) -> torch.Tensor:
         """A stored part of the module in fp32 on the work device, read once and kept until `release`."""
         t = self._cache.get(role)
@@ -112,6 +119,13 @@ class LowRankFamily(Adapter):
 
     def add_delta(self, w: torch.Tensor, a: int, b: int, factor: float) -> None:
         raise NotImplementedError
+
+    def delta(self):
+        if self.dora is not None:
+            raise self.error("DoRA re-normalises the merged weight: its delta depends on the base weight")
+        w = torch.zeros((self.rows, self.cols), dtype=torch.float32, device=self.device)
+        self.add_delta(w, 0, self.rows, self.scale)
+        return w
 
     def apply(self, w, a, b, ratio):
         if self.dora is None:

@@ -24,5 +24,10 @@ class Full(Adapter):
     def apply(self, w, a, b, ratio):
         w.add_(self.part("diff").reshape(self._rows, -1)[a:b], alpha=ratio)
 
+    def delta(self):
+        if not self.has_weight:
+            raise self.error("holds only a bias delta (diff_b)")
+        return self.part("diff").reshape(self._rows, -1).clone()
+
     def apply_bias(self, bias, a, b, ratio):
         bias.add_(self.part("diff_b")[a:b], alpha=ratio)

@@ -67,6 +67,17 @@ class LoRA(LowRankFamily):
             self._cache["down_eff"] = down
         return self._cache["down_eff"]
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up [rows, r], down [r, cols]) in fp32 with dW = up @ down (scale not included), in the
+        row view `add_delta` uses (a Tucker `lora_mid` folded into down; transposed layers as
+        A^T, B^T). Lets resize and merge decompose the product without forming it."""
+        if self.transposed:
+            A = self.part(self.down_role).reshape(self.rank, -1)
+            B = self.part(self.up_role).reshape(-1, self.rank)
+            return A.t(), B.t()
+        up = self.part(self.up_role)
+        return up.reshape(up.shape[0], -1), self._down2d()
+
     def add_delta(self, w, a, b, factor):
         if self.transposed:  # stored W^T: rows of dW^T are columns of A
             A = self.part(self.down_role).reshape(self.rank, -1)

@@ -1,0 +1,139 @@
+"""`ckpt lora resize LORA --rank R | --dynamic METHOD --threshold X`: lower a LoRA's rank.
+
+Each LoRA module's product up @ down is decomposed without being formed (QR of both factors, SVD of
+the r x r core, `ckpt.lora.svd.svd_product`) and cut to its new rank; alpha becomes scale x new rank
+(scale x sqrt(new rank) under rsLoRA), so the effective scale is kept, as kohya's resize_lora does.
+A module whose new rank would not be lower than its rank is passed through unchanged. LoHa and LoKr
+modules are formed into their delta first and leave as plain LoRA modules (kohya lora_down/lora_up
+keys under the same module name); a DoRA module keeps its magnitude vector and has its low-rank part
+resized. (IA)^3, GLoRA, full-weight (`diff`) and replacement modules have no rank and pass through.
+
+The output keeps the input's naming, module names, alpha placement and container
+(`ckpt.lora.formats.Layout.like`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.plan import Plan
+from ckpt.lora import svd as S
+from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.formats import Layout, OutModule, plan_lora
+from ckpt.lora.modules import Source, open_lora, stored, to_layout
+from ckpt.lora.store import FactorStore
+from ckpt.progress import progress_bar
+from ckpt.run import default_output, output_path, resolve_device, write
+
+RESIZABLE = ("lora", "loha", "lokr")
+
+
+def resize(spec: str, out: str | Path | None, opts: LoraOptions,
+           report: LoraReport | None = None) -> tuple[Path, LoraReport]:
+    report = report or LoraReport()
+    opts.check()
+    if opts.format is not None:
+        raise CkptError("resize --format: converting the naming needs ckpt lora convert (not available yet); "
+                        "resize keeps the input's naming")
+    if opts.lowrank:
+        raise CkptError("--lowrank: resize decomposes each module exactly from its r x r core; nothing to speed up")
+    device = resolve_device(opts.device)
+    with contextlib.ExitStack() as stack:
+        f = open_lora(spec)
+        stack.callback(f.close)
+        if f.unknown:
+            report.note(f"{spec}: {len(f.unknown)} keys are no adapter part; passed through unchanged "
+                        f"(e.g. {f.unknown[0]!r})")
+        layout = Layout.like(f)
+        folder = layout.container == "folder"
+        derived = default_output(spec, Path(spec).expanduser(), "resized", folder=folder)
+        out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
+        early_target_check(out_path, f.inputs, opts.overwrite, not folder)
+        if opts.dry_run:
+            report.summary.append(f"would resize the {sum(m.family in RESIZABLE for m in f.modules.values())} "
+                                  f"LoRA/LoHa/LoKr modules of {spec}; ranks and errors are known after the SVDs")
+            return out_path, report
+        store = stack.enter_context(FactorStore(out_path))
+        modules = _resize_modules(f, opts, layout, device, store, report)
+        for key in f.unknown:
+            modules.append(OutModule(key, extra={key: f.ckpt.components[0].tensors[key]}))
+        report.finish("resized")
+        op = f"lora resize {Path(spec).name}" + (f" --rank {opts.rank}" if opts.rank else "") + (
+            f" --dynamic {opts.dynamic} --threshold {opts.threshold:g}" if opts.dynamic else "")
+        meta = {}
+        if "ss_network_dim" in layout.metadata:
+            dim = "Dynamic" if opts.dynamic else str(opts.rank)
+            meta = {"ss_network_dim": dim, "ss_network_alpha": "Dynamic"}
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta)
+        write(plan, out_path, inputs=f.inputs, report=report, desc="lora resize", device=torch.device("cpu"),
+              overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
+    return out_path, report
+
+
+def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorStore,
+                    report: LoraReport) -> list[OutModule]:
+    out: list[OutModule] = []
+    dtype = opts.dtype
+    total = sum(t.source_bytes for m in f.modules.values() for t in m.parts.values())
+    with progress_bar(total, "lora resize (SVD)", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+        for m in f.modules.values():
+            bar.update(sum(t.source_bytes for t in m.parts.values()))
+            if m.family not in RESIZABLE:
+                out.append(_passed(m, layout, report))
+                continue
+            src = Source(m, device)
+            rows, cols = src.shape2d
+            cap = min(rows, cols)
+            rule = opts.rule(src.conv(), cap)
+            if src.lora_like:
+                left, right = src.factors()
+                r = left.shape[1]
+                if rule.method is None and min(rule.rank, cap) >= r:
+                    out.append(_passed(m, layout, report, src))
+                    src.release()
+                    continue
+                U, sv, Vh = S.svd_product(left, right)
+                k = rule.choose(sv, min(cap, r))
+                if k >= r:
+                    out.append(_passed(m, layout, report, src))
+                    src.release()
+                    continue
+                up, down = S.truncate(U, sv, Vh, k)
+                up, down = up.to(dtype), down.to(dtype)
+                err, norm = S.error_of_product(left, right, up.float(), down.float())
+                scale = src.scale
+            else:  # LoHa / LoKr: the delta itself (scale included), then plain LoRA factors
+                d = src.delta()
+                r = None
+                U, sv, Vh = torch.linalg.svd(d, full_matrices=False)
+                k = rule.choose(sv, cap)
+                up, down = S.truncate(U, sv, Vh, k)
+                up, down = up.to(dtype), down.to(dtype)
+                err, norm = S.error_of_whole(d, up.float(), down.float())
+                scale = 1.0
+            upt, downt = to_layout(up, down, src.weight_tail(), src.transposed)
+            keys = {"down": src.roles.get("down") or src.roles.get("emb_A") if src.lora_like else None,
+                    "up": src.roles.get("up") or src.roles.get("emb_B") if src.lora_like else None,
+                    "alpha": src.roles.get("alpha")}
+            keys = {role: key for role, key in keys.items() if key}
+            extra = {key: m.parts[role] for role, key in src.roles.items()
+                     if role in ("magnitude", "dora_scale", "up_bias")}
+            out.append(OutModule(m.name, store.put(m.name + ".up", upt), store.put(m.name + ".down", downt),
+                                 layout.alpha_for(scale, k), keys, extra))
+            report.modules.append(ModuleResult(m.name, (rows, cols), k, cap, S.rel(err, norm), norm, from_rank=r,
+                                               note="" if src.lora_like else f"{m.family} -> lora"))
+            src.release()
+    return out
+
+
+def _passed(m, layout: Layout, report: LoraReport, src: Source | None = None) -> OutModule:
+    """A module written exactly as stored (rank already at or below the target, or no rank at all)."""
+    report.kept.append(m.name)
+    rank = src.rank if src is not None else None
+    alpha = m.alpha() if src is not None else None
+    return OutModule(m.name, extra=stored(m), peft_rank=rank,
+                     peft_alpha=alpha if alpha is not None else rank)
