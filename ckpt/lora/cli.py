@@ -1,4 +1,4 @@
-"""`ckpt lora extract|resize`: the click commands. Each builds `LoraOptions` and calls its
+"""`ckpt lora extract|resize|merge`: the click commands. Each builds `LoraOptions` and calls its
 Python API; usage errors (a bad value, a missing argument) are one `error: ...` line with exit 2 like
 every other bad input, not click's usage text."""
 
@@ -85,7 +85,7 @@ def _show(report, path, quiet, dry_run, print_report):
 
 @click.group("lora", cls=LoraGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def lora():
-    """LoRA operations: extract from a fine-tune, resize."""
+    """LoRA operations: extract from a fine-tune, resize, merge several into one."""
 
 
 @lora.command()
@@ -131,4 +131,29 @@ def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, dry_
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold, save_dtype=save_dtype,
                     device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
     path, report = run(lora_file, out, opts)
+    _show(report, path, quiet, dry_run, _print_report)
+
+
+@lora.command()
+@click.argument("loras", nargs=-1, metavar="A B [C ...]")
+@click.option("-o", "--output", "out", help="Output file or folder (default: A-merged beside A).")
+@click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
+              help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
+@click.option("--concat", "mode", flag_value="concat", default=True,
+              help="Stack the factors (exact; rank = sum of ranks). The default.")
+@click.option("--svd", "mode", flag_value="svd", help="Re-factorise each module's summed delta to --rank.")
+@click.option("--rank", "-r", type=int, help="With --svd: the new rank (the cap with --dynamic).")
+@_rank_options
+@CLAMP
+@_common
+def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, dry_run,
+          device, overwrite, quiet):
+    """One LoRA equal to applying A, B, ... in order (with their ratios)."""
+    from ckpt.cli import _print_report
+    from ckpt.lora.merge import merge as run
+
+    opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
+                    clamp_quantile=clamp_quantile, save_dtype=save_dtype, device=device, dry_run=dry_run,
+                    overwrite=overwrite, quiet=quiet)
+    path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode)
     _show(report, path, quiet, dry_run, _print_report)
