@@ -221,6 +221,7 @@ FAMILY = Family(
     pairs=pairs,
     lora_aliases=lora_aliases,
     kohya_layout=None,  # SD1/SD2: diffusers names; SDXL: LDM names (both answer on either base)
+    kohya_layouts={"sd1": DIFFUSERS, "sd2": DIFFUSERS, "sdxl": ORIGINAL},  # what kohya's trainers write
     lora_namings=("kohya (SD1/SD2 diffusers names, SDXL LDM names)", "diffusers/PEFT", "old diffusers processors",
                   "OneTrainer", "SimpleTuner LyCORIS"),
     high_precision={

@@ -98,7 +98,8 @@ class Family:
     - `pairs(shapes, layout)`: every Pair of the model whose keys (prefix stripped) and shapes are given,
       in that layout. Widths come from the shapes; nothing is hard-coded to one model size.
     - `lora_aliases(shapes, layout)`: extra LoRA module names (Alias) beyond both layouts' names.
-    - `kohya_layout`: the layout kohya/musubi (`lora_unet_<path with _>`) module names follow.
+    - `kohya_layout`: the layout kohya/musubi (`lora_unet_<path with _>`) module names follow;
+      `kohya_layouts`: the same per id, where the ids of one module differ (sd1/sd2 vs sdxl).
     - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
       (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
     - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
@@ -116,6 +117,7 @@ class Family:
     pairs: Callable[[Shapes, str], list[Pair]] | None = None
     lora_aliases: Callable[[Shapes, str], list[Alias]] | None = None
     kohya_layout: str | None = None
+    kohya_layouts: dict[str, str] = field(default_factory=dict)  # per id, where ids of one module differ
     lora_namings: tuple[str, ...] = ()
     high_precision: dict[str, tuple[str, ...]] = field(default_factory=dict)
     diffusers_config: Callable[[Shapes], dict] | None = None

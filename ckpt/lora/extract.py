@@ -89,14 +89,24 @@ def _default_format(ckpt) -> str:
 
 
 class _Job:
-    """One base weight and its tuned counterpart, with the pieces it becomes in the output naming."""
+    """One output group: base weights and their tuned counterparts (stacked by rows when a fused module
+    is made of several), and the pieces the output naming cuts from the stacked delta."""
 
-    def __init__(self, key, base_t, tuned_t, pieces, shape):
-        self.key, self.base, self.tuned, self.pieces, self.shape = key, base_t, tuned_t, pieces, shape
+    def __init__(self, keys, bases, tuneds, pieces, reason):
+        self.keys, self.bases, self.tuneds, self.pieces, self.reason = keys, bases, tuneds, pieces, reason
+        self.shape = (sum(t.shape[0] for t in bases),) + tuple(bases[0].shape[1:])
+
+    @property
+    def key(self) -> str:
+        return " + ".join(self.keys)
 
     @property
     def conv(self) -> bool:
         return len(self.shape) > 2 and math.prod(self.shape[2:]) > 1
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(t.source_bytes for t in self.bases + self.tuneds)
 
     def piece_shape(self, p) -> tuple[int, int]:
         rows = self.shape[0] if p.rows is None else p.rows[1] - p.rows[0]
@@ -105,8 +115,8 @@ class _Job:
 
 
 def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
-    """Jobs for every extractable weight, the other paired tensors (checked for change only), and the
-    namings. Any weight without a counterpart, or with another shape, is an error."""
+    """Jobs for every extractable group of weights, the other paired tensors (checked for change only),
+    and the namings. Any weight without a counterpart, or with another shape, is an error."""
     bsubs = {c.subdir: c for c in b.components}
     tsubs = {c.subdir: c for c in t.components}
     if set(bsubs) != set(tsubs):
@@ -124,9 +134,7 @@ def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
             other = tuned_spec if only_b else base_spec
             raise CkptError(f"{side}: {len(names)} weights have no counterpart in {other} (e.g. {where}{names[0]!r}): "
                             "not the same model family and layout")
-        shapes = {k: tuple(x.shape) for k, x in bv.tensors.items()}
-        naming = Naming(fmt, shapes, sub, bsubs[sub].config, single)
-        namings.append(naming)
+        candidates = {}
         for k, bt in bv.tensors.items():
             tt = tv.tensors.get(k)
             if tt is None:
@@ -138,11 +146,22 @@ def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
                 continue
             if any(fnmatch.fnmatchcase(where + k, pat) for pat in exclude):
                 continue
-            pieces = naming.pieces(k) if len(bt.shape) >= 2 else None
-            if pieces is None:
-                others.append((where + k, bt, tt))
+            if len(bt.shape) >= 2:
+                candidates[k] = (bt, tt)
             else:
-                jobs.append(_Job(where + k, bt, tt, pieces, tuple(bt.shape)))
+                others.append((where + k, bt, tt))
+        naming = Naming(fmt, {k: tuple(x.shape) for k, x in bv.tensors.items()}, sub, bsubs[sub].config, single)
+        namings.append(naming)
+        grouped = set()
+        for g in naming.groups:
+            if not all(k in candidates for k in g.keys):
+                continue
+            grouped.update(g.keys)
+            jobs.append(_Job([where + k for k in g.keys], [candidates[k][0] for k in g.keys],
+                             [candidates[k][1] for k in g.keys], g.pieces, g.reason))
+        for k, (bt, tt) in candidates.items():
+            if k not in grouped:  # a VAE's weights, tensors named otherwise: compared, listed if changed
+                others.append((where + k, bt, tt))
     return jobs, others, namings
 
 
@@ -151,8 +170,7 @@ def _check_ranks(jobs, opts: LoraOptions) -> None:
     for conv, flag, r in ((False, "--rank", opts.rank), (True, "--conv-rank", opts.conv_rank or opts.rank)):
         if r is None:
             continue
-        caps = [min(j.piece_shape(p)) for j in jobs if j.conv == conv and not isinstance(j.pieces, str)
-                for p in j.pieces]
+        caps = [min(j.piece_shape(p)) for j in jobs if j.conv == conv and j.pieces for p in j.pieces]
         if caps and r > max(caps):
             kind = "conv layer" if conv else "layer"
             raise CkptError(f"{flag} {r}: larger than any {kind} allows (the largest allows {max(caps)}: "
@@ -160,10 +178,10 @@ def _check_ranks(jobs, opts: LoraOptions) -> None:
 
 
 def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
-    n = sum(len(j.pieces) for j in jobs if not isinstance(j.pieces, str))
+    n = sum(len(j.pieces) for j in jobs if j.pieces)
     most = 0
     for j in jobs:
-        if isinstance(j.pieces, str):
+        if not j.pieces:
             continue
         for p in j.pieces:
             rows, cols = j.piece_shape(p)
@@ -177,13 +195,16 @@ def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
 
 
 def _read_delta(job: _Job, device, buffers: Buffers) -> torch.Tensor:
-    """tuned - base in fp32 on `device`, [rows, prod(shape[1:])], filled one row band at a time."""
-    rows = job.shape[0]
-    delta = torch.empty((rows, math.prod(job.shape[1:])), dtype=torch.float32, device=device)
-    for a, b in bands(job.tuned):
-        delta[a:b].copy_(job.tuned.read(a, b, device, buffers).reshape(b - a, -1))
-    for a, b in bands(job.base):
-        delta[a:b].sub_(job.base.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32))
+    """tuned - base in fp32 on `device`, [rows, prod(shape[1:])], filled one row band at a time (the
+    weights of a fused group one below the other)."""
+    delta = torch.empty((job.shape[0], math.prod(job.shape[1:])), dtype=torch.float32, device=device)
+    at = 0
+    for bt, tt in zip(job.bases, job.tuneds):
+        for a, b in bands(tt):
+            delta[at + a:at + b].copy_(tt.read(a, b, device, buffers).reshape(b - a, -1))
+        for a, b in bands(bt):
+            delta[at + a:at + b].sub_(bt.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32))
+        at += bt.shape[0]
     return delta
 
 
@@ -196,17 +217,17 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                min_diff: float) -> list[OutModule]:
     modules: list[OutModule] = []
     buffers = Buffers()
-    total = sum(j.tuned.source_bytes + j.base.source_bytes for j in jobs)
+    total = sum(j.source_bytes for j in jobs)
     dtype = opts.dtype
     with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
         for job in jobs:
             delta = _read_delta(job, device, buffers)
-            bar.update(job.tuned.source_bytes + job.base.source_bytes)
+            bar.update(job.source_bytes)
             if _max_abs(delta) <= min_diff:
                 report.skipped.append(job.key)
                 continue
-            if isinstance(job.pieces, str):
-                raise CkptError(f"{job.key} changed, but {job.pieces}; nothing written (pass --exclude to leave "
+            if not job.pieces:
+                raise CkptError(f"{job.key} changed, but {job.reason}; nothing written (pass --exclude to leave "
                                 "it out, or choose another --format)")
             for p in job.pieces:
                 d = p.of(delta)
@@ -239,7 +260,7 @@ def _changed_others(others, device, report: LoraReport) -> None:
     changed = []
     tuned_buffers, base_buffers = Buffers(), Buffers()
     for key, bt, tt in others:
-        for a, b in bands(tt):
+        for a, b in _common_bands(bt, tt):
             x = tt.read(a, b, device, tuned_buffers).to(torch.float32)
             y = bt.read(a, b, device, base_buffers).to(torch.float32)
             if not torch.equal(x, y):
@@ -250,6 +271,16 @@ def _changed_others(others, device, report: LoraReport) -> None:
 
         report.summary.append(f"{len(changed)} changed tensors have no LoRA form and are not in the output "
                               f"(biases, norms, embeddings, VAE...): {_listed(changed)}")
+
+
+def _common_bands(x, y):
+    """Row bands both tensors accept (their decoders may need aligned starts)."""
+    if x.row_align is None or y.row_align is None:
+        return [(0, x.rows)]
+    shim = type("Rows", (), {})()
+    shim.shape, shim.rows, shim.numel = x.shape, x.rows, x.numel
+    shim.row_align = math.lcm(x.row_align, y.row_align)
+    return list(bands(shim))
 
 
 def _kohya_metadata(opts: LoraOptions) -> dict[str, str]:

@@ -1,182 +1,211 @@
-"""The module names an extracted LoRA gets, derived from the base's own keys.
+"""The module names an extracted LoRA gets: the base's weights grouped into output modules, in the
+naming of the chosen format, from the family registry (`ckpt.families`).
 
-Each base weight becomes one or more *pieces*: a module name in the output's naming and the part of
-the weight it covers (all of it, a row slice of a fused weight, or the weight with a transform). The
-names are chosen among the spellings the merge key map (`ckpt.merge.keymap`) registers for that base
-weight, and every chosen name is checked to resolve back through that key map to exactly the same
-piece: what `ckpt lora extract` writes, `ckpt merge-lora` merges into the same base, by construction.
+The base is split into its models as the merge key map splits it (diffusion model, text encoders,
+VAE... `ckpt.merge.keymap._parts`), each recognised by the registry (family and layout). A format
+names modules in one layout of that family:
 
-- peft: the module path itself (one model per adapter folder).
-- kohya: `lora_unet_` + the diffusion model's path with `.` -> `_` (SD1/SD2 LDM UNets under their
-  diffusers names, as kohya's own SD1/SD2 LoRAs; SDXL, Flux, SD3 under their own names), text
-  encoders `lora_te{N}_` + the Hugging Face CLIP path (OpenCLIP's fused q/k/v split into q_proj,
-  k_proj, v_proj rows), `lora_te_` when the base has a single text encoder.
-- diffusers: `PREFIX.` + the path in a diffusers/transformers layout base (PREFIX from the pipeline
-  component or the model's config class).
+- peft: the model's own names (a PEFT adapter wraps the model object the base holds);
+- kohya: `lora_unet_` + the family's `kohya_layout` path with `.` -> `_` (Flux, SD3, Wan: original
+  names; SD1/SD2 UNets: diffusers names; SDXL: LDM names), text encoders `lora_te{N}_` + Hugging Face
+  CLIP names (`lora_te_` when the base has one text encoder);
+- diffusers: `PREFIX.` + the diffusers-layout path (PREFIX `transformer`, `unet`, `text_encoder[_N]`).
 
-A weight that has no name in the chosen naming (a VAE weight in a kohya LoRA, a text encoder in a
-PEFT folder, an original-layout base for diffusers naming) carries the reason instead; it is an error
-only when that weight actually changed.
+When the naming's layout is not the base's, the registry's `pairs` say how weights correspond: one
+original weight may become several modules (BFL `img_attn.qkv` -> `to_q`, `to_k`, `to_v`: row slices of
+its delta), several diffusers weights one module (`to_q/k/v` -> `img_attn.qkv`: their deltas stacked and
+decomposed together), a transform may apply (`swap_halves`). Each output module is a `Group`: the base
+weights whose deltas are stacked by rows, and the `Piece`s cut from that stack. Every name is checked
+to resolve back through the merge key map (`ckpt.merge.keymap`) to exactly those weights and rows:
+what `ckpt lora extract` writes, `ckpt merge-lora` merges into the same base, by construction.
+
+A weight without a name in the chosen naming keeps the reason; it is an error only when that weight
+actually changed. Weights outside every model a LoRA adapts (VAE, EMA copies) are not candidates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt.merge.keymap import FAMILIES, build_keymap
-from ckpt.merge.keymaps import module_of
-from ckpt.merge.targets import Target
+import torch
 
-SDXL_LABEL_EMB_IN = 2816
+from ckpt.families import DIFFUSERS, ORIGINAL, module_of
+from ckpt.merge.keymap import _parts, build_keymap
+from ckpt.merge.targets import Target
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of a base weight one output module covers."""
+    """One output module cut from a group's stacked delta."""
 
     name: str  # module name in the output naming (no role suffix)
-    rows: tuple[int, int] | None = None  # rows [start, stop) of a fused weight
-    transform: str | None = None  # "swap_halves" | "transpose" | None (ckpt.merge.targets)
+    rows: tuple[int, int] | None = None  # rows [start, stop) of the stacked delta
+    transform: str | None = None  # "swap_halves" | "transpose" | "squeeze" | None
 
-    def of(self, delta):
-        """This piece's delta, in its module's own layout, from the whole weight's 2-D delta."""
+    def of(self, delta: torch.Tensor) -> torch.Tensor:
+        """This piece's delta, in its module's own layout, from the group's 2-D stacked delta."""
         d = delta if self.rows is None else delta[self.rows[0]:self.rows[1]]
         if self.transform == "transpose":
             return d.mT
         if self.transform == "swap_halves":
             h = d.shape[0] // 2
-            import torch
-
             return torch.cat([d[h:], d[:h]])
-        return d
+        return d  # "squeeze": the 2-D row view is the same
+
+
+@dataclass
+class Group:
+    """Base weights (keys with their file prefix, in row order) whose stacked delta the pieces cut."""
+
+    keys: list[str]
+    pieces: list[Piece] | None = None
+    reason: str | None = None  # why these weights have no name in the naming
 
 
 class Naming:
-    """Pieces of every base weight of one component in one output naming."""
+    """The groups of one component's weights in one output naming."""
 
     def __init__(self, fmt: str, shapes: dict[str, tuple[int, ...]], component: str, config: dict | None,
                  single_component: bool):
-        from ckpt.merge import keymap as km_mod
-
         self.fmt = fmt
         self.km = build_keymap(shapes, component or None)
-        self._pieces: dict[str, list[Piece] | str | None] = {}
-        self.prefixes: set[str] = set()
-        parts = km_mod._parts(shapes, component or None)
-        te_parts = [p for p in parts if p.role == "te"]
+        self.groups: list[Group] = []
+        self.outside: set[str] = set()  # weights of VAEs, EMA copies...: no LoRA names them
+        self.prefixes: set[str] = set()  # diffusers prefixes used
+        parts = _parts(shapes, component or None)
+        n_te = len({p.identity for p in parts if p.role == "te"})
         for part in parts:
-            self._name_part(part, shapes, component, config, single_component, len(te_parts), km_mod)
+            self._name_part(part, component, config, single_component, n_te)
 
-    def pieces(self, key: str) -> list[Piece] | str | None:
-        """The pieces of base weight `key`; a string says why it has no name in this naming; None: the
-        weight is outside every model a LoRA adapts (VAE, EMA copy), not extracted."""
-        return self._pieces.get(key, f"{self.fmt} naming has no name for {key!r}")
-
-    # -- building ------------------------------------------------------------------------------------
-    def _name_part(self, part, shapes, component, config, single_component, n_te, km_mod):
-        family, aliases = None, None
-        if part.role != "other":
-            for label, make in FAMILIES:
-                found = make(part.keys)
-                if found is not None:
-                    family, aliases = label, found
-                    break
-        keys = [k for k in part.keys if k.endswith(".weight") or k in ("text_projection",)]
-        if part.role == "other":  # VAE, EMA copies, image encoders: not what LoRAs adapt
-            for k in keys:
-                self._pieces[part.prefix + k] = None
+    # -- one model of the base -----------------------------------------------------------------------
+    def _name_part(self, part, component, config, single_component, n_te):
+        keys = [k for k in part.keys if k.endswith(".weight") or k == "text_projection"]
+        if part.role == "other":
+            self.outside.update(part.prefix + k for k in keys)
             return
+        match = part.detect()
+        base_layout = match.layout if match is not None else None
+        fam = match.family if match is not None else None
         if self.fmt == "peft":
-            self._peft(part, keys, single_component)
-        elif self.fmt == "kohya":
-            self._kohya(part, keys, family, aliases, n_te)
+            if not part.standalone or not single_component:
+                return self._refuse(part, keys, "a PEFT adapter folder holds one model; this base holds several "
+                                                "(use --format kohya, or extract from the model's own folder)")
+            return self._same(part, keys, "base_model.model.")
+        if self.fmt == "kohya":
+            head = "lora_unet_" if part.role == "dm" else (
+                "lora_te_" if part.plain_te and n_te == 1 else f"lora_te{max(part.te_numbers or (1,))}_")
+            want = _kohya_layout(match)
+            flat = True
         else:
-            self._diffusers(part, keys, component, config)
+            head = _diffusers_prefix(component, config, part, fam)
+            if head is None:
+                return self._refuse(part, keys, "diffusers naming needs a model the family registry knows, or a "
+                                                "diffusers/transformers folder (use --format kohya or peft)")
+            self.prefixes.add(head)
+            head += "."
+            want = DIFFUSERS if base_layout is not None else None
+            flat = False
+        if want is None or base_layout is None or want == base_layout or fam.pairs is None:
+            return self._same(part, keys, head, flat, _wrapped(fam, part.keys, base_layout) if flat else None)
+        self._across(part, keys, fam.pairs(part.keys, base_layout), base_layout, head, flat)
 
-    def _set(self, part, key: str, pieces: list[Piece]):
-        """Record the pieces of a weight if every name resolves back to the same piece."""
-        full = part.prefix + key
+    def _refuse(self, part, keys, why):
+        for k in keys:
+            self.groups.append(Group([part.prefix + k], reason=why))
+
+    def _same(self, part, keys, head, flat=False, wrapped=None):
+        wrapped = wrapped or {}
+        for k in keys:
+            self._add(part, [k], [Piece(_spell(head, wrapped.get(k, module_of(k)), flat))])
+
+    def _across(self, part, keys, pairs, base_layout, head, flat):
+        """The base in one layout, the names in the other: the registry's pairs say which weights and rows."""
+        pairs = [p for p in pairs if not (p.original or "").endswith((".bias", "_bias"))]
+        done: set[str] = set()
+        if base_layout == ORIGINAL:  # one original weight -> the diffusers modules cut from it
+            by_key: dict[str, list] = {}
+            for p in pairs:
+                if p.original in part.keys:
+                    by_key.setdefault(p.original, []).append(p)
+            for k in keys:
+                ps = by_key.get(k)
+                if not ps or any(p.diffusers is None for p in ps):
+                    continue
+                self._add(part, [k], [Piece(_spell(head, module_of(p.diffusers), flat), p.rows, p.transform)
+                                      for p in ps])
+                done.add(k)
+        else:  # diffusers weights -> the original module they are rows of, stacked in row order
+            by_original: dict[str, list] = {}
+            for p in pairs:
+                if p.diffusers in part.keys and p.original is not None:
+                    by_original.setdefault(p.original, []).append(p)
+            for original, ps in by_original.items():
+                ps = sorted(ps, key=lambda p: (p.rows or (0, 0))[0])
+                ks = [p.diffusers for p in ps]
+                if not all(k in keys for k in ks):
+                    continue
+                transform = ps[0].transform if len(ps) == 1 else None
+                self._add(part, ks, [Piece(_spell(head, module_of(original), flat), None, transform)],
+                          parts=[p.rows for p in ps])
+                done.update(ks)
+        for k in keys:
+            if k not in done:
+                self.groups.append(Group([part.prefix + k], reason=f"{part.prefix + k!r} has no counterpart in "
+                                                                   f"the layout {self.fmt} names this model in"))
+
+    def _add(self, part, keys, pieces, parts=None):
+        """Record a group if every name resolves back, through the key map, to the same weights and rows."""
+        full = [part.prefix + k for k in keys]
         for p in pieces:
-            want = Target(full, p.rows, p.transform)
-            got = self.km.targets(p.name)
-            if got != [want]:
-                self._pieces[full] = (f"the {self.fmt} name {p.name!r} for {full!r} would not merge back "
-                                      "into the same weight (ambiguous in this base)")
+            if parts is None:
+                want = {Target(full[0], p.rows, p.transform)}
+            else:  # several weights, one fused module: each weight takes its rows of the module's delta
+                want = {Target(k, transform=p.transform, part=r) for k, r in zip(full, parts)}
+                if len(full) == 1 and parts[0] is None:
+                    want = {Target(full[0], transform=p.transform)}
+            got = set(self.km.targets(p.name))
+            if got != want:
+                self.groups.append(Group(full, reason=f"the {self.fmt} name {p.name!r} would not merge back into "
+                                                      f"{', '.join(full)} (ambiguous in this base)"))
                 return
-        self._pieces[full] = pieces
-
-    def _peft(self, part, keys, single_component):
-        if not part.standalone or not single_component:
-            for k in keys:
-                self._pieces[part.prefix + k] = ("a PEFT adapter folder holds one model; this base holds several "
-                                                 "(use --format kohya, or extract from the model's own folder)")
-            return
-        for k in keys:
-            self._set(part, k, [Piece("base_model.model." + part.prefix + module_of(k))])
-
-    def _kohya(self, part, keys, family, aliases, n_te):
-        by_target: dict[str, list[tuple[str, Target]]] = {}
-        use_aliases = (family == "SD UNet" and _is_sd12_ldm(part.keys)) or family in (
-            "OpenCLIP text", "CLIP text (no text_model. wrapper)")
-        if use_aliases:
-            for a in aliases:
-                if len(a.targets) == 1 and ".processor." not in a.name:
-                    by_target.setdefault(a.targets[0].key, []).append((a.name, a.targets[0]))
-        if part.role == "dm":
-            head = "lora_unet_"
-        else:
-            head = "lora_te_" if part.plain_te and n_te == 1 else f"lora_te{max(part.te_numbers or (1,))}_"
-        for k in keys:
-            named = by_target.get(k)
-            if named:
-                rows_seen, pieces = set(), []
-                for name, t in named:  # one name per piece: the first alias of each row range
-                    if (t.rows, t.transform) in rows_seen:
-                        continue
-                    rows_seen.add((t.rows, t.transform))
-                    pieces.append(Piece(head + name.replace(".", "_"), t.rows, t.transform))
-                self._set(part, k, pieces)
-            elif not use_aliases or family != "OpenCLIP text":
-                self._set(part, k, [Piece(head + module_of(k).replace(".", "_"))])
-            else:
-                self._pieces[part.prefix + k] = f"kohya LoRAs have no module for {part.prefix + k!r}"
-
-    def _diffusers(self, part, keys, component, config):
-        prefix = _diffusers_prefix(component, config, part)
-        if prefix is None:
-            for k in keys:
-                self._pieces[part.prefix + k] = (
-                    "diffusers naming needs a base in diffusers/transformers layout (a pipeline or model folder "
-                    "with its config.json); this base is in its original layout (use --format kohya)")
-            return
-        self.prefixes.add(prefix)
-        for k in keys:
-            self._set(part, k, [Piece(prefix + "." + module_of(k))])
+        self.groups.append(Group(full, pieces))
 
 
-def _is_sd12_ldm(keys) -> bool:
-    """An SD1/SD2 LDM UNet (kohya names these by their diffusers names; SDXL by their own)."""
-    if not any(k.startswith("input_blocks.") for k in keys):
-        return False
-    emb = keys.get("label_emb.0.0.weight")
-    return not (emb and len(emb) == 2 and emb[1] == SDXL_LABEL_EMB_IN)
+def _wrapped(fam, shapes, layout) -> dict[str, str]:
+    """key -> the name trainers give it where the family declares a wrapper around the file's own path
+    (HF CLIP saved without `text_model.`: kohya still writes `lora_te1_text_model_encoder_...`): an
+    alias for a whole weight whose name ends with that weight's own module path."""
+    if fam is None or fam.lora_aliases is None:
+        return {}
+    out = {}
+    for a in fam.lora_aliases(shapes, layout):
+        own = module_of(a.key)
+        if a.rows is None and a.transform is None and a.name != own and a.name.endswith("." + own):
+            out.setdefault(a.key, a.name)
+    return out
 
 
-def _diffusers_prefix(component: str, config: dict | None, part) -> str | None:
-    """`unet` / `transformer` / `text_encoder[_N]` for a component in diffusers layout, else None."""
+def _spell(head: str, name: str, flat: bool) -> str:
+    return head + (name.replace(".", "_") if flat else name)
+
+
+def _kohya_layout(match) -> str | None:
+    """The layout kohya names a recognised model in (the registry's `kohya_layout`, per id where the
+    family module answers for several); None: the base's own names."""
+    if match is None:
+        return None
+    return match.family.kohya_layouts.get(match.family_id, match.family.kohya_layout)
+
+
+def _diffusers_prefix(component: str, config: dict | None, part, fam) -> str | None:
+    """`unet` / `transformer` / `text_encoder[_N]` for one model of the base, else None."""
     comp = (component or "").strip("/")
     if comp in ("unet", "transformer", "prior", "decoder") or comp.startswith("text_encoder"):
         return comp
-    if part.prefix or not config:
+    if part.role == "te":  # diffusers numbers a pipeline's encoders 1, 2, 3 (Flux's T5: text_encoder_2)
+        n = min(part.te_numbers or (1,))
+        return "text_encoder" if n == 1 else f"text_encoder_{n}"
+    cls = fam.diffusers_class if fam is not None else str((config or {}).get("_class_name") or "")
+    if not cls:
         return None
-    cls = str(config.get("_class_name") or "")
-    arch = " ".join(config.get("architectures") or [])
-    if "UNet" in cls:
-        return "unet"
-    if cls:
-        return "transformer"
-    if "CLIPText" in arch:
-        return "text_encoder"
-    if "T5" in arch:
-        return "text_encoder_2"
-    return None
+    return "unet" if "UNet" in cls else "transformer"
