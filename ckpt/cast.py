@@ -32,18 +32,19 @@ def _pair_lut(src: torch.dtype, dst: torch.dtype, device) -> torch.Tensor:
     return _PAIR_LUTS[key]
 
 
-def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None) -> torch.Tensor:
-    """Exact cast of an fp8 tensor to a wider float dtype via the pair lookup table."""
+def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None, role: str = "cast") -> torch.Tensor:
+    """Exact cast of an fp8 tensor to a wider float dtype via the pair lookup table. The result lives in
+    `buffers` under `role` (a decoder passes its own role: the Caster casts its output in "cast")."""
     n = x.numel()
     flat = x.reshape(-1)
     if x.device.type != "cpu" or dst.itemsize > 4 or n < 2:
         return x.to(dst)
-    y = buffers.typed("cast", dst, (n,)) if buffers else torch.empty(n, dtype=dst)
+    y = buffers.typed(role, dst, (n,)) if buffers else torch.empty(n, dtype=dst)
     even = n - (n % 2)
     if flat.storage_offset() % 2:
         return x.to(dst)
     wide = torch.int32 if dst.itemsize == 2 else torch.int64
-    idx = buffers.typed("idx", torch.int32, (even // 2,)) if buffers else torch.empty(even // 2, dtype=torch.int32)
+    idx = buffers.typed(role + "-idx", torch.int32, (even // 2,)) if buffers else torch.empty(even // 2, dtype=torch.int32)
     idx.copy_(flat[:even].view(torch.int16))
     idx.add_(32768)
     torch.index_select(_pair_lut(x.dtype, dst, "cpu"), 0, idx, out=y[:even].view(wide))

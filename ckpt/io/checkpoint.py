@@ -259,6 +259,9 @@ def _component_from_index(folder: Path, index: Path, handles, subdir: str) -> Co
     tensors: dict[str, Tensor] = {}
     notes: list[str] = []
     files = []
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise file_error(index, f"maps {bad[0]!r} to {bad[1]!r}, which is not a shard file name")
     for shard in dict.fromkeys(weight_map.values()):
         if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard in ("", ".", ".."):
             raise file_error(index, f"names shard {shard!r}, which is not a file name in its folder")

@@ -3,12 +3,20 @@
 Always `weights_only=True` (never a custom pickle_module: that silently turns it off); a file that
 needs other globals is refused with their names, found by torch without running anything. `mmap=True`
 keeps tensor data on disk where the zip format allows it.
+
+Lightning `.ckpt` files keep their hyperparameters beside the weights: `argparse.Namespace`, `pathlib`
+paths, omegaconf `DictConfig`/`ListConfig` and their nodes, Lightning's `AttributeDict`, numpy scalars.
+Those globals (and only those, by exact name: `HARMLESS`) are given to torch's weights-only unpickler as
+inert stand-ins: a placeholder class that stores the arguments and state the pickle hands it and runs
+none of the real class's code (the real modules are never imported). Every other global is still
+refused by name, before anything runs.
 """
 
 from __future__ import annotations
 
 import pickle
 import re
+import struct
 import warnings
 import zipfile
 from pathlib import Path
@@ -20,13 +28,90 @@ from ckpt.errors import file_error
 NESTED = ("state_dict", "model", "module", "model_state_dict")
 
 
+class Inert:
+    """An object of a known-harmless class, as the pickle described it: its constructor arguments and
+    its state, stored and never interpreted. Subclassed once per global name (`HARMLESS`)."""
+
+    global_name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        _SEEN.add(cls.global_name)
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        return f"<inert {self.global_name}>"
+
+
+class InertMapping(Inert):
+    """A dict subclass or factory (`collections.defaultdict`, Lightning's `AttributeDict`): torch's
+    unpickler fills only plain dicts, so the stand-in *is* a plain dict (its items are what we keep)."""
+
+    def __new__(cls, *args, **kwargs):
+        _SEEN.add(cls.global_name)
+        return {}
+
+
+_SEEN: set[str] = set()  # global names of the placeholders made by the load in progress
+
+
+_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+_OMEGACONF = {"omegaconf.dictconfig": ("DictConfig",), "omegaconf.listconfig": ("ListConfig",),
+              "omegaconf.base": ("ContainerMetadata", "Metadata", "SCMode"),
+              "omegaconf.nodes": ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "EnumNode",
+                                  "BytesNode", "PathNode", "InterpolationResultNode", "ValueNode")}
+# Global name -> placeholder kind. Type references (builtins, typing) appear as annotations inside
+# omegaconf metadata; they become placeholders too, never the real callables.
+HARMLESS: dict[str, type] = {
+    "argparse.Namespace": Inert,
+    **{f"{m}.{c}": Inert for m in ("pathlib", "pathlib._local") for c in _PATHS},
+    **{f"{m}.{c}": Inert for m, cs in _OMEGACONF.items() for c in cs},
+    **{f"typing.{n}": Inert for n in ("Any", "Union", "Optional", "Dict", "List", "Tuple")},
+    **{f"builtins.{n}": Inert for n in ("dict", "list", "tuple", "int", "float", "str", "bool", "bytes", "object")},
+    "collections.defaultdict": InertMapping,
+    "pytorch_lightning.utilities.parsing.AttributeDict": InertMapping,
+    "lightning_fabric.utilities.data.AttributeDict": InertMapping,
+    "lightning.fabric.utilities.data.AttributeDict": InertMapping,
+    **{f"{m}.{n}": Inert for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("scalar", "_reconstruct")},
+    "numpy.dtype": Inert,
+    "numpy.ndarray": Inert,
+}
+
+
+def _stand_ins() -> list[tuple[type, str]]:
+    return [(type(name.rsplit(".", 1)[1], (kind,), {"global_name": name, "__module__": __name__}), name)
+            for name, kind in HARMLESS.items()]
+
+
+_STAND_INS = _stand_ins()
+
+
+def is_zip(path: Path) -> bool:
+    """zipfile.is_zipfile, which raises BadZipFile (not OSError) on an odd zip64 locator: then it is a
+    damaged zip, reported as such."""
+    try:
+        return zipfile.is_zipfile(path)
+    except (zipfile.BadZipFile, ValueError, struct.error) as e:
+        raise file_error(path, f"not a loadable torch pickle (damaged zip: {e})") from None
+
+
 def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | None, bool]:
     """Returns (flat name -> tensor, a note on what was left out or None, whether the tensors are
     memory-mapped from the file: the zip format is, legacy pickles are in memory)."""
-    zipped = zipfile.is_zipfile(path)
-    obj = _load(path, zipped)
+    zipped = is_zip(path)
+    _SEEN.clear()
+    obj = load(path, zipped)
     note = None if zipped else (f"{path.name}: legacy (non-zip) torch pickle, read into memory whole "
                                 "(the zip format is memory-mapped)")
+    if _SEEN:
+        inert = (f"{path.name}: read {', '.join(sorted(_SEEN))} (hyperparameters, not weights) as inert "
+                 "placeholders; none of their code ran")
+        note = f"{note}; {inert}" if note else inert
     if isinstance(obj, dict):
         for key in NESTED:
             inner = obj.get(key)
@@ -52,16 +137,19 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
     return tensors, note, zipped
 
 
-def _load(path: Path, zipped: bool | None = None):
-    """torch.load with weights_only=True (mmap for the zip format); every failure is a CkptError."""
+def load(path: Path, zipped: bool | None = None):
+    """torch.load with weights_only=True (mmap for the zip format), the HARMLESS globals read as inert
+    placeholders; every failure is a CkptError."""
     if zipped is None:
-        zipped = zipfile.is_zipfile(path)
+        zipped = is_zip(path)
     try:
-        with warnings.catch_warnings():  # torch's protocol-4 UserWarning would precede our own one-line error
+        with warnings.catch_warnings(), torch.serialization.safe_globals(_STAND_INS):
+            # torch's protocol-4 UserWarning would precede our own one-line error
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
-        unsafe = _unsafe_globals(path) if zipped else re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        unsafe = _unsafe_globals(path) if zipped else re.findall(r"(?i)unsupported (?:global: )?GLOBAL ([\w.]+)", str(e))
+        unsafe = [g for g in unsafe if g not in HARMLESS]
         if unsafe:
             raise file_error(path, "refusing to unpickle: it needs globals outside torch's safe set "
                              "(nothing was executed): " + ", ".join(dict.fromkeys(unsafe))) from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,11 +88,13 @@ class QBytesWeight(Tensor):
     def read(self, start, stop, device, scratch=None):
         d = self.data.read(start, stop, device, scratch)
         s = _rows_of(self.scale, start, stop, self.rows, device)
-        if s.dim() and s.dim() < d.dim():
+        if s.numel() == 1:
+            s = s.reshape(())  # one scale, whatever its stored rank
+        elif s.dim() < d.dim():
             s = s.reshape(s.shape + (1,) * (d.dim() - s.dim()))
         bufs = scratch if device.type == "cpu" else None
         if d.dtype in FP8:
-            y = fp8_upcast(d, self.dtype, bufs).mul_(s)  # the upcast is exact, as `data.to(scale.dtype)`
+            y = fp8_upcast(d, self.dtype, bufs, role="y").mul_(s)  # the upcast is exact, as `data.to(scale.dtype)`
         else:
             y = bufs.typed("y", self.dtype, d.shape) if bufs else torch.empty(d.shape, dtype=self.dtype, device=device)
             torch.mul(d, s, out=y)  # int8 * scale promotes to the scale dtype, as quanto's `scale * data`
@@ -114,8 +117,9 @@ class QBitsWeight(Tensor):
         self.inner = tuple(packed.shape[1:])
         per = math.prod(self.inner)
         if self.urows * per != math.prod(self.shape):
-            raise CkptError(f"{name}: {self.urows} x {list(self.inner)} quantized values do not fill the shape "
-                            f"{list(self.shape)}")
+            shown = list(self.shape) if len(self.shape) <= 8 else \
+                "[" + ", ".join(map(str, self.shape[:6])) + f", ... ({len(self.shape)} dims)]"
+            raise CkptError(f"{name}: {self.urows} x {list(self.inner)} quantized values do not fill the shape {shown}")
         rows = self.shape[0] if self.shape else 1
         self.q = self.urows // rows if rows and self.urows % rows == 0 else None
         self.row_align = 1 if self.q is not None else None
@@ -214,18 +218,13 @@ def _config_qtype(ctx: DecodeContext) -> str | None:
 def _legacy_strings(ctx: DecodeContext, prefixes) -> dict[str, str]:
     """optimum-quanto <= 0.2.2 pickles store qtype/size/bits as strings beside the tensors; the
     component keeps tensors only, so read the strings again (safely, weights_only)."""
-    import zipfile
-
-    from ckpt.io.pickles import NESTED
+    from ckpt.io.pickles import NESTED, load
 
     out: dict[str, str] = {}
     for f in ctx.component.files:
         if f.kind != "pickle":
             continue
-        try:  # the component loader already read this file the same safe way
-            obj = torch.load(f.path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f.path))
-        except Exception as e:
-            raise CkptError(f"{f.path}: cannot re-read its optimum-quanto metadata strings ({e})") from None
+        obj = load(f.path)  # the component loader already read this file the same safe way
         dicts = [obj] + [obj[k] for k in NESTED if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
         for d in dicts:
             if isinstance(d, dict):
@@ -234,13 +233,17 @@ def _legacy_strings(ctx: DecodeContext, prefixes) -> dict[str, str]:
     return out
 
 
-def _literal(text: str):
-    import ast
+_SIZE = re.compile(r"\s*(?:torch\.Size\(\s*)?[\[(]\s*((?:\d{1,18}\s*,\s*)*\d{0,18})\s*,?\s*[\])]\s*\)?\s*")
 
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return None
+
+def _legacy_size(text: str, key: str, where: str) -> tuple[int, ...]:
+    """A legacy `X.weight.size` string (`"[32, 256]"`, `"torch.Size([32, 256])"`) as a shape; anything
+    else is an error naming the key (never evaluated: it is data from the file)."""
+    m = _SIZE.fullmatch(text) if len(text) <= 1000 else None
+    if m is None:
+        raise CkptError(f"{where}: {key!r} = {text[:60]!r} is not a shape (expected e.g. \"[32, 256]\"); "
+                        "nothing was written")
+    return tuple(int(d) for d in re.findall(r"\d+", m[1]))
 
 
 def decode(ctx: DecodeContext) -> Decoded | None:
@@ -268,6 +271,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         if p in ctx.remaining:
             raise CkptError(f"{where}: {p!r} is stored both plain and quantized ({e.data_key!r}); nothing was written")
         declared = _declared_qtype(p, e, legacy, qmap, cfg_qtype, opt_qtype, where)
+        _check_shapes(e, where)
         if not e.packed:
             qtype = _bytes_qtype(e, declared, where)
             tensors[p] = QBytesWeight(p, e.data, e.scale)
@@ -277,11 +281,15 @@ def decode(ctx: DecodeContext) -> Decoded | None:
                 no_bits.append(e.data_key)
                 continue
             qtype = f"qint{bits}"
-            shape = _literal(legacy[p + ".size"]) if p + ".size" in legacy else resolver.shape(e)
+            shape = _legacy_size(legacy[p + ".size"], p + ".size", where) if p + ".size" in legacy \
+                else resolver.shape(e)
             if shape is None:
                 no_shape.append(e.data_key)
                 continue
-            tensors[p] = QBitsWeight(p, e.data, e.scale, e.shift, bits, tuple(shape))
+            try:
+                tensors[p] = QBitsWeight(p, e.data, e.scale, e.shift, bits, tuple(shape))
+            except CkptError as err:
+                raise CkptError(f"{where}: {err}; nothing was written") from None
         qtypes_seen[qtype] = qtypes_seen.get(qtype, 0) + 1
         anchors[e.data_key] = p
         consumed[e.data_key] = f"quantized data of {p} ({qtype})"
@@ -340,6 +348,30 @@ def _declared_qtype(p, e, legacy, qmap, cfg_qtype, opt_qtype, where) -> str | No
                             f"for {p!r}; nothing was written")
         found.append(("--qtype", opt_qtype))
     return found[0][1] if found else None
+
+
+def _check_shapes(e: _Entry, where: str) -> None:
+    """Scale (and shift) shapes must broadcast over the data the way the decoders apply them without
+    changing its shape, checked while planning (a scale that broadcasts wider would make a band larger
+    than planned). optimum-quanto writes one scale, one per row ([rows, 1]), or, for a one-row weight,
+    one per column; 8-bit scales are aligned to the data's leading dims, 4/2-bit ones and shifts have
+    the unpacked data's rank ([rows, 1] for data [rows, in])."""
+    s, d = tuple(e.scale.shape), tuple(e.data.shape)
+    if not e.scale.dtype.is_floating_point:
+        raise CkptError(f"{where}: {e.prefix}._scale is {e.scale.dtype}, expected a float scale; nothing was written")
+    if not e.packed:
+        if math.prod(s) == 1 or (len(s) <= len(d) and all(a in (1, b) for a, b in zip(s, d))):
+            return
+        raise CkptError(f"{where}: {e.prefix}._scale {list(s)} does not fit {e.data_key!r} {list(d)} (optimum-quanto "
+                        f"stores one scale, or one per row: [{d[0] if d else 1}, 1]); nothing was written")
+    unpacked = ((s[0] if s else 1), *d[1:])
+    for key, t in ((e.prefix + "._scale", e.scale), (e.shift_key, e.shift)):
+        z = tuple(t.shape)
+        if math.prod(z) != 1 and not (len(z) == len(unpacked) and z[0] == unpacked[0]
+                                      and all(a in (1, b) for a, b in zip(z[1:], unpacked[1:]))):
+            raise CkptError(f"{where}: {key!r} {list(z)} does not fit {e.data_key!r} {list(d)}, unpacked "
+                            f"[{unpacked[0]}, ...] (optimum-quanto stores one value per row: [rows, 1]); "
+                            "nothing was written")
 
 
 def _bytes_qtype(e: _Entry, declared: str | None, where: str) -> str:
