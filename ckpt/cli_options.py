@@ -16,6 +16,11 @@ FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torc
                            "lit_model.pth). Default: from -o's suffix (.pth/.pt/.bin/.ckpt = torch), else safetensors.")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
 
+# convert
+CONVERT_TARGETS = click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn", "nvfp4", "mxfp8", "int8", "int8_rowwise"])
+CONVERT_TO_HELP = ("Target dtype of floating tensors, or a ComfyUI quantized format (nvfp4, mxfp8, int8, int8_rowwise: "
+                   "transformer-block Linear weights quantized, the rest kept).")
+
 # dequant
 DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),
                           help="Output dtype of floating tensors (default: each weight's original dtype, "

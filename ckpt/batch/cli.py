@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli_options import ALLOW_UNMATCHED, DEQUANT_TO, DEVICE, MERGE_TO, QTYPE, SHAPES_FROM
+from ckpt.cli_options import ALLOW_UNMATCHED, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, MERGE_TO, QTYPE, SHAPES_FROM
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
 
@@ -69,8 +69,7 @@ def batch():
 @batch.command("convert")
 @_batch_options
 @OUTDIR
-@click.option("--to", "to", required=True, type=click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn"]),
-              help="Target dtype of floating tensors.")
+@click.option("--to", "to", required=True, type=CONVERT_TARGETS, help=CONVERT_TO_HELP)
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype.")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")

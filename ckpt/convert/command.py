@@ -36,22 +36,31 @@ class ConvertOptions:
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
+    from ckpt.convert.comfy_quant_out import TARGETS as QUANT_TARGETS
+
     if opts.to is None and opts.layout is None:
         raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
-    if opts.to is not None and opts.to not in TARGETS:
-        raise CkptError(f"--to {opts.to}: unknown dtype (choose {', '.join(TARGETS)})")
+    if opts.to is not None and opts.to not in TARGETS and opts.to not in QUANT_TARGETS:
+        raise CkptError(f"--to {opts.to}: unknown target (choose {', '.join([*TARGETS, *QUANT_TARGETS])})")
     if opts.config and opts.layout != "diffusers":
         raise CkptError("--config applies to --layout diffusers only")
-    target = TARGETS[opts.to] if opts.to else None
+    target = TARGETS.get(opts.to) if opts.to else None
     if opts.scaled and target != torch.float8_e4m3fn:
         raise CkptError("--scaled applies to --to fp8_e4m3fn only")
+    if opts.clamp and opts.to in QUANT_TARGETS:
+        raise CkptError(f"--clamp applies to dtype targets; --to {opts.to} saturates by design")
     views = [logical_view(c) for c in ckpt.components]
+    finish = None
 
     def out_dtype(t):
         keep = target is None or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
         return t.natural_dtype if keep else target
 
-    if opts.scaled:
+    if opts.to in QUANT_TARGETS:
+        from ckpt.convert.comfy_quant_out import comfy_quant_outputs
+
+        make, finish = comfy_quant_outputs(QUANT_TARGETS[opts.to], report, opts.keep)
+    elif opts.scaled:
         from ckpt.convert.fp8_out import scaled_fp8_outputs
 
         make = scaled_fp8_outputs(report, opts.keep)
@@ -70,6 +79,8 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
         plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size, file_format=file_format,
                                output_dtype=lambda c: target if target in (torch.float16, torch.bfloat16, torch.float32)
                                else None)
+    if finish is not None:
+        finish(plan)
     plan.notes += decoded_notes(ckpt, views)
     return plan, views
 
@@ -83,7 +94,8 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
         plan, _ = plan_convert(ckpt, opts, report, fmt)
         suffix = "-".join(x for x in (opts.layout, opts.to) if x) + ("-scaled" if opts.scaled else "")
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=file_ext(fmt))
-        desc = "convert -> " + " ".join(x for x in (opts.layout, short_name(TARGETS[opts.to]) if opts.to else None) if x)
+        shown = short_name(TARGETS[opts.to]) if opts.to in TARGETS else opts.to
+        desc = "convert -> " + " ".join(x for x in (opts.layout, shown) if x)
         out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc=desc, device=device,
                          overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

@@ -42,15 +42,9 @@ class AmaxScale:
 
     def value(self, device: torch.device = torch.device("cpu")) -> torch.Tensor:
         if self._value is None:
-            from ckpt.io.output import bands
+            from ckpt.quant.comfy_quant import finite_amax
 
-            amax = torch.zeros((), dtype=torch.float32)
-            for a, b in bands(self.source):
-                x = self.source.read(a, b, device)
-                v = (x.float() if x.dtype in FP8 else x.to(torch.float32)).abs()
-                v = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
-                if v.numel():
-                    amax = torch.maximum(amax, v.max().cpu())
+            amax = finite_amax(self.source, device)
             s = amax / FP8_MAX
             # All-zero tensor: any scale decodes to zero; keep 1. Tiny amax: keep the scale a normal fp32.
             self._value = torch.where(amax > 0, torch.clamp(s, min=torch.finfo(torch.float32).tiny),

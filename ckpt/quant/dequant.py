@@ -1,5 +1,6 @@
-"""`ckpt dequant`: quantized checkpoints (optimum-quanto, and the FP8 layouts convert decodes) back to
-plain state dicts that load into the unquantized model class with `strict=True`.
+"""`ckpt dequant`: quantized checkpoints (optimum-quanto, bitsandbytes, ComfyUI comfy_quant, and the FP8
+layouts convert decodes) back to plain state dicts that load into the unquantized model class with
+`strict=True`.
 
 Decoding is the shared logical view (`ckpt.quant.logical_view`), so there is one decode layer for
 convert, merge-lora and dequant. Layout, sidecars, index and config edits come from
@@ -86,7 +87,8 @@ def dequant(src: str, out: str | Path | None, opts: DequantOptions,
     with open_checkpoint(src) as ckpt:
         plan, _ = plan_dequant(ckpt, opts, report)
         if plan is None:
-            report.note(f"{src}: nothing to dequantize (no optimum-quanto or scaled-FP8 weights); nothing written")
+            report.note(f"{src}: nothing to dequantize (no optimum-quanto, bitsandbytes, comfy_quant or scaled-FP8 "
+                        "weights); nothing written")
             for line in describe_contents(ckpt):
                 report.note(f"  {line}")
             return None, report

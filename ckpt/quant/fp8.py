@@ -2,9 +2,9 @@
 
 Plain fp8 tensors need no decoder: they are read as they are and cast exactly by the caster.
 Scaled layouts become `ScaledTensor`s: W = w.float() * scale, computed in fp32 and rounded once by the
-caller's cast. Every layout is one decoder function in `DECODERS`, most specific first:
+caller's cast. Every layout is one decoder function in `DECODERS`, most specific first (ComfyUI's
+`comfy_quant` layers, fp8 ones included, are `ckpt.quant.comfy_quant`, which runs before these):
 
-- ComfyUI `comfy_quant` (per-layer JSON and/or `__metadata__["_quantization_metadata"]`)
 - ComfyUI legacy scaled fp8 (`scaled_fp8` marker, `X.scale_weight`, `X.scale_input`)
 - kohya / musubi-tuner `fp8_scaled` (`X.scale_weight` [1], [out,1], [out,nb,1], `X.scale_weight_tensor`)
 - HF fine-grained / DeepSeek block FP8 (`X.weight_scale_inv`, 128x128 blocks, fp32 or E8M0)
@@ -15,7 +15,6 @@ caller's cast. Every layout is one decoder function in `DECODERS`, most specific
 
 from __future__ import annotations
 
-import json
 import math
 
 import torch
@@ -34,7 +33,6 @@ ACTIVATION_SCALES = {"input_scale", "activation_scale", "output_scale", "input_s
 # Suffixes of keys that only make sense next to a quantized weight; one left unclaimed is refused.
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".scale_weight", ".scale_weight_tensor",
                          ".qscale_weight", ".weight_scale_2", ".weight_zero_point", ".comfy_quant")
-COMFY_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 class ScaleLayout:
@@ -220,7 +218,8 @@ def _require_fp8_weight(ctx, wkey, skey, what: str):
 def _other_format(ctx, wkey, w) -> str:
     layer = wkey[: -len(".weight")]
     if f"{layer}.weight_scale_2" in ctx.remaining:
-        return "NVFP4 (4-bit packs with weight_scale_2), which ckpt cannot decode"
+        return ("NVFP4 outside ComfyUI's comfy_quant layout (4-bit packs with weight_scale_2, e.g. ModelOpt), "
+                "which ckpt cannot decode")
     if w.dtype in (torch.int8, torch.uint8, torch.int32):
         return "integer quantization (int8 / packed ints), which ckpt cannot decode"
     return "ckpt cannot pair a scale with a non-FP8 weight"
@@ -228,51 +227,6 @@ def _other_format(ctx, wkey, w) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # decoders, most specific first
-
-
-def comfy_quant(ctx: DecodeContext) -> Decoded | None:
-    """ComfyUI mixed-precision layers: `X.comfy_quant` (U8 bytes of JSON) and/or the file metadata
-    `_quantization_metadata` = {"layers": {X: {"format": ...}}}; fp8 formats carry `X.weight_scale`
-    (per-tensor) and optional `X.input_scale`. Other formats (nvfp4, mxfp8, int8...) are refused."""
-    layers: dict[str, dict] = {}
-    consumed: dict[str, str] = {}
-    raw = ctx.metadata.get("_quantization_metadata")
-    if raw is not None:
-        try:
-            meta = json.loads(raw)
-            layers.update(meta["layers"])
-            assert isinstance(meta["layers"], dict)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise _refuse(ctx, "", "__metadata__ _quantization_metadata is not valid ComfyUI quantization JSON") from None
-    for key in [k for k in ctx.remaining if k.endswith(".comfy_quant")]:
-        layer = _layer(key, ".comfy_quant")
-        try:
-            conf = json.loads(ctx.remaining[key].read_all(torch.device("cpu")).numpy().tobytes())
-            assert isinstance(conf, dict)
-        except (ValueError, TypeError, AssertionError, RuntimeError):
-            raise _refuse(ctx, key, f"{key!r} is not ComfyUI quantization JSON") from None
-        layers.setdefault(layer, conf)
-        consumed[key] = "ComfyUI layer quantization config"
-    if not layers:
-        return None
-    natural, tensors = _natural(ctx), {}
-    for layer, conf in layers.items():
-        fmt = conf.get("format") if isinstance(conf, dict) else None
-        wkey = _weight_key(layer)
-        if fmt not in COMFY_FP8_FORMATS:
-            raise _refuse(ctx, wkey, f"ComfyUI comfy_quant format {fmt!r} (layer {layer!r}) cannot be decoded by ckpt "
-                                     "(supported: float8_e4m3fn, float8_e5m2)")
-        w = ctx.remaining.get(wkey)
-        if w is None:
-            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} has no weight {wkey!r}")
-        if w.dtype not in FP8:
-            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}")
-        skey = f"{layer}.weight_scale"
-        if skey in ctx.remaining:
-            tensors[wkey] = _scaled(ctx, wkey, w, skey, ctx.remaining[skey], natural)
-            consumed[skey] = f"scale of {wkey}"
-        consumed.update(_activation_keys(ctx, layer))
-    return Decoded("comfy-quant-fp8", tensors, consumed, drop_metadata={"_quantization_metadata"})
 
 
 def comfy_legacy(ctx: DecodeContext) -> Decoded | None:
@@ -412,4 +366,4 @@ def unpaired_scales(ctx: DecodeContext) -> None:
     return None
 
 
-DECODERS = [comfy_quant, comfy_legacy, kohya_scaled, hf_block_fp8, weight_scale, activation_scales, unpaired_scales]
+DECODERS = [comfy_legacy, kohya_scaled, hf_block_fp8, weight_scale, activation_scales, unpaired_scales]

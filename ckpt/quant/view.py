@@ -49,15 +49,15 @@ class View:
 
 
 def _decoders():
-    from ckpt.quant import fp8, gguf, quanto
+    from ckpt.quant import comfy_quant, fp8, gguf, quanto
 
-    return list(gguf.DECODERS) + list(fp8.DECODERS) + list(quanto.DECODERS)
+    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(fp8.DECODERS) + list(quanto.DECODERS)
 
-
-# Stored-key patterns of encodings no decoder handles: name -> regex on a key.
+# Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today:
+# GGUF, ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), every FP8 layout, quanto.
 UNSUPPORTED = {
-    "bitsandbytes": re.compile(r"\.(absmax|quant_map|nested_absmax|quant_state\.[\w]+|SCB)$"),
-    "GPTQ/AWQ int packs": re.compile(r"\.(qweight|qzeros|g_idx)$"),
+    "bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|quant_state\.[\w]+|SCB)$"), "not supported here"),
+    "GPTQ/AWQ int packs": (re.compile(r"\.(qweight|qzeros|g_idx)$"), "not supported here"),
 }
 
 
@@ -89,10 +89,9 @@ def logical_view(component: Component, options: dict | None = None) -> View:
         anchors.update(d.anchors)
         config = d.config if d.config is not None else config
     for key in ctx.remaining:
-        for fmt, pattern in UNSUPPORTED.items():
+        for fmt, (pattern, why) in UNSUPPORTED.items():
             if pattern.search(key):
-                raise CkptError(f"{component.where}: {fmt} quantization ({key!r}) is not supported here; "
-                                "nothing was written")
+                raise CkptError(f"{component.where}: {fmt} quantization ({key!r}): {why}; nothing was written")
     # Keep the stored order: decoded tensors take the place of the key they decode.
     ordered = {}
     for key, t in component.tensors.items():

@@ -1,0 +1,463 @@
+"""ComfyUI `comfy_quant` layers, both ways: decoded into plain logical tensors, and encoded from them.
+
+A quantized layer `X` of a ComfyUI mixed-precision checkpoint carries `X.comfy_quant` (the UTF-8 bytes of
+a JSON object, stored as a U8 tensor) and/or an entry in the file metadata `_quantization_metadata` =
+`{"format_version": "1.0", "layers": {"X": {"format": ...}}}` (ComfyUI's `convert_old_quants` turns the
+latter into the former). The formats and their stored keys, as ComfyUI's `comfy/ops.py` loads them into
+comfy-kitchen layouts (`QUANT_ALGOS`):
+
+- `float8_e4m3fn` / `float8_e5m2`: `X.weight` fp8, `X.weight_scale` fp32 scalar: W = w * s.
+- `int8_tensorwise`: `X.weight` int8, `X.weight_scale` fp32, scalar (tensor-wise) or [out, 1] (row-wise):
+  W = q * s. `convrot` (Hadamard-rotated) layers are refused by name.
+- `nvfp4`: `X.weight` U8 (out, in/2), e2m1 codes two per byte; `X.weight_scale` float8_e4m3fn block
+  scales, one per 16 inputs, in the cuBLAS blocked layout padded to (128k, 4m); `X.weight_scale_2` fp32
+  global scale: W = code * (global * block). `X.pre_quant_scale` (AWQ smoothing, which ComfyUI multiplies
+  into the input) is folded into the weight's columns.
+- `mxfp8`: `X.weight` float8_e4m3fn, `X.weight_scale` e8m0 exponents, one per 32 inputs, blocked layout.
+- `X.input_scale` only quantizes activations at inference: dropped.
+
+Values are computed as comfy-kitchen 0.2.40's eager backend computes them with output_type float32 (the
+arithmetic is in `ckpt.quant.microscaling`), then rounded once by the output cast.
+
+comfy-kitchen pads NVFP4 weights to multiples of 16 and MXFP8 weights to multiples of 32 in both
+dimensions; ComfyUI takes the true shape from the model's module, not the file. The logical shape is the
+layer config's `orig_shape` when present, else `--shapes-from`, else the stored shape.
+
+Encoding is the mirror image (`encode`): one logical weight becomes its stored tensors, streamed in row
+bands. Every decoded weight carries its `spec` (format, and for int8 whether scales are per row), so
+re-encoding a changed weight in its base's own format and block layout is `encode(decoded.spec, new)`. A per-tensor scale needs the tensor's amax before its first band is written, so those tensors
+are read twice (one band at a time for the amax, then the encoding pass); block scales are recomputed
+from the band that needs them, so no per-tensor state beyond one scalar is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ckpt.dtypes import FP8, is_float
+from ckpt.io.plan import OutTensor
+from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.quant import microscaling as mx
+from ckpt.quant.fp8 import ScaledTensor, _activation_keys, _natural, _refuse, _scaled, _st, _weight_key
+from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.report import Report
+
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+BLOCK = {"nvfp4": 16, "mxfp8": 32}
+DECODABLE = (*FP8_FORMATS, "int8_tensorwise", "nvfp4", "mxfp8")
+META_KEY = "_quantization_metadata"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one weight is stored: a comfy_quant format, and for int8 whether its scale is per row."""
+
+    format: str
+    rowwise: bool = False
+
+    @property
+    def config(self) -> dict:
+        """The layer's `comfy_quant` JSON object."""
+        return {"format": self.format}
+
+
+# ---------------------------------------------------------------------------------------------------
+# decoding
+
+
+class BlockedScales:
+    """A stored blocked-layout scale tensor, read as natural (rows, blocks) scale rows of a band.
+
+    Accepts the (padded_rows, padded_cols) tensor comfy-kitchen saves, or the same values flattened."""
+
+    def __init__(self, t: Tensor, rows: int, blocks: int):
+        self.t, self.blocks = t, blocks
+        self.grid = mx.scale_grid(rows, blocks)
+        if t.numel != math.prod(self.grid):
+            raise ValueError(f"has shape {list(t.shape)}; {rows} rows of {blocks} blocks need "
+                             f"{self.grid[0]} x {self.grid[1]} blocked scales")
+        self.flat = tuple(t.shape) != self.grid
+
+    def rows(self, a: int, b: int, device) -> torch.Tensor:
+        """uint8 (b - a, blocks) scale bytes of weight rows [a, b)."""
+        t0, t1 = a // mx.TILE_ROWS, -(-b // mx.TILE_ROWS)
+        width = self.grid[1]
+        if not self.flat:
+            x = self.t.read(t0 * mx.TILE_ROWS, t1 * mx.TILE_ROWS, device)
+        elif len(self.t.shape) == 1:
+            x = self.t.read(t0 * mx.TILE_ROWS * width, t1 * mx.TILE_ROWS * width, device)
+        else:
+            x = self.t.read_all(device).reshape(-1)[t0 * mx.TILE_ROWS * width: t1 * mx.TILE_ROWS * width]
+        x = x.contiguous().view(torch.uint8).reshape(-1, width)
+        nat = mx.unswizzle(x)
+        off = t0 * mx.TILE_ROWS
+        return nat[a - off: b - off, : self.blocks]
+
+
+class BlockQuantWeight(Tensor):
+    """An NVFP4 or MXFP8 weight: stored codes and blocked scales -> float32 values of the logical shape.
+
+    Bands start on 128-row boundaries (one tile row of the blocked scales) but any start is handled."""
+
+    row_align = mx.TILE_ROWS
+
+    def __init__(self, name: str, spec: QuantSpec, codes: Tensor, scales: BlockedScales, shape, natural,
+                 global_scale: Tensor | None = None, col_scale: Tensor | None = None):
+        self.name, self.spec, self.codes, self.scales = name, spec, codes, scales
+        self.global_scale, self.col_scale = global_scale, col_scale
+        self.shape, self.home, self.dtype = tuple(shape), codes.home, torch.float32
+        self._natural = natural
+
+    @property
+    def natural_dtype(self):
+        return self._natural
+
+    @property
+    def source_bytes(self):
+        return self.codes.source_bytes
+
+    def read(self, start, stop, device, scratch=None):
+        c = self.codes.read(start, stop, device, scratch)
+        s = self.scales.rows(start, stop, device)
+        if self.spec.format == "nvfp4":
+            g = self.global_scale.read_all(device).to(torch.float32).reshape(())
+            y = mx.nvfp4_decode(c.view(torch.uint8), g, s.view(torch.float8_e4m3fn))
+        else:
+            y = mx.mxfp8_decode(c, s)
+        cols = self.shape[1]
+        if y.shape[1] != cols:
+            y = y[:, :cols]
+        if self.col_scale is not None:
+            y = y * self.col_scale.read_all(device).to(torch.float32).reshape(1, cols)
+        return y
+
+
+def layer_configs(ctx: DecodeContext) -> tuple[dict[str, dict], dict[str, str]]:
+    """Layer name -> config, from the `X.comfy_quant` tensors and `__metadata__`; where both name a layer
+    the metadata wins, as in ComfyUI (`convert_old_quants` writes it over the tensors). Also returns the
+    consumed config keys."""
+    layers: dict[str, dict] = {}
+    consumed: dict[str, str] = {}
+    for key in [k for k in ctx.remaining if k.endswith(".comfy_quant")]:
+        try:
+            conf = json.loads(ctx.remaining[key].read_all(torch.device("cpu")).numpy().tobytes())
+            if not isinstance(conf, dict):
+                raise TypeError
+        except (ValueError, TypeError, RuntimeError):
+            raise _refuse(ctx, key, f"{key!r} is not ComfyUI quantization JSON") from None
+        layers[key[: -len(".comfy_quant")]] = conf
+        consumed[key] = "ComfyUI layer quantization config"
+    raw = ctx.metadata.get(META_KEY)
+    if raw is not None:
+        try:
+            meta = json.loads(raw)
+            if not isinstance(meta["layers"], dict) or not all(isinstance(v, dict) for v in meta["layers"].values()):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise _refuse(ctx, "", f"__metadata__ {META_KEY} is not valid ComfyUI quantization JSON") from None
+        layers.update(meta["layers"])
+    return layers, consumed
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    layers, consumed = layer_configs(ctx)
+    if not layers:
+        return None
+    natural, tensors, formats = _natural(ctx), {}, set()
+    for layer, conf in layers.items():
+        fmt = conf.get("format")
+        wkey = _weight_key(layer)
+        if fmt not in DECODABLE:
+            raise _refuse(ctx, wkey, f"ComfyUI comfy_quant format {fmt!r} (layer {layer!r}) cannot be decoded by ckpt "
+                                     f"(supported: {', '.join(DECODABLE)})")
+        w = ctx.remaining.get(wkey)
+        if w is None:
+            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} has no weight {wkey!r}")
+        formats.add(fmt)
+        if fmt in FP8_FORMATS:
+            t = _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed)
+        elif fmt == "int8_tensorwise":
+            t = _int8_layer(ctx, layer, conf, wkey, w, natural, consumed)
+        else:
+            t = _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed)
+        if t is not None:
+            tensors[wkey] = t
+        consumed.update(_activation_keys(ctx, layer))
+    label = "comfy-quant-" + "+".join(sorted(formats))
+    return Decoded(label, tensors, consumed, drop_metadata={META_KEY})
+
+
+def _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed):
+    if w.dtype not in FP8:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}")
+    skey = f"{layer}.weight_scale"
+    if skey not in ctx.remaining:
+        return None  # plain fp8 codes: cast as they are
+    t = _scaled(ctx, wkey, w, skey, ctx.remaining[skey], natural)
+    consumed[skey] = f"scale of {wkey}"
+    t.spec = QuantSpec(fmt)
+    return t
+
+
+def _int8_layer(ctx, layer, conf, wkey, w, natural, consumed):
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if conf.get("convrot", params.get("convrot", False)):
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise with convrot (Hadamard-rotated "
+                                 "weights), which ckpt cannot decode")
+    if w.dtype != torch.int8:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise but {wkey!r} is stored as "
+                                 f"{_st(w.dtype)}, not I8")
+    skey = f"{layer}.weight_scale"
+    s = ctx.remaining.get(skey)
+    if s is None:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (int8_tensorwise) has no scale {skey!r}")
+    t = _scaled(ctx, wkey, w, skey, s, natural)
+    if t.layout.kind not in ("tensor", "row"):
+        raise _refuse(ctx, skey, f"scale {skey!r} has shape {list(s.shape)}: int8_tensorwise scales are one value "
+                                 f"or one per row of {wkey!r} {list(w.shape)}")
+    consumed[skey] = f"scale of {wkey}"
+    t.spec = QuantSpec("int8_tensorwise", rowwise=t.layout.kind == "row")
+    return t
+
+
+def _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed):
+    want = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    if w.dtype != want:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}, "
+                                 f"not {_st(want)}")
+    if len(w.shape) != 2:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is a {len(w.shape)}-D {fmt} weight "
+                                 f"{list(w.shape)} (expert banks are not decoded by ckpt; 2-D Linear weights are)")
+    rows, stored_cols = w.shape
+    cols = stored_cols * 2 if fmt == "nvfp4" else stored_cols
+    block = BLOCK[fmt]
+    if cols % block:
+        raise _refuse(ctx, wkey, f"{fmt} weight {wkey!r} {list(w.shape)} holds {cols} inputs, not a multiple of "
+                                 f"the block size {block}")
+    skey = f"{layer}.weight_scale"
+    s = ctx.remaining.get(skey)
+    if s is None:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} ({fmt}) has no block scales {skey!r}")
+    scale_types = (torch.uint8, torch.float8_e4m3fn) if fmt == "nvfp4" else (torch.uint8, torch.float8_e8m0fnu)
+    if s.dtype not in scale_types:
+        raise _refuse(ctx, skey, f"{fmt} block scales {skey!r} are stored as {_st(s.dtype)}, not "
+                                 f"{' or '.join(_st(d) for d in scale_types)}")
+    try:
+        scales = BlockedScales(s, rows, cols // block)
+    except ValueError as e:
+        raise _refuse(ctx, skey, f"{fmt} block scales {skey!r} {e}") from None
+    consumed[skey] = f"block scales of {wkey}"
+    g = col = None
+    if fmt == "nvfp4":
+        gkey = f"{layer}.weight_scale_2"
+        g = ctx.remaining.get(gkey)
+        if g is None:
+            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (nvfp4) has no global scale {gkey!r}")
+        if g.numel != 1 or not is_float(g.dtype):
+            raise _refuse(ctx, gkey, f"nvfp4 global scale {gkey!r} must be one floating value, not "
+                                     f"{_st(g.dtype)} {list(g.shape)}")
+        consumed[gkey] = f"global scale of {wkey}"
+    shape = _logical_shape(ctx, layer, conf, wkey, (rows, cols), block)
+    if fmt == "nvfp4":
+        pkey = f"{layer}.pre_quant_scale"
+        col = ctx.remaining.get(pkey)
+        if col is not None:
+            if col.numel != shape[1] or not is_float(col.dtype):
+                raise _refuse(ctx, pkey, f"{pkey!r} {list(col.shape)} is not one input scale per column of {wkey!r} "
+                                         f"{list(shape)}")
+            consumed[pkey] = f"input smoothing of {wkey} (folded into its columns)"
+    return BlockQuantWeight(wkey, QuantSpec(fmt), w, scales, shape, natural, g, col)
+
+
+def _logical_shape(ctx, layer, conf, wkey, stored, block):
+    """The layer config's `orig_shape`, else `--shapes-from`, else the stored (possibly padded) shape."""
+    pad = block  # comfy-kitchen pads both dimensions to the block size
+    cand, where = conf.get("orig_shape"), "its comfy_quant orig_shape"
+    ref = ctx.options.get("shape_of")
+    if cand is None and ref is not None:
+        cand, where = ref(ctx.component.subdir, wkey), "--shapes-from"
+    if cand is None:
+        return stored
+    if not (isinstance(cand, (list, tuple)) and len(cand) == 2 and all(isinstance(d, int) and d > 0 for d in cand)
+            and all(mx.roundup(d, pad) == s for d, s in zip(cand, stored))):
+        raise _refuse(ctx, wkey, f"{wkey!r} is stored as {list(stored)} values, which {where} {cand} does not fit")
+    return tuple(cand)
+
+
+DECODERS = [decode]
+
+
+# ---------------------------------------------------------------------------------------------------
+# encoding
+
+
+def finite_amax(source: Tensor, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """amax(|x|) over the finite values of `source`, streamed band by band (fp32 scalar, on CPU)."""
+    from ckpt.io.output import bands
+
+    amax = torch.zeros((), dtype=torch.float32)
+    for a, b in bands(source):
+        x = source.read(a, b, device).to(torch.float32).abs()
+        x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+        if x.numel():
+            amax = torch.maximum(amax, x.max().cpu())
+    return amax
+
+
+class _Lazy:
+    """A per-tensor scalar computed once, on first use, by one streamed pass over the source."""
+
+    def __init__(self, fn):
+        self.fn, self._v = fn, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = self.fn()
+        return self._v
+
+
+def unencodable(spec: QuantSpec, shape) -> str | None:
+    """Why a weight of `shape` cannot be stored as `spec` without recording a padded shape, or None."""
+    if len(shape) != 2 or 0 in shape:
+        return "not a non-empty 2-D weight"
+    block = BLOCK.get(spec.format)
+    if block and (shape[1] % block or shape[0] % block):
+        return f"{list(shape)} is not a multiple of the {spec.format} block size {block} in both dimensions"
+    return None
+
+
+def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) -> list[OutTensor]:
+    """The stored tensors of the logical weight `t` (`X.weight`, its scales) in the layout `spec`,
+    each streamed from `t`'s bands. `X.comfy_quant` is not among them (see `config_tensor`).
+
+    The one call a re-encoding merge needs: give it the base layer's `spec` and the merged tensor."""
+    name = name or t.name
+    why = unencodable(spec, t.shape)
+    if why:
+        raise ValueError(f"{name}: cannot encode as {spec.format}: {why}")
+    layer = name[: -len(".weight")] if name.endswith(".weight") else name
+    rows, cols = t.shape
+    fmt = spec.format
+
+    def scalar(key, fn):
+        return OutTensor(key, torch.float32, (), ComputedTensor(key, fn, torch.float32, (), home=t.home), lambda x, b: x)
+
+    def count_bad(x):
+        report.count("nonfinite_input", name, int((~torch.isfinite(x)).sum()))
+
+    if fmt in FP8_FORMATS:
+        dt = FP8_FORMATS[fmt]
+        top = torch.finfo(dt).max
+        scale = _Lazy(lambda: _nonzero(finite_amax(t) / top))
+
+        def enc_fp8(x, b):
+            x = x.to(torch.float32)
+            count_bad(x)
+            s = scale().to(x.device)
+            return torch.clamp(x * (1.0 / s), -top, top).to(dt)
+
+        return [OutTensor(name, dt, (rows, cols), t, enc_fp8), scalar(f"{layer}.weight_scale", scale)]
+    if fmt == "int8_tensorwise":
+        if spec.rowwise:
+            def enc_rows(x, b):
+                x = x.to(torch.float32)
+                count_bad(x)
+                s = _int8_scale(x.abs().amax(dim=-1, keepdim=True))
+                return torch.round(x / s).clamp_(-128, 127).to(torch.int8)
+
+            srows = _Derived(f"{layer}.weight_scale", t, torch.float32, (rows, 1),
+                             lambda x: _int8_scale(x.to(torch.float32).abs().amax(dim=-1, keepdim=True)))
+            return [OutTensor(name, torch.int8, (rows, cols), t, enc_rows),
+                    OutTensor(srows.name, torch.float32, (rows, 1), srows, lambda x, b: x)]
+        scale = _Lazy(lambda: _int8_scale(finite_amax(t)))
+
+        def enc_int8(x, b):
+            x = x.to(torch.float32)
+            count_bad(x)
+            return torch.round(x / scale().to(x.device)).clamp_(-128, 127).to(torch.int8)
+
+        return [OutTensor(name, torch.int8, (rows, cols), t, enc_int8), scalar(f"{layer}.weight_scale", scale)]
+    grid = mx.scale_grid(rows, cols // BLOCK[fmt])
+    if fmt == "nvfp4":
+        gscale = _Lazy(lambda: _nonzero(finite_amax(t) / (mx.E4M3_MAX * mx.E2M1_MAX)))
+
+        def enc_fp4(x, b):
+            x = x.to(torch.float32)
+            count_bad(x)
+            g = gscale().to(x.device)
+            return mx.nvfp4_codes(x, g, mx.nvfp4_block_scales(x, g))
+
+        def fp4_scales(x):
+            return mx.nvfp4_block_scales(x.to(torch.float32), gscale().to(x.device)).view(torch.uint8)
+
+        bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e4m3fn, grid, fp4_scales, blocked=True)
+        return [OutTensor(name, torch.uint8, (rows, cols // 2), t, enc_fp4),
+                OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
+                scalar(f"{layer}.weight_scale_2", gscale)]
+
+    def enc_mx(x, b):
+        x = x.to(torch.float32)
+        count_bad(x)
+        return mx.mxfp8_codes(x)
+
+    bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e8m0fnu, grid,
+                  lambda x: mx.mxfp8_block_scales(x.to(torch.float32))[0], blocked=True)
+    return [OutTensor(name, torch.float8_e4m3fn, (rows, cols), t, enc_mx),
+            OutTensor(bs.name, torch.float8_e8m0fnu, grid, bs, lambda x, b: x)]
+
+
+def config_tensor(layer: str, spec: QuantSpec, home: str) -> OutTensor:
+    """`X.comfy_quant`: the layer's config as UTF-8 JSON bytes in a U8 tensor (ComfyUI's own encoding)."""
+    data = json.dumps(spec.config).encode("utf-8")
+    key = f"{layer}.comfy_quant"
+    src = ComputedTensor(key, lambda: torch.tensor(list(data), dtype=torch.uint8), torch.uint8, (len(data),), home=home)
+    return OutTensor(key, torch.uint8, (len(data),), src, lambda x, b: x)
+
+
+def _nonzero(s: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale; an all-zero tensor gets 1 (any scale decodes zeros to zeros, and 0 would make
+    comfy-kitchen's block scales 0/0)."""
+    return torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32)
+
+
+def _int8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's int8 scale: amax / 127, at least 1e-30."""
+    return (amax.to(torch.float32) / 127.0).clamp(min=1e-30)
+
+
+class _Derived(Tensor):
+    """A small tensor computed from the rows of a weight: per-row int8 scales, or block scales (then the
+    rows of the padded, blocked grid: 128 per tile row, the weight read in bands within each)."""
+
+    def __init__(self, name, weight: Tensor, dtype, shape, fn, blocked: bool = False):
+        self.name, self.weight, self.dtype, self.shape, self.fn = name, weight, dtype, tuple(shape), fn
+        self.home, self.blocked = weight.home, blocked
+        self.row_align = mx.TILE_ROWS if blocked else weight.row_align
+
+    @property
+    def source_bytes(self):
+        return 0
+
+    def read(self, start, stop, device, scratch=None):
+        from ckpt.io.output import BAND_ELEMS
+
+        wrows, cols = self.weight.shape
+        a, b = min(start, wrows), min(stop, wrows)
+        align = self.weight.row_align
+        if align is None:  # the weight is read whole
+            parts = [self.fn(self.weight.read(0, wrows, device)[a:b])] if b > a else []
+        else:
+            step = max(align, BAND_ELEMS // max(cols, 1) // align * align)
+            parts = [self.fn(self.weight.read(r, min(b, r + step), device)) for r in range(a, b, step)]
+        if not self.blocked:
+            return torch.cat(parts) if parts else torch.empty((0, 1), dtype=self.dtype, device=device)
+        if start % mx.TILE_ROWS or (stop - start) % mx.TILE_ROWS:
+            raise ValueError(f"{self.name}: blocked scales are produced in whole 128-row tiles")
+        nat = torch.cat(parts) if parts else torch.empty((0, self.shape[1]), dtype=torch.uint8, device=device)
+        nat = mx.pad_grid(nat, stop - start, self.shape[1])
+        return mx.swizzle(nat).view(self.dtype)
+
