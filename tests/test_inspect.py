@@ -426,14 +426,19 @@ def test_old_installed_quanto_is_named(tmp_path, run_ckpt, monkeypatch):
 
 
 def test_bitsandbytes_and_gptq_key_sets_reported_not_crashing(tmp_path, run_ckpt):
-    bnb = {"l.weight": torch.zeros(16, 1, dtype=torch.uint8), "l.weight.absmax": rnd(2), "l.weight.quant_map": rnd(16),
-           "l.weight.quant_state.bitsandbytes__nf4": torch.zeros(8, dtype=torch.uint8), "l.bias": rnd(4)}
+    from bitsandbytes.functional import quantize_4bit
+
+    q, st = quantize_4bit(rnd(4, 64), blocksize=64, quant_type="nf4")
+    bnb = {"l.weight": q, **{f"l.weight.{k}": v for k, v in st.as_dict(packed=True).items()}, "l.bias": rnd(4)}
     c = one(inspect_json(run_ckpt, save(tmp_path, "bnb.safetensors", bnb)))
     assert "bitsandbytes nf4" in c["encodings"]
-    assert any(x.startswith("1 quantized weights (bitsandbytes nf4)") for x in c["warnings"])
-    # the decoders refuse bitsandbytes: inspect reports that instead of failing
-    assert "not decodable by ckpt (see warnings)" in c["encodings"]
-    assert any(x.startswith("cannot be decoded by ckpt:") and "bitsandbytes" in x for x in c["warnings"])
+    assert any(x.startswith("1 quantized weights (bitsandbytes nf4)") and "ckpt dequant" in x for x in c["warnings"])
+    assert not any("cannot be decoded" in x for x in c["warnings"])
+    # a broken quant state: the decoder refuses it, inspect reports that instead of failing
+    bnb["l.weight.quant_state.bitsandbytes__nf4"] = torch.zeros(8, dtype=torch.uint8)
+    c = one(inspect_json(run_ckpt, save(tmp_path, "bnb2.safetensors", bnb)))
+    assert "bitsandbytes nf4" in c["encodings"] and "not decodable by ckpt (see warnings)" in c["encodings"]
+    assert any(x.startswith("cannot be decoded by ckpt:") and "quant state" in x for x in c["warnings"])
     folder = tmp_path / "gptq"
     folder.mkdir()
     save(folder, "model.safetensors", {"model.layers.0.self_attn.q_proj.qweight": torch.zeros(2, 8, dtype=torch.int32),

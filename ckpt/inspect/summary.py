@@ -277,8 +277,8 @@ def _warnings(tensors, enc, src: str) -> list[str]:
         out.append(f"{n} tensors stored as {kind}: trainers cannot compute with fp8 weights ('expected m1 and m2 "
                    f"to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
     for label, n in enc.quantized.items():
-        hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith("optimum-quanto") else \
-            "ckpt cannot decode this layout"
+        hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith(("optimum-quanto", "bitsandbytes")) \
+            else "ckpt cannot decode this layout"
         extra = ("; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' "
                  "before)") if label.startswith("optimum-quanto") else ""
         out.append(f"{n} quantized weights ({label}): loaders without that library cannot use them; {hint}{extra}")

@@ -49,14 +49,17 @@ class View:
 
 
 def _decoders():
-    from ckpt.quant import comfy_quant, fp8, gguf, quanto
+    from ckpt.quant import bnb, comfy_quant, fp8, gguf, quanto
 
-    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(fp8.DECODERS) + list(quanto.DECODERS)
+    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) + list(fp8.DECODERS) \
+        + list(quanto.DECODERS)
 
-# Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today:
-# GGUF, ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), every FP8 layout, quanto.
+
+# Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today: GGUF,
+# ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), bitsandbytes NF4/FP4/LLM.int8, every FP8 layout, quanto.
 UNSUPPORTED = {
-    "bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|quant_state\.[\w]+|SCB)$"), "not supported here"),
+    "bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+|SCB)$"),
+                     "data without the quant state or weight it belongs to"),
     "GPTQ/AWQ int packs": (re.compile(r"\.(qweight|qzeros|g_idx)$"), "not supported here"),
 }
 

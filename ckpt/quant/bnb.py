@@ -1,0 +1,242 @@
+"""bitsandbytes weights decoded back to plain tensors: 4-bit NF4/FP4 and LLM.int8.
+
+4-bit (transformers / diffusers `BitsAndBytesConfig(load_in_4bit=True)` saves, Forge's NF4 single files;
+`bnb.nn.Params4bit` as it serializes itself), for a parameter `P` (e.g. `X.weight`):
+- `P`: the codes, packed two per byte (the even element in the high nibble) over the flattened tensor,
+  stored as uint8 [(n + 1) / 2, 1] (or another `quant_storage` dtype holding the same bytes);
+- `P.absmax`: one scale per `blocksize` consecutive elements of the flattened tensor (float32), or, with
+  nested ("double") quantization, uint8 codes of them: absmax = nested_quant_map[code] *
+  `P.nested_absmax`[block / nested_blocksize] + nested_offset;
+- `P.quant_map` (the 16-value code table), `P.nested_quant_map` (the 256-value dynamic map);
+- `P.quant_state.bitsandbytes__nf4` / `__fp4`: UTF-8 JSON bytes {quant_type, blocksize, dtype, shape,
+  nested_blocksize, nested_dtype, nested_offset}.
+W = table[code] * absmax[element / blocksize], computed in float32 exactly as bitsandbytes' CPU
+`dequantize_4bit` computes it (its own table, which every file's `quant_map` must equal), then rounded once.
+Two deliberate choices where bitsandbytes 0.50.2's CPU paths disagree with each other: blocks run over
+the flattened tensor (as quantize_4bit, its scalar C path and its PyTorch reference do; its AVX-512 path
+indexes absmax per row, which decodes rows that are not a whole number of blocks wrongly), and FP4 code 8
+(negative zero) decodes to +0.0 (its code table, AVX-512 path and PyTorch reference; the scalar C path
+gives -0.0).
+
+LLM.int8 (`load_in_8bit=True`): `X.weight` int8 [out, in], `X.SCB` float32 [out] row absmax,
+`X.weight_format` (0 = "row", the only layout saved): W = weight * SCB[:, None] * (1 / 127), bitsandbytes'
+`int8_vectorwise_dequant`.
+
+Decoding drops `quantization_config` from config.json (the output is no longer quantized). The natural
+dtype is the quant state's `dtype` (4-bit) or the config's dtype (LLM.int8, default bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import torch
+
+from ckpt.dtypes import is_float
+from ckpt.io.tensors import Tensor
+from ckpt.quant.fp8 import _natural, _refuse, _st
+from ckpt.quant.view import DecodeContext, Decoded
+
+QUANT_STATE = re.compile(r"^(.+)\.quant_state\.bitsandbytes__(nf4|fp4)$")
+# bitsandbytes' code tables (functional.get_4bit_type), in float32: the values its kernels use.
+_TABLES = {
+    "nf4": [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0],
+    "fp4": [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0],
+}
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+INT8_RECIPROCAL = 7.874015718698502e-3  # 1 / 127 as bitsandbytes writes it
+_TABLE_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def code_table(quant_type: str, device=torch.device("cpu")) -> torch.Tensor:
+    key = (quant_type, str(device))
+    if key not in _TABLE_CACHE:
+        t = torch.tensor(_TABLES[quant_type], dtype=torch.float32)
+        _TABLE_CACHE[key] = (t / t.abs().max()).to(device)  # bitsandbytes normalizes to [-1, 1]
+    return _TABLE_CACHE[key]
+
+
+class Bnb4bitWeight(Tensor):
+    """A 4-bit weight: any band of rows is a range of the flattened codes, read with the absmax blocks
+    covering it (and their nested codes)."""
+
+    row_align = 1
+
+    def __init__(self, name, packed: Tensor, absmax: Tensor, quant_type: str, blocksize: int, shape, natural,
+                 nested: tuple[Tensor, Tensor, int, float] | None = None):
+        self.name, self.packed, self.absmax, self.quant_type = name, packed, absmax, quant_type
+        self.blocksize, self.nested = blocksize, nested
+        self.shape, self.home, self.dtype = tuple(shape), packed.home, torch.float32
+        self._natural = natural
+        self.n = math.prod(self.shape)
+        self.row_elems = self.n // self.shape[0] if self.shape and self.shape[0] else self.n
+        # bytes per stored row of the packed tensor (its dtype may be any `quant_storage`)
+        self.row_bytes = packed.numel // max(packed.rows, 1) * packed.dtype.itemsize if packed.shape else packed.dtype.itemsize
+
+    @property
+    def natural_dtype(self):
+        return self._natural
+
+    @property
+    def source_bytes(self):
+        return (self.n + 1) // 2
+
+    def read(self, start, stop, device, scratch=None):
+        if not self.shape:
+            start, stop = 0, 1
+        e0, e1 = start * self.row_elems, stop * self.row_elems
+        bs = self.blocksize
+        b0, b1 = e0 // bs, -(-e1 // bs)  # absmax blocks covering the band
+        E0, E1 = b0 * bs, min(self.n, b1 * bs)  # block-aligned element range (E0 is even: bs is)
+        codes = self._codes(E0 // 2, (E1 + 1) // 2, device)
+        vals = code_table(self.quant_type, device)[codes[: E1 - E0].long()]
+        vals = torch.nn.functional.pad(vals, (0, (b1 - b0) * bs - (E1 - E0)))  # a last, partial block
+        y = (vals.view(-1, bs) * self._absmax(b0, b1, device).view(-1, 1)).view(-1)
+        y = y[e0 - E0: e1 - E0]
+        return y.reshape((stop - start, *self.shape[1:]) if self.shape else ())
+
+    def _codes(self, byte0: int, byte1: int, device) -> torch.Tensor:
+        """uint8 codes of the elements in bytes [byte0, byte1) of the packed data."""
+        rb = self.row_bytes
+        r0, r1 = byte0 // rb, -(-byte1 // rb)
+        raw = self.packed.read(r0, r1, device) if self.packed.shape else self.packed.read_all(device)
+        raw = raw.contiguous().view(torch.uint8).reshape(-1)[byte0 - r0 * rb: byte1 - r0 * rb]
+        return torch.stack((raw >> 4, raw & 0x0F), dim=-1).reshape(-1)
+
+    def _absmax(self, b0: int, b1: int, device) -> torch.Tensor:
+        a = self.absmax.read(b0, b1, device)
+        if self.nested is None:
+            return a.to(torch.float32)
+        n_absmax, n_map, n_bs, offset = self.nested
+        j0, j1 = b0 // n_bs, -(-b1 // n_bs)
+        scales = n_absmax.read(j0, j1, device).to(torch.float32)
+        idx = torch.arange(b0, b1, device=device) // n_bs - j0
+        f = n_map.read_all(device).to(torch.float32)[a.long()] * scales[idx]  # dequantize_blockwise
+        return f + torch.tensor(offset, dtype=torch.float32, device=device)  # absmax += offset
+
+
+class Int8RowWeight(Tensor):
+    """LLM.int8: W = weight * SCB[:, None] * (1 / 127) in float32, as `int8_vectorwise_dequant`."""
+
+    row_align = 1
+
+    def __init__(self, name, weight: Tensor, scb: Tensor, natural):
+        self.name, self.weight, self.scb = name, weight, scb
+        self.shape, self.home, self.dtype, self._natural = weight.shape, weight.home, torch.float32, natural
+
+    @property
+    def natural_dtype(self):
+        return self._natural
+
+    @property
+    def source_bytes(self):
+        return self.weight.source_bytes
+
+    def read(self, start, stop, device, scratch=None):
+        q = self.weight.read(start, stop, device, scratch)
+        s = self.scb.read(start, stop, device).to(torch.float32)
+        return q * s.view(-1, *([1] * (q.dim() - 1))) * INT8_RECIPROCAL
+
+
+def _state(ctx, key) -> dict:
+    try:
+        st = json.loads(ctx.remaining[key].read_all(torch.device("cpu")).numpy().tobytes())
+        if not isinstance(st, dict):
+            raise TypeError
+    except (ValueError, TypeError, RuntimeError):
+        raise _refuse(ctx, key, f"{key!r} is not a bitsandbytes quant state (JSON bytes)") from None
+    return st
+
+
+def decode_4bit(ctx: DecodeContext) -> Decoded | None:
+    found = [(m.group(1), m.group(2), k) for k in ctx.remaining if (m := QUANT_STATE.match(k))]
+    if not found:
+        return None
+    tensors, consumed, kinds = {}, {}, set()
+    for p, qt, skey in found:
+        st = _state(ctx, skey)
+        shape, bs, dtype_name = st.get("shape"), st.get("blocksize"), st.get("dtype")
+        if st.get("quant_type", qt) != qt or bs not in BLOCKSIZES or not isinstance(shape, list) \
+                or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or not isinstance(getattr(torch, str(dtype_name), None), torch.dtype):
+            raise _refuse(ctx, skey, f"{skey!r} does not describe a {qt} weight (quant_type, blocksize, dtype, "
+                                     f"shape): {st}")
+        natural = getattr(torch, dtype_name)
+        w = ctx.remaining.get(p)
+        if w is None:
+            raise _refuse(ctx, skey, f"bitsandbytes quant state {skey!r} has no packed weight {p!r}")
+        n = math.prod(shape)
+        if w.numel * w.dtype.itemsize < (n + 1) // 2:
+            raise _refuse(ctx, p, f"{p!r} holds {w.numel * w.dtype.itemsize} bytes; the {qt} weight of shape {shape} "
+                                  f"needs {(n + 1) // 2} (truncated packed data)")
+        aux = {s: f"{p}.{s}" for s in ("absmax", "quant_map", "nested_absmax", "nested_quant_map")}
+        absmax = ctx.remaining.get(aux["absmax"])
+        blocks = -(-n // bs)
+        if absmax is None or absmax.numel != blocks:
+            raise _refuse(ctx, p, f"{p!r} ({qt}, {n} values in blocks of {bs}) needs {blocks} absmax values in "
+                                  f"{aux['absmax']!r}" + ("" if absmax is None else f", not {absmax.numel}"))
+        qmap = ctx.remaining.get(aux["quant_map"])
+        if qmap is not None:
+            if qmap.numel != 16 or not torch.equal(qmap.read_all(torch.device("cpu")).to(torch.float32).reshape(-1),
+                                                   code_table(qt)):
+                raise _refuse(ctx, aux["quant_map"], f"{aux['quant_map']!r} is not bitsandbytes' {qt} code table")
+            consumed[aux["quant_map"]] = f"code table of {p}"
+        nested = None
+        if "nested_offset" in st or aux["nested_absmax"] in ctx.remaining:
+            nested = _nested(ctx, p, st, aux, absmax, blocks)
+            consumed[aux["nested_absmax"]] = f"nested absmax of {p}"
+            consumed[aux["nested_quant_map"]] = f"nested code table of {p}"
+        elif not is_float(absmax.dtype):
+            raise _refuse(ctx, aux["absmax"], f"{aux['absmax']!r} is {_st(absmax.dtype)} but {skey!r} names no "
+                                              "nested quantization")
+        consumed[aux["absmax"]] = f"block absmax of {p}"
+        consumed[skey] = f"bitsandbytes quant state of {p}"
+        tensors[p] = Bnb4bitWeight(p, w, absmax, qt, bs, shape, natural, nested)
+        kinds.add(qt)
+    return Decoded("bitsandbytes " + "+".join(sorted(kinds)), tensors, consumed)
+
+
+def _nested(ctx, p, st, aux, absmax, blocks):
+    n_absmax, n_map = ctx.remaining.get(aux["nested_absmax"]), ctx.remaining.get(aux["nested_quant_map"])
+    n_bs, offset = st.get("nested_blocksize"), st.get("nested_offset")
+    if n_absmax is None or n_map is None or n_bs not in BLOCKSIZES or not isinstance(offset, (int, float)):
+        raise _refuse(ctx, p, f"{p!r} is nested-quantized but lacks {aux['nested_absmax']!r}, "
+                              f"{aux['nested_quant_map']!r} or nested_blocksize/nested_offset in its quant state")
+    if absmax.dtype != torch.uint8 or n_map.numel != 256 or n_absmax.numel != -(-blocks // n_bs):
+        raise _refuse(ctx, p, f"nested absmax of {p!r} does not fit: {aux['absmax']!r} {_st(absmax.dtype)} "
+                              f"{list(absmax.shape)}, {aux['nested_absmax']!r} {list(n_absmax.shape)}, "
+                              f"{aux['nested_quant_map']!r} {list(n_map.shape)} (blocks of {n_bs})")
+    return n_absmax, n_map, n_bs, float(offset)
+
+
+def decode_int8(ctx: DecodeContext) -> Decoded | None:
+    keys = [k for k in ctx.remaining if k == "SCB" or k.endswith(".SCB")]
+    if not keys:
+        return None
+    natural, tensors, consumed = _natural(ctx), {}, {}
+    for key in keys:
+        layer = key[: -len("SCB")]
+        wkey, fkey = f"{layer}weight", f"{layer}weight_format"
+        w, scb = ctx.remaining.get(wkey), ctx.remaining[key]
+        if w is None or w.dtype != torch.int8 or len(w.shape) < 2:
+            raise _refuse(ctx, key, f"LLM.int8 scale {key!r} needs an int8 matrix {wkey!r}"
+                                    + ("" if w is None else f", not {_st(w.dtype)} {list(w.shape)}"))
+        if scb.numel != w.shape[0] or not is_float(scb.dtype):
+            raise _refuse(ctx, key, f"LLM.int8 scale {key!r} {_st(scb.dtype)} {list(scb.shape)} is not one value per "
+                                    f"row of {wkey!r} {list(w.shape)}")
+        if fkey in ctx.remaining:
+            f = ctx.remaining[fkey].read_all(torch.device("cpu"))
+            if f.numel() != 1 or int(f.reshape(-1)[0]) != 0:
+                raise _refuse(ctx, fkey, f"{fkey!r} is not the row layout (0) that bitsandbytes saves")
+            consumed[fkey] = f"layout of {wkey} (row)"
+        tensors[wkey] = Int8RowWeight(wkey, w, scb, natural)
+        consumed[key] = f"row scales of {wkey}"
+    return Decoded("bitsandbytes int8", tensors, consumed)
+
+
+DECODERS = [decode_4bit, decode_int8]
