@@ -198,7 +198,8 @@ def test_encode_matches_comfy_kitchen_and_loads_like_comfyui(tmp_path, run_ckpt,
     stored = {f"{q}.weight{x}" for q in quantized for x in ck_quantize(fmt, src[f"{q}.weight"], rowwise)[2]}
     assert sorted(got) == sorted(set(kept) | stored | {f"{q}.comfy_quant" for q in quantized})
     if fmt != "int8_tensorwise":
-        assert "1 block weights kept in high precision" in err
+        assert "1 weight kept in high precision: dimensions not multiples of" in err
+    assert "Flux" in err and "high-precision layers kept" in err  # the family's rule (ckpt/families/flux1.py)
     # decode(encode(W)) == comfy-kitchen's dequantize(quantize(W)), rounded once
     back = tmp_path / "back.safetensors"
     code, _, err = run_ckpt("convert", out, "--to", "fp32", "-o", back, "-q")
@@ -291,6 +292,28 @@ def test_tiny_diffusers_flux_roundtrip_loads_strictly(tmp_path, run_ckpt):
             assert same_bytes(plain[k], ck_dequantize_fp32("mxfp8", qq, p).bfloat16()), k
         else:
             assert same_bytes(plain[k], v), k
+    # renamed to the original (BFL) layout and quantized in one pass: the family's rule in that layout
+    code, _, err = run_ckpt("convert", tmp_path / "t.safetensors", "--layout", "original", "--to", "nvfp4",
+                            "-o", tmp_path / "bfl.safetensors", "-q")
+    assert code == 0, err
+    bfl = load_file(tmp_path / "bfl.safetensors")
+    quantized = {k[: -len(".comfy_quant")] for k in bfl if k.endswith(".comfy_quant")}
+    assert quantized == {k[: -len(".weight")] for k, v in bfl.items() if k.endswith(".weight") and v.dim() == 2
+                         and k.startswith(("double_blocks.", "single_blocks."))}
+    assert bfl["img_in.weight"].dtype == bfl["final_layer.linear.weight"].dtype == torch.bfloat16
+
+
+def test_unknown_family_quantizes_transformer_blocks_only(tmp_path, run_ckpt):
+    sd = {"blocks.0.attn.q.weight": weight((64, 64)), "blocks.0.norm.weight": torch.ones(64),
+          "patchify.weight": weight((64, 64)), "blocks.1.ff.weight": weight((128, 64)), "head.weight": weight((32, 64)),
+          "blocks.1.tok_embed.weight": weight((64, 64))}
+    save_file(sd, tmp_path / "m.safetensors")
+    code, _, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "int8", "--keep", "blocks.1.*",
+                            "-o", tmp_path / "q.safetensors")
+    assert code == 0, err
+    assert "family not recognised" in err
+    got = load_file(tmp_path / "q.safetensors")
+    assert sorted(k for k in got if k.endswith(".comfy_quant")) == ["blocks.0.attn.q.comfy_quant"]
 
 
 def test_inspect_names_the_formats(tmp_path, run_ckpt):

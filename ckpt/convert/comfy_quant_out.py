@@ -1,19 +1,19 @@
 """`convert --to nvfp4|mxfp8|int8|int8_rowwise`: ComfyUI `comfy_quant` checkpoints (mixed precision).
 
-Which weights are quantized (the rule, kept in this one table until the model-family registry carries
-it as data): the 2-D floating `.weight` of every layer inside the repeated transformer blocks, named by
-a block container followed by an index (`double_blocks.3.`, `transformer_blocks.0.`, `layers.11.` ...).
-Everything else keeps its dtype: embeddings and input projections (`img_in`, `x_embedder`,
-`patch_embedding`...), the final/output layers (`final_layer`, `proj_out`, `head`, `lm_head`), time and
-text conditioning MLPs, norms, biases, convolutions, and the bundled VAE / text encoders of an
-all-in-one file. These are the layers ComfyUI's quantized releases keep in high precision: small, and
-the most sensitive to rounding. `--keep PATTERN` keeps more.
+Which weights are quantized: the 2-D floating `.weight` tensors of the model, except what its family
+keeps in high precision (`high_precision` in `ckpt/families/<family>.py`: the input and output layers,
+embeddings, conditioning and modulation layers, per layout). A checkpoint of no known family falls back
+to one table here: only weights inside the repeated transformer blocks (a block container followed by
+an index: `double_blocks.3.`, `transformer_blocks.0.`, `layers.11.` ...). Always kept: names containing
+`embed`, the bundled VAE / text encoders of an all-in-one file (ComfyUI loads them without these ops),
+and `--keep` matches. These are the layers ComfyUI's quantized releases keep in high precision: small,
+and the most sensitive to rounding.
 
 NVFP4 needs both dimensions to be multiples of 16 and MXFP8 of 32 (comfy-kitchen pads otherwise, and the
-file would not record the true shape): a block weight that does not fit stays in its dtype, and the run
-says how many did. Each quantized layer gets its `X.comfy_quant` config tensor, and each output file
-lists its layers in `__metadata__["_quantization_metadata"]` = {"format_version": "1.0", "layers": {...}}
-(ComfyUI reads either). The encoders are `ckpt.quant.comfy_quant.encode`.
+file would not record the true shape): a weight that does not fit stays in its dtype, and the run says
+how many did. Each quantized layer gets its `X.comfy_quant` config tensor, and each output file lists its
+layers in `__metadata__["_quantization_metadata"]` = {"format_version": "1.0", "layers": {...}} (ComfyUI
+reads either). The encoders are `ckpt.quant.comfy_quant.encode`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import fnmatch
 import json
 import re
 
+from ckpt import families
 from ckpt.cast import Caster
 from ckpt.convert.fp8_out import BUNDLED_PREFIXES
 from ckpt.dtypes import is_float
@@ -37,7 +38,8 @@ TARGETS = {
     "int8_rowwise": QuantSpec("int8_tensorwise", rowwise=True),  # one scale per output row
 }
 
-# Containers of repeated transformer blocks, as a path segment followed by the block index.
+# Fallback for checkpoints of no known family: containers of repeated transformer blocks, as a path
+# segment followed by the block index.
 BLOCK_CONTAINERS = (
     "double_blocks", "single_blocks",  # Flux, Flux.2, Chroma, HunyuanVideo (original names)
     "transformer_blocks", "single_transformer_blocks",  # diffusers DiTs (Flux, SD3, Qwen-Image, ...), UNet attention
@@ -46,25 +48,48 @@ BLOCK_CONTAINERS = (
     "layers", "noise_refiner", "context_refiner",  # Lumina2, Z-Image; LLM text encoders (model.layers)
 )
 _IN_BLOCK = re.compile(r"(^|\.)(" + "|".join(BLOCK_CONTAINERS) + r")\.\d+\.")
+MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI single files
 
 
-def in_scope(t: Tensor, keep: list[str]) -> bool:
-    """The quantize rule above, before the block-size check."""
-    name = t.name
-    return (name.endswith(".weight") and len(t.shape) == 2 and is_float(t.dtype) and t.numel > 0
-            and _IN_BLOCK.search(name) is not None and "embed" not in name.lower()
-            and not name.startswith(BUNDLED_PREFIXES)
-            and not any(fnmatch.fnmatchcase(name, pat) for pat in keep))
+class QuantizeRule:
+    """Which tensors of one model (a component's logical tensors) are stored quantized; `layout` names the
+    layout of the names `quantize` will see when that differs from the input's (`convert --layout`)."""
+
+    def __init__(self, tensors: dict[str, Tensor], keep: list[str], layout: str | None = None):
+        self.keep = keep
+        self.prefix = next((p for p in MODEL_PREFIXES if any(k.startswith(p) for k in tensors)), "")
+        inner = {k[len(self.prefix):]: tuple(t.shape) for k, t in tensors.items() if k.startswith(self.prefix)}
+        m = families.detect(inner, inner)
+        self.family = m.family if m is not None and m.family.high_precision else None
+        self.layout = layout or (m.layout if m is not None else None)
+        self.describe = (f"{m.family.label}, {families.layout_name(self.layout)}: the family's high-precision layers kept"
+                         if self.family else "family not recognised: weights inside transformer blocks only")
+
+    def quantize(self, t: Tensor) -> bool:
+        name = t.name
+        if not (name.endswith(".weight") and len(t.shape) == 2 and is_float(t.dtype) and t.numel > 0):
+            return False
+        if "embed" in name.lower() or name.startswith(BUNDLED_PREFIXES) \
+                or any(fnmatch.fnmatchcase(name, pat) for pat in self.keep):
+            return False
+        inner = name[len(self.prefix):] if name.startswith(self.prefix) else name
+        if self.family is not None:
+            return not self.family.keeps_high_precision(inner, tuple(t.shape), self.layout)
+        return _IN_BLOCK.search(inner) is not None
 
 
-def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str]):
-    """`make(tensor) -> [OutTensor]` for `plan_checkpoint`, and the per-layer record `finish` needs."""
+def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views, layout: str | None = None):
+    """`make(tensor) -> [OutTensor]` for the planners, and `finish(plan)`, which lists each file's layers in
+    its metadata and says what was quantized. `views`: the components' logical views (one rule each)."""
     casters: dict = {}
     layers: dict[str, QuantSpec] = {}
     misfits: list[str] = []
+    rules = [QuantizeRule(v.tensors, keep, layout) for v in views]
+    rule_of = {id(t): r for r, v in zip(rules, views) for t in v.tensors.values()}
 
     def make(t: Tensor) -> list[OutTensor]:
-        if in_scope(t, keep):
+        rule = rule_of.get(id(t), rules[0])  # a renamed tensor (convert --layout: one component)
+        if rule.quantize(t):
             if unencodable(spec, t.shape) is None:
                 layer = t.name[: -len(".weight")]
                 layers[layer] = spec
@@ -84,13 +109,17 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str]):
             f.metadata.pop(META_KEY, None)
             if mine and f.format == "safetensors":
                 f.metadata[META_KEY] = json.dumps({"format_version": "1.0", "layers": mine})
-        plan.notes.append(f"{len(layers)} block weights stored as {spec.format}"
+        plan.notes.append(f"{_count(len(layers), 'weight')} stored as {spec.format}"
                           + (" (row-wise scales)" if spec.rowwise else "")
-                          + "; other tensors keep their dtype")
+                          + f"; other tensors keep their dtype ({'; '.join(sorted({r.describe for r in rules}))})")
         if misfits:
             block = {"nvfp4": 16, "mxfp8": 32}.get(spec.format)
             shown = ", ".join(misfits[:3]) + (", ..." if len(misfits) > 3 else "")
-            plan.notes.append(f"{len(misfits)} block weights kept in high precision: their dimensions are not "
+            plan.notes.append(f"{_count(len(misfits), 'weight')} kept in high precision: dimensions not "
                               f"multiples of {block} ({shown})")
 
     return make, finish
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"

@@ -59,7 +59,7 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
     if opts.to in QUANT_TARGETS:
         from ckpt.convert.comfy_quant_out import comfy_quant_outputs
 
-        make, finish = comfy_quant_outputs(QUANT_TARGETS[opts.to], report, opts.keep)
+        make, finish = comfy_quant_outputs(QUANT_TARGETS[opts.to], report, opts.keep, views, opts.layout)
     elif opts.scaled:
         from ckpt.convert.fp8_out import scaled_fp8_outputs
 
