@@ -10,6 +10,12 @@ benchlib.py):
          then an fsync, so it does the same durable work;
 - cp:    `cp` of a file of the output's size (ckpt's own output), then `sync` of the copy.
 
+The `flux2->diffusers` case is layout conversion: a synthetic Flux.2 file in its original (BFL) layout
+(real names and proportions, fused `qkv` and 9x-width `linear1`) becomes a diffusers model folder;
+ckpt runs `ckpt convert SRC --layout diffusers`, naive loads the file, runs diffusers' own
+`convert_flux2_transformer_checkpoint_to_diffusers` and saves (the way `from_single_file` users convert),
+cp copies ckpt's weight file into a folder. Target: peak RSS under 2 x the largest tensor + 300 MB.
+
 Warm cache, stated rather than hidden: dropping the page cache needs root. Each source is freshly
 written, and an untimed warm-up `ckpt convert` reads all of it (and writes the reference output that
 `cp` copies and the naive output is checked against), so every timed run reads from the page cache.
@@ -42,23 +48,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 CASES = {
-    # name: (source dtype, source layout, target)
+    # name: (source dtype, source layout, target: a dtype, or "layout:diffusers" for convert --layout)
     "fp32->fp16": ("fp32", "plain", "fp16"),
     "bf16->fp16": ("bf16", "plain", "fp16"),
     "fp8->bf16": ("fp8_e4m3fn", "comfy-scaled-fp8", "bf16"),
+    "flux2->diffusers": ("bf16", "flux2-bfl", "layout:diffusers"),
 }
+LAYOUT_FILE = "diffusion_pytorch_model.safetensors"  # what --layout diffusers writes in its folder
 VARIANTS = ("ckpt", "naive", "cp")
 RSS_SLACK = 300e6  # the "+ 300 MB" of the target
 TIME_FACTOR = 1.5
 
 
 def naive_convert(src: str, dst: str, to: str) -> None:
-    """The naive way: the whole file in memory, cast, save, fsync (ComfyUI scaled fp8: W = w * scale)."""
+    """The naive way: the whole file in memory, cast, save, fsync (ComfyUI scaled fp8: W = w * scale).
+    Layout conversion: diffusers' own single-file converter on the loaded dict, saved in a folder."""
     import os
 
     import torch
     from safetensors.torch import load_file, save_file
 
+    if to.startswith("layout:"):
+        from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+        sd = convert_flux2_transformer_checkpoint_to_diffusers(load_file(src))
+        os.makedirs(dst)
+        dst = os.path.join(dst, LAYOUT_FILE)
+        save_file({k: v.contiguous() for k, v in sd.items()}, dst, metadata={"format": "pt"})
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
     target = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[to]
     sd = load_file(src)
     scaled = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in sd)
@@ -89,11 +111,27 @@ class Row:
 
 
 def variant_argv(variant: str, src: Path, ref: Path, out: Path, to: str) -> list[str]:
+    layout = to.startswith("layout:")
     if variant == "ckpt":
-        return bl.ckpt_argv("convert", src, "-o", out, "--to", to, "-q")
+        what = ["--layout", to.split(":", 1)[1]] if layout else ["--to", to]
+        return bl.ckpt_argv("convert", src, "-o", out, *what, "-q")
     if variant == "naive":
         return [sys.executable, __file__, "--naive", str(src), str(out), to]
+    if layout:  # the same bytes into a folder
+        return ["sh", "-c", 'mkdir -- "$2" && cp -- "$1" "$2/x" && sync -- "$2/x"', "sh", str(ref / LAYOUT_FILE), str(out)]
     return ["sh", "-c", 'cp -- "$1" "$2" && sync -- "$2"', "sh", str(ref), str(out)]
+
+
+def _weights(p: Path) -> Path:
+    """The weight file of an output: the file itself, or the one file of a --layout folder."""
+    return p / LAYOUT_FILE if p.is_dir() else p
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def log(msg: str) -> None:
@@ -108,7 +146,7 @@ def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[
     try:
         log(f"[{name}] warm-up: ckpt convert (untimed; reads the source into the page cache) ...")
         bl.measure(variant_argv("ckpt", src, ref, ref, to))
-        out_bytes = ref.stat().st_size
+        out_bytes = _weights(ref).stat().st_size
         variants = list(VARIANTS)
         skipped = {}
         if args.no_naive:
@@ -126,8 +164,8 @@ def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[
                 m = bl.measure(variant_argv(v, src, ref, out, to))
                 samples[v].append(m)
                 if v == "naive" and verified is None and not args.no_verify:
-                    verified = bl.compare(ref, out)
-                out.unlink()
+                    verified = bl.compare(_weights(ref), _weights(out))
+                _remove(out)
         rows = [Row(name, v, info["bytes"], out_bytes, statistics.median(m.seconds for m in ms),
                     max(m.peak_rss for m in ms)) for v, ms in samples.items()]
         if verified is None and not args.no_verify:  # naive skipped: check ckpt against nothing
@@ -135,13 +173,13 @@ def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[
         return rows, info, {"skipped": skipped, "verified": verified}
     finally:
         for p in (src, ref, out):
-            p.unlink(missing_ok=True)
+            _remove(p)
 
 
 def targets(case: str, rows: list[Row], info: dict) -> dict:
     src_dtype, _, to = CASES[case]
     src_item = 1 if info["layout"] == "comfy-scaled-fp8" else bl.ITEMSIZE[src_dtype]
-    largest = info["largest_numel"] * max(src_item, bl.ITEMSIZE[to])
+    largest = info["largest_numel"] * max(src_item, bl.ITEMSIZE.get(to, src_item))
     bound = 2 * largest + RSS_SLACK
     by = {r.variant: r for r in rows}
     ck = by["ckpt"]
@@ -249,7 +287,10 @@ def render(args, argv, machine, model, floor, startup, rows, results) -> str:
     lines.append("all three variants fsync their output; GB/s = output bytes / seconds")
     for case, r in results.items():
         t = r["targets"]
-        lines.append(f"{case}: RSS bound = 2 x {bl.fmt_mb(t['largest_bytes'])} MB + 300 MB = {bl.fmt_mb(t['rss_bound'])} MB"
+        info = r["info"]
+        lines.append(f"{case}: source {info['layout']} {info['dtype']}, {info['tensors']} tensors, largest {info['largest']} "
+                     f"{info['largest_shape']}; "
+                     f"RSS bound = 2 x {bl.fmt_mb(t['largest_bytes'])} MB + 300 MB = {bl.fmt_mb(t['rss_bound'])} MB"
                      + "".join(f"; {v} skipped ({why})" for v, why in r["skipped"].items()))
     lines += ["```", ""]
     table = []

@@ -49,7 +49,7 @@ ROOT = HERE.parent
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1}
 ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "fp16": "F16", "fp8_e4m3fn": "F8_E4M3"}
-LAYOUTS = ("plain", "comfy-scaled-fp8")
+LAYOUTS = ("plain", "comfy-scaled-fp8", "flux2-bfl")
 
 
 class BenchError(RuntimeError):
@@ -238,11 +238,47 @@ def model_specs(params: int) -> Model:
     return m
 
 
+def flux2_specs(params: int) -> Model:
+    """A Flux.2-like model in its original (BFL) layout, real names and proportions: heads of 128, gated
+    MLPs of 3x width, fused `qkv` in double blocks, fused qkv + MLP `linear1` (9 x width rows, the largest
+    tensor) in single blocks, 6 single blocks per double block (Flux.2 dev: 8 and 48), no biases."""
+    unit = 26 + 6 * 13  # params of one double block and six single blocks, in hidden^2
+    h = next((w for w in WIDTHS if unit * w * w <= params), WIDTHS[-1])
+    n = max(1, round(params / (unit * h * h)))
+    m = Model(h, 7 * n)
+    hd = min(128, h)
+    m.specs += [Spec("img_in.weight", (h, 128), "linear"), Spec("txt_in.weight", (h, h), "linear"),
+                Spec("time_in.in_layer.weight", (h, 256), "linear"), Spec("time_in.out_layer.weight", (h, h), "linear"),
+                Spec("guidance_in.in_layer.weight", (h, 256), "linear"),
+                Spec("guidance_in.out_layer.weight", (h, h), "linear"),
+                Spec("double_stream_modulation_img.lin.weight", (6 * h, h), "linear"),
+                Spec("double_stream_modulation_txt.lin.weight", (6 * h, h), "linear"),
+                Spec("single_stream_modulation.lin.weight", (3 * h, h), "linear"),
+                Spec("final_layer.linear.weight", (128, h), "linear"),
+                Spec("final_layer.adaLN_modulation.1.weight", (2 * h, h), "linear")]
+    for i in range(n):
+        for s in ("img", "txt"):
+            b = f"double_blocks.{i}.{s}"
+            m.specs += [Spec(f"{b}_attn.qkv.weight", (3 * h, h), "linear"), Spec(f"{b}_attn.proj.weight", (h, h), "linear"),
+                        Spec(f"{b}_attn.norm.query_norm.scale", (hd,), "norm"),
+                        Spec(f"{b}_attn.norm.key_norm.scale", (hd,), "norm"),
+                        Spec(f"{b}_mlp.0.weight", (6 * h, h), "linear"), Spec(f"{b}_mlp.2.weight", (h, 3 * h), "linear")]
+    for j in range(6 * n):
+        b = f"single_blocks.{j}"
+        m.specs += [Spec(f"{b}.linear1.weight", (9 * h, h), "linear"), Spec(f"{b}.linear2.weight", (h, 4 * h), "linear"),
+                    Spec(f"{b}.norm.query_norm.scale", (hd,), "norm"), Spec(f"{b}.norm.key_norm.scale", (hd,), "norm")]
+    return m
+
+
+def specs_for(layout: str, params: int) -> Model:
+    return flux2_specs(params) if layout == "flux2-bfl" else model_specs(params)
+
+
 def stored_entries(model: Model, dtype: str, layout: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype key, shape) of every stored tensor. comfy-scaled-fp8: matrices in fp8 e4m3fn with
     an fp32 scalar `scale_weight` and `scale_input` each, other tensors in bf16, plus the
     `scaled_fp8` marker (an empty fp8 tensor), as in ComfyUI's scaled-fp8 files (FORMATS.md "FP8")."""
-    if layout == "plain":
+    if layout in ("plain", "flux2-bfl"):
         return [(s.name, dtype, s.shape) for s in model.specs]
     if layout != "comfy-scaled-fp8":
         raise ValueError(f"unknown layout {layout}")
@@ -287,7 +323,7 @@ def _write_synthetic(path: str, params: int, dtype: str, layout: str, seed: int)
     import torch
 
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3fn": torch.float8_e4m3fn}
-    model = model_specs(params)
+    model = specs_for(layout, params)
     entries = stored_entries(model, dtype, layout)
     g = torch.Generator().manual_seed(seed)
     pool_elems = 1 << 22

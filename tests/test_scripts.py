@@ -113,6 +113,25 @@ def test_bench_convert_tiny_run(tmp_path):
     assert list(work.iterdir()) == []  # sources and outputs cleaned up
 
 
+def test_bench_convert_layout_case(tmp_path):
+    """The layout row: a synthetic Flux.2 BFL file that the family registry recognises; ckpt's diffusers
+    output equals diffusers' own converter's bit for bit."""
+    from ckpt import families
+
+    model = bl.flux2_specs(2_000_000)
+    shapes = {s.name: s.shape for s in model.specs}
+    m = families.detect(shapes, shapes)
+    assert (m.family_id, m.layout) == ("flux2", "original") and model.largest.name.endswith("linear1.weight")
+    out_json = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(SCRIPTS / "bench_convert.py"), "--size-gb", "0.02", "--cases",
+                        "flux2->diffusers", "--workdir", str(tmp_path / "work"), "--json", str(out_json)],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out_json.read_text())["results"]["flux2->diffusers"]
+    assert res["verified"]["equal"] is True, res["verified"]
+    assert list((tmp_path / "work").iterdir()) == []
+
+
 def test_bench_convert_rejects_unknown_case(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPTS / "bench_convert.py"), "--cases", "fp4->fp16"],
                        capture_output=True, text=True)
