@@ -36,9 +36,11 @@ def state_dict(model) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def _transform(t: torch.Tensor, name: str | None) -> torch.Tensor:
+def _transform(t: torch.Tensor, name: str | None, to_original: bool = False) -> torch.Tensor:
     if name is None:
         return t
+    if name == "squeeze":  # original [o, i, 1, 1] <-> diffusers [o, i]
+        return t.reshape(*t.shape, 1, 1) if to_original else t.reshape(t.shape[:2])
     if name == "swap_halves":
         a, b = t.chunk(2, dim=0)
         return torch.cat([b, a])
@@ -57,7 +59,7 @@ def original_from_pairs(family: Family, diffusers_sd: dict) -> dict:
     out = {}
     for key, ps in pieces.items():
         ps.sort(key=lambda p: p.rows[0] if p.rows else 0)
-        out[key] = torch.cat([_transform(diffusers_sd[p.diffusers], p.transform) for p in ps]).contiguous()
+        out[key] = torch.cat([_transform(diffusers_sd[p.diffusers], p.transform, True) for p in ps]).contiguous()
     return out
 
 

@@ -51,8 +51,17 @@ def _clip():
     return model, convert
 
 
+def _vae():
+    from diffusers import AutoencoderKL
+
+    model = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                          up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1)
+    return model, lambda sd: _sfu().convert_ldm_vae_checkpoint(sd, dict(model.config))
+
+
 # family id, variant label, maker of (tiny model, converter original -> diffusers)
 CASES = [
+    ("autoencoder_kl", "vae", _vae),
     ("wan", "wan-t2v", _wan("t2v")),
     ("wan", "wan-i2v", _wan("i2v")),
     ("wan", "wan-vace", _wan("vace")),

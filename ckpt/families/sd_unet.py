@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, SEP, Alias, Family, Pair, Shapes, Signature, at, block_indices,
-                                dim, has, module_of, prefixes_of)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, SEP, Alias, ConventionError, Family, Pair, Shapes, Signature, at, block_indices,
+                                blocks_count, dim, has, module_of, prefixes_of)
 
 # LDM resnet submodules -> diffusers ResnetBlock2D submodules.
 RESNET = (
@@ -207,6 +207,47 @@ def identify(keys, shapes, layout):
     return fid, label + " (diffusers UNet2DConditionModel)"
 
 
+# What the weights do not say (the UNet configs of the SD1.5, SD2.1 and SDXL releases): SD1 has 8 heads
+# at every level, SD2 and SDXL heads of 64 channels; the sample size (latent pixels) of each release;
+# SDXL's time ids are embedded in 256 channels each.
+CONVENTIONS = {"sd1": {"heads": 8, "sample_size": 64}, "sd2": {"head_dim": 64, "sample_size": 96},
+               "sdxl": {"head_dim": 64, "sample_size": 128}, "addition_time_embed_dim": 256}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    keys = list(s)
+    fid, _ = identify(keys, s, DIFFUSERS)
+    if fid is None:
+        raise ConventionError("the cross-attention width is none of SD1's 768, SD2's 1024, SDXL's 2048 or 1280")
+    conv = CONVENTIONS[fid]
+    levels = block_indices(s, "down_blocks")
+    channels = [s[f"down_blocks.{x}.resnets.0.conv1.weight"][0] for x in levels]
+    attn = [f"down_blocks.{x}.attentions.0.proj_in.weight" in s for x in levels]
+    ups = block_indices(s, "up_blocks")
+    up_attn = [f"up_blocks.{x}.attentions.0.proj_in.weight" in s for x in ups]
+    layers = [blocks_count(s, f"down_blocks.{x}.attentions.0.transformer_blocks") or 1 for x in levels]
+    proj = next(v for k, v in s.items() if k.endswith("proj_in.weight"))
+    heads = [conv["heads"]] * len(levels) if "heads" in conv else [c // conv["head_dim"] for c in channels]
+    cfg = {
+        "_class_name": "UNet2DConditionModel",
+        "sample_size": conv["sample_size"],
+        "in_channels": s["conv_in.weight"][1],
+        "out_channels": s["conv_out.weight"][0],
+        "down_block_types": ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attn],
+        "up_block_types": ["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in up_attn],
+        "block_out_channels": channels,
+        "layers_per_block": blocks_count(s, "down_blocks.0.resnets"),
+        "cross_attention_dim": dim(s, keys, r"attn2\.to_k\.weight$", 1),
+        "attention_head_dim": heads[0] if len(set(heads)) == 1 else heads,
+        "use_linear_projection": len(proj) == 2,
+        "transformer_layers_per_block": layers[0] if len(set(layers)) == 1 else layers,
+    }
+    if "add_embedding.linear_1.weight" in s:
+        cfg.update(addition_embed_type="text_time", addition_time_embed_dim=CONVENTIONS["addition_time_embed_dim"],
+                   projection_class_embeddings_input_dim=s["add_embedding.linear_1.weight"][1])
+    return cfg
+
+
 FAMILY = Family(
     family_id="sd1",
     ids=("sd2", "sdxl"),
@@ -220,6 +261,7 @@ FAMILY = Family(
     diffusers_class="UNet2DConditionModel",
     pairs=pairs,
     lora_aliases=lora_aliases,
+    diffusers_config=diffusers_config,
     kohya_layout=None,  # SD1/SD2: diffusers names; SDXL: LDM names (both answer on either base)
     kohya_layouts={"sd1": DIFFUSERS, "sd2": DIFFUSERS, "sdxl": ORIGINAL},  # what kohya's trainers write
     lora_namings=("kohya (SD1/SD2 diffusers names, SDXL LDM names)", "diffusers/PEFT", "old diffusers processors",
