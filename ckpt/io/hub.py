@@ -104,3 +104,20 @@ def config_from_hub(spec: str) -> Path:
         raise CkptError(f"{spec}: no config.json in the local Hugging Face cache or on the hub") from None
     except HfHubHTTPError as e:
         raise CkptError(f"{spec}: hub error: {str(e).splitlines()[0]}") from None
+
+
+def sidecars_from_hub(spec: str) -> Path:
+    """A hub repository's non-weight files (configs, tokenizers, scheduler), fetched without weights."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, rev, sub = parse_repo_spec(spec)
+    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+    try:
+        root = Path(snapshot_download(repo, revision=rev, allow_patterns=list(SIDECARS), cache_dir=_cache_dir(),
+                                      local_files_only=offline))
+    except LocalEntryNotFoundError:
+        raise CkptError(f"{spec}: not in the local Hugging Face cache nor reachable on the hub") from None
+    except HfHubHTTPError as e:
+        raise CkptError(f"{spec}: hub error: {str(e).splitlines()[0]}") from None
+    return root / sub.strip("/") if sub else root

@@ -1,0 +1,199 @@
+"""Whole pipelines for `convert --layout`: a diffusers pipeline folder <-> the all-in-one single file
+(UNet/transformer, VAE and text encoders under their LDM prefixes) that A1111, ComfyUI and kohya load.
+
+One table per pipeline kind says which folder goes under which file prefix and in which naming: the
+diffusion model and the VAE in their original (LDM/SAI) layout, Hugging Face text encoders under their
+HF names (wrapped in `text_model.` as the single files have them), SDXL's second text encoder as an
+OpenCLIP tower. The tensors are the family registry's lazy views (`ckpt.convert.layout.relayout`),
+written band by band like every other output.
+
+Single file -> pipeline needs `--config REF`, a diffusers pipeline of the same kind (folder or hub id):
+a single file holds no tokenizer, scheduler or component config, so those files are copied from REF,
+and only the weights come from the file. Bookkeeping tensors of LDM files (noise schedule buffers,
+`model_ema.*`, position ids) are not model weights: they are dropped, with a note; any other key that
+no part claims is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt import families
+from ckpt.errors import CkptError
+from ckpt.families import DIFFUSERS, ORIGINAL
+from ckpt.convert.layout import Renamed, relayout
+from ckpt.io.layout import provenance
+from ckpt.io.plan import OutFile, Plan
+from ckpt.io.tensors import Tensor
+
+DIFFUSERS_FILE = "diffusion_pytorch_model.safetensors"
+TRANSFORMERS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Part:
+    folder: str  # pipeline subfolder
+    prefix: str  # key prefix in the single file
+    family: str  # family id of the part
+    naming: str  # "layout": the family's original layout in the file; "hf": the same HF names in both
+
+
+PIPELINES: dict[str, tuple[str, list[Part]]] = {
+    "sd1": ("StableDiffusionPipeline", [
+        Part("unet", "model.diffusion_model.", "sd1", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "cond_stage_model.transformer.", "clip", "hf"),
+    ]),
+    "sdxl": ("StableDiffusionXLPipeline", [
+        Part("unet", "model.diffusion_model.", "sdxl", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "conditioner.embedders.0.transformer.", "clip", "hf"),
+        Part("text_encoder_2", "conditioner.embedders.1.model.", "clip", "layout"),
+    ]),
+    "sd3": ("StableDiffusion3Pipeline", [
+        Part("transformer", "model.diffusion_model.", "sd3", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "text_encoders.clip_l.transformer.", "clip", "hf"),
+        Part("text_encoder_2", "text_encoders.clip_g.transformer.", "clip", "hf"),
+        Part("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5", "hf"),
+    ]),
+}
+BY_CLASS = {cls: kind for kind, (cls, _) in PIPELINES.items()}
+# LDM single-file tensors that are no model weights: the noise schedule, EMA copies, position ids.
+BOOKKEEPING = re.compile(r"^(model_ema\.|(alphas_cumprod|alphas_cumprod_prev|betas|log_one_minus_alphas_cumprod|"
+                         r"sqrt_\w+|posterior_\w+|model_ema_\w*)$)|position_ids$|logit_scale$")
+CLIP_TOP = ("embeddings.", "encoder.", "final_layer_norm.")
+WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|msgpack|h5|onnx)$|\.index\.json$")
+
+
+def _hf_to_file(name: str, family: str) -> str:
+    """HF text-encoder names as single files hold them: CLIP wrapped in `text_model.`."""
+    if family == "clip" and name.startswith(CLIP_TOP):
+        return "text_model." + name
+    return name
+
+
+def pipeline_kind(ckpt) -> str | None:
+    """The PIPELINES kind of a diffusers pipeline folder (model_index.json), None for anything else."""
+    if ckpt.kind != "pipeline":
+        return None
+    mi = ckpt.path / "model_index.json"
+    try:
+        cls = json.loads(mi.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if cls not in BY_CLASS:
+        raise CkptError(f"{ckpt.path}: a {cls} pipeline; --layout converts whole pipelines of "
+                        + ", ".join(sorted(BY_CLASS)) + " (convert its model folders one by one otherwise)")
+    return BY_CLASS[cls]
+
+
+def single_file_kind(tensors: dict[str, Tensor]) -> str | None:
+    """The PIPELINES kind of an all-in-one single file (its diffusion model's family), else None."""
+    dm = {k[len("model.diffusion_model."):]: tuple(t.shape) for k, t in tensors.items()
+          if k.startswith("model.diffusion_model.")}
+    others = any(not k.startswith("model.diffusion_model.") and not BOOKKEEPING.search(k) for k in tensors)
+    if not dm or not others:
+        return None
+    m = families.detect(dm, dm)
+    if m is None:
+        return None
+    if m.family_id in PIPELINES:
+        return m.family_id
+    return "sd1" if m.family is families.get("sd1") and m.family_id is None else None
+
+
+def _converted(tensors: dict[str, Tensor], part: Part, to: str) -> tuple[dict[str, Tensor], list[str]]:
+    fam = families.get(part.family)
+    if part.naming == "hf":
+        if to == ORIGINAL:
+            return {_hf_to_file(k, part.family): Renamed(t, _hf_to_file(k, part.family)) for k, t in tensors.items()}, []
+        return dict(tensors), []
+    return relayout(tensors, fam, DIFFUSERS if to == ORIGINAL else ORIGINAL, to)
+
+
+def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_format: str) -> Plan:
+    cls, parts = PIPELINES[kind]
+    by_folder = {c.subdir: (c, v) for c, v in zip(ckpt.components, views)}
+    missing = [p.folder for p in parts if p.folder not in by_folder]
+    if missing:
+        raise CkptError(f"{ckpt.path}: the {cls} has no {', '.join(missing)} folder; nothing was written")
+    outs, notes = [], []
+    for p in parts:
+        comp, view = by_folder[p.folder]
+        tensors = {k: t for k, t in view.tensors.items() if not BOOKKEEPING.search(k)}
+        dropped = [k for k in view.tensors if k not in tensors]
+        converted, one_sided = _converted(tensors, p, ORIGINAL)
+        for name, t in converted.items():
+            outs += make(Renamed(t, p.prefix + name))
+        if dropped or one_sided:
+            notes.append(f"{p.folder}: not written ({len(dropped) + len(one_sided)} tensors no single file holds): "
+                         + ", ".join((dropped + one_sided)[:4]))
+    others = [c.subdir for c in ckpt.components if c.subdir not in {p.folder for p in parts}]
+    if others:
+        notes.append(f"not part of a single file, not written: {', '.join(others)}")
+    metadata = {"format": "pt", **provenance(operation)}
+    plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])
+    plan.notes += [f"{cls} -> one {kind} single file ({len(outs)} tensors)"] + notes
+    return plan
+
+
+def _ref_folder(ref: str | None, kind: str, where) -> Path:
+    cls = PIPELINES[kind][0]
+    if not ref:
+        raise CkptError(f"{where}: an all-in-one {kind} file holds no tokenizer, scheduler or component config; "
+                        f"pass --config REF, a diffusers {cls} folder or hub id to take them from")
+    p = Path(ref).expanduser()
+    if not p.exists():
+        from ckpt.io.hub import looks_like_repo_id, sidecars_from_hub
+
+        if not looks_like_repo_id(ref):
+            raise CkptError(f"--config {ref}: no such folder")
+        p = sidecars_from_hub(ref)
+    mi = p / "model_index.json"
+    try:
+        found = json.loads(mi.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        raise CkptError(f"--config {ref}: not a diffusers pipeline (no readable model_index.json)") from None
+    if found != cls:
+        raise CkptError(f"--config {ref}: a {found} pipeline, but the file is a {kind} model ({cls})")
+    return p
+
+
+def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_ref: str | None) -> Plan:
+    cls, parts = PIPELINES[kind]
+    comp, view = ckpt.components[0], views[0]
+    ref = _ref_folder(config_ref, kind, comp.where)
+    claimed: set[str] = set()
+    files, notes = [], []
+    for p in sorted(parts, key=lambda p: -len(p.prefix)):
+        tensors = {k[len(p.prefix):]: t for k, t in view.tensors.items()
+                   if k.startswith(p.prefix) and k not in claimed and not BOOKKEEPING.search(k)}
+        claimed.update(p.prefix + k for k in tensors)
+        if not tensors:
+            raise CkptError(f"{comp.where}: no {p.folder} weights under {p.prefix!r}; not an all-in-one {kind} file")
+        converted, one_sided = _converted(tensors, p, DIFFUSERS)
+        fname = TRANSFORMERS_FILE if p.naming == "hf" or p.family == "clip" else DIFFUSERS_FILE
+        outs = [o for name, t in converted.items() for o in make(Renamed(t, name))]
+        files.append(OutFile(f"{p.folder}/{fname}", {"format": "pt", **provenance(operation)}, outs))
+        if one_sided:
+            notes.append(f"{p.folder}: {len(one_sided)} tensors of the single file only, not written")
+    dropped = [k for k in view.tensors if BOOKKEEPING.search(k)]
+    unclaimed = [k for k in view.tensors if k not in claimed and k not in dropped]
+    if unclaimed:
+        raise CkptError(f"{comp.where}: {len(unclaimed)} tensors belong to no part of a {cls}: "
+                        f"{', '.join(sorted(unclaimed)[:8])}; nothing was written")
+    if dropped:
+        notes.append(f"{len(dropped)} bookkeeping tensors (noise schedule, EMA, position ids) not written: "
+                     + ", ".join(dropped[:4]))
+    plan = Plan(single_file=False, files=files)
+    for f in sorted(ref.rglob("*")):  # everything but weights: model_index, configs, tokenizers, scheduler
+        rel = f.relative_to(ref)
+        if f.is_file() and not any(x.startswith(".") for x in rel.parts) and not WEIGHTS.search(f.name):
+            plan.copies.append((f, str(rel)))
+    plan.notes += [f"one {kind} single file -> {cls} folder; tokenizers, scheduler and configs from {config_ref}"]
+    plan.notes += notes
+    return plan
