@@ -327,3 +327,27 @@ def test_fp8_scaled_base_is_decoded(tmp_path, run_ckpt):
     assert code == 0, err
     up, down, scale_ = kohya_modules(out)["lora_unet_a"]
     assert rel_error(delta, scale_ * up @ down) < 1e-5
+
+
+def test_failure_after_decomposing_leaves_nothing(tmp_path, run_ckpt):
+    """The scratch store is removed when a later module fails (a changed text encoder in a PEFT folder)."""
+    te = "cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
+    base = {"model.diffusion_model.a.weight": rnd(8, 8), te: rnd(8, 8)}
+    tuned = {k: v + low_rank(v.shape, 2) for k, v in base.items()}
+    save_file(base, tmp_path / "base.safetensors")
+    save_file(tuned, tmp_path / "tuned.safetensors")
+    before = set(p.name for p in tmp_path.iterdir())
+    code, out, err = run_ckpt("lora", "extract", tmp_path / "base.safetensors", tmp_path / "tuned.safetensors",
+                              "-r", 2, "--format", "peft", "-o", tmp_path / "new" / "adapter")
+    assert code == 2 and "PEFT adapter folder holds one model" in err, err
+    assert set(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_output_in_new_folder(tmp_path, run_ckpt):
+    _pair(tmp_path, conv=False)
+    o = tmp_path / "loras" / "x" / "lora.safetensors"
+    code, _, err = run_ckpt("lora", "extract", tmp_path / "base.safetensors", tmp_path / "tuned.safetensors",
+                            "-r", 2, "-o", o, "-q")
+    assert code == 0, err
+    assert o.is_file() and [p.name for p in o.parent.iterdir()] == ["lora.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if "ckpt-tmp" in p.name]

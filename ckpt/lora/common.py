@@ -135,6 +135,7 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOW]) + (f", ... ({len(names) - SHOW} more)" if len(names) > SHOW else "")
 
 
-def early_target_check(out: Path, inputs: list[Path], overwrite: bool, single_file: bool) -> None:
+def early_target_check(out: Path, inputs: list[Path], overwrite: bool, single_file: bool,
+                       dry_run: bool = False) -> None:
     """The output checks `write` makes, made before the (long) decomposition so a bad -o fails at once."""
-    check_target(Path(out), inputs, overwrite, single_file)
+    check_target(Path(out), inputs, overwrite, single_file, dry_run=dry_run)

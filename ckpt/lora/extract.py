@@ -60,7 +60,7 @@ def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *,
         derived = default_output(tuned, t.path, "lora", folder=layout.container == "folder")
         out_path = output_path(out, derived, Plan(single_file=layout.container == "file", files=[]))
         inputs = b.inputs + t.inputs
-        early_target_check(out_path, inputs, opts.overwrite, layout.container == "file")
+        early_target_check(out_path, inputs, opts.overwrite, layout.container == "file", opts.dry_run)
         op = f"lora extract {Path(base).name} {Path(tuned).name} --rank {opts.rank}" + (
             f" --dynamic {opts.dynamic} --threshold {opts.threshold:g}" if opts.dynamic else "")
         if opts.dry_run:

@@ -71,7 +71,7 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         derived = default_output(specs[0], Path(specs[0]).expanduser(), "merged", folder=folder)
         out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
         inputs = [p for f in files for p in f.inputs]
-        early_target_check(out_path, inputs, opts.overwrite, not folder)
+        early_target_check(out_path, inputs, opts.overwrite, not folder, opts.dry_run)
         groups: dict[str, list[tuple[object, float, str]]] = {}
         for f, ratio in zip(files, ratios):
             for m in f.modules.values():

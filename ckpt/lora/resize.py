@@ -52,7 +52,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions,
         folder = layout.container == "folder"
         derived = default_output(spec, Path(spec).expanduser(), "resized", folder=folder)
         out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
-        early_target_check(out_path, f.inputs, opts.overwrite, not folder)
+        early_target_check(out_path, f.inputs, opts.overwrite, not folder, opts.dry_run)
         if opts.dry_run:
             report.summary.append(f"would resize the {sum(m.family in RESIZABLE for m in f.modules.values())} "
                                   f"LoRA/LoHa/LoKr modules of {spec}; ranks and errors are known after the SVDs")

@@ -5,8 +5,8 @@ With a dynamic rank (or modules skipped by --min-diff) the output's header is no
 module has been decomposed, and a writer that is header-first needs it. Holding all factors in memory
 would cost a whole LoRA (a rank-32 fp32 Flux LoRA is about 0.6 GB, rank 128 about 2.5 GB), beyond the
 bounded-memory promise. So each module's factors, once computed and cast to the save dtype, are
-appended to a scratch file beside the output (same filesystem, named like the writer's temp files so
-`ckpt batch` cleans it up after a SIGKILL); the final file is then planned from their shapes and
+appended to a scratch file beside the output (same filesystem; named and locked like the writer's temp
+outputs, `ckpt.io.publish`, so a later run removes it after a SIGKILL); the final file is then planned from their shapes and
 written header-first, each factor read back band by band like any stored tensor (`RawTensor`). The
 scratch file is removed on success, error and Ctrl-C alike.
 """
@@ -14,22 +14,29 @@ scratch file is removed on success, error and Ctrl-C alike.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
-import uuid
 from pathlib import Path
 
 import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.header import TensorInfo
+from ckpt.io.publish import missing_parents, temp_name
 from ckpt.io.tensors import FileHandles, RawTensor, Tensor
 
 
 class FactorStore:
     def __init__(self, out: Path):
-        out = Path(out)
-        self.path = out.absolute().parent / f".{out.name}.ckpt-tmp-{uuid.uuid4().hex[:8]}.factors"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        out = Path(out).absolute()
+        missing = missing_parents(out)  # -o in folders still to be made: the nearest one that exists
+        home = missing[0].parent if missing else out.parent
+        self.path = home / temp_name(out.name)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            raise CkptError(f"{out}: cannot create a scratch file in {home} ({e.strerror or e})") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # held while we live: a stale-temp sweep leaves it alone
         self.size = 0
         self.handles = FileHandles()
 
