@@ -13,7 +13,7 @@ from ckpt.errors import CkptError
 from ckpt.interrupts import load
 from ckpt.report import Report
 
-from ckpt.cli_options import (ALLOW_UNMATCHED, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT,
+from ckpt.cli_options import (ALLOW_UNMATCHED, CONVERT_OR_GGUF, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT,
                               MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QTYPE, QUIET, SHAPES_FROM)
 
 
@@ -34,8 +34,8 @@ def cli():
 @cli.command()
 @click.argument("src")
 @click.option("-o", "--output", "out", help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
-@click.option("--to", "to", type=CONVERT_TARGETS,
-              help=CONVERT_TO_HELP + " Optional with --layout (then each tensor keeps its dtype).")
+@click.option("--to", "to", type=CONVERT_OR_GGUF,
+              help=CONVERT_TO_HELP + " gguf-*: a ComfyUI-GGUF file. Optional with --layout (then each tensor keeps its dtype).")
 @click.option("--layout", type=click.Choice(["diffusers", "original"]),
               help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
                    "original layout (one file with the reference keys).")
@@ -52,8 +52,9 @@ def cli():
 @OVERWRITE
 @QUIET
 def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
-    """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8 or to
-    ComfyUI's nvfp4/mxfp8/int8, and/or rename it to its family's diffusers or original layout."""
+    """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8, to
+    ComfyUI's nvfp4/mxfp8/int8 or to a ComfyUI-GGUF file, and/or rename it to its family's diffusers or
+    original layout."""
     load("ckpt.convert")
     from ckpt.convert import ConvertOptions, convert as run
 

@@ -18,6 +18,20 @@ DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; wr
 
 # convert
 CONVERT_TARGETS = click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn", "nvfp4", "mxfp8", "int8", "int8_rowwise"])
+GGUF_TARGETS = ["gguf-q8_0", "gguf-q4_0", "gguf-q4_1", "gguf-q5_0", "gguf-q5_1", "gguf-bf16", "gguf-f16"]
+
+
+class _WithGGUF(click.Choice):
+    """CONVERT_TARGETS plus the GGUF outputs of `ckpt convert`; any other `gguf-<type>` passes through so
+    that convert refuses it in one line, naming why (K-quants: no encoder in gguf)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.startswith("gguf-"):
+            return value
+        return super().convert(value, param, ctx)
+
+
+CONVERT_OR_GGUF = _WithGGUF(list(CONVERT_TARGETS.choices) + GGUF_TARGETS)
 CONVERT_TO_HELP = ("Target dtype of floating tensors, or a ComfyUI quantized format (nvfp4, mxfp8, int8, int8_rowwise: "
                    "transformer-block Linear weights quantized, the rest kept).")
 

@@ -35,11 +35,17 @@ class ConvertOptions:
     config: str | None = None  # --config REF: the diffusers config.json for --layout diffusers
 
 
+def is_gguf_target(to: str | None) -> bool:
+    return bool(to) and to.startswith("gguf-")
+
+
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
     from ckpt.convert.comfy_quant_out import TARGETS as QUANT_TARGETS
 
     if opts.to is None and opts.layout is None:
         raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
+    if is_gguf_target(opts.to):
+        return _plan_gguf(ckpt, opts, report)
     if opts.to is not None and opts.to not in TARGETS and opts.to not in QUANT_TARGETS:
         raise CkptError(f"--to {opts.to}: unknown target (choose {', '.join([*TARGETS, *QUANT_TARGETS])})")
     if opts.config and opts.layout != "diffusers":
@@ -85,13 +91,53 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
     return plan, views
 
 
+def _plan_gguf(ckpt, opts: ConvertOptions, report: Report):
+    from ckpt.convert.gguf_out import ggml_type_of, plan_gguf
+
+    ggml_type_of(opts.to)  # refuses K-quants and unknown types before anything else
+    for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
+                        ("--max-shard-size", opts.max_shard_size), ("--config", opts.config)):
+        if given:
+            raise CkptError(f"{flag} does not apply to --to {opts.to} (GGUF types follow ComfyUI-GGUF's rules)")
+    if opts.layout is not None:
+        raise CkptError(f"--layout with --to {opts.to}: convert the layout first (ComfyUI-GGUF files hold the "
+                        "original layout)")
+    views = [logical_view(c) for c in ckpt.components]
+    plan = plan_gguf(ckpt, views, opts.to, report)
+    plan.notes += decoded_notes(ckpt, views)
+    return plan, views
+
+
+def _output_format(opts: ConvertOptions, out) -> str:
+    """safetensors / torch from --format and -o; GGUF only from --to gguf-*, never from a suffix alone."""
+    suffix = Path(out).suffix if out else ""
+    if is_gguf_target(opts.to):
+        if opts.format is not None:
+            raise CkptError(f"--format does not apply to --to {opts.to} (it writes a .gguf file)")
+        if suffix not in ("", ".gguf") and not Path(out).is_dir():
+            raise CkptError(f"-o {out}: --to {opts.to} writes a GGUF file; name it .gguf")
+        return "gguf"
+    if suffix == ".gguf":
+        raise CkptError(f"-o {out}: GGUF is written by --to gguf-q8_0|gguf-q4_0|...|gguf-bf16|gguf-f16, "
+                        f"not --to {opts.to}")
+    return output_format(opts.format, out)
+
+
 def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None) -> tuple[Path, Report]:
     """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written)."""
     report = report or Report()
     device = resolve_device(opts.device)
-    fmt = output_format(opts.format, out)
+    fmt = _output_format(opts, out)
     with open_checkpoint(src) as ckpt:
         plan, _ = plan_convert(ckpt, opts, report, fmt)
+        if fmt == "gguf":
+            from ckpt.convert.gguf_out import default_suffix
+
+            derived = default_output(src, ckpt.path, default_suffix(opts.to), folder=False, ext=".gguf")
+            out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report,
+                             desc=f"convert -> {default_suffix(opts.to)}", device=device, overwrite=opts.overwrite,
+                             dry_run=opts.dry_run, quiet=opts.quiet)
+            return out_path, report
         suffix = "-".join(x for x in (opts.layout, opts.to) if x) + ("-scaled" if opts.scaled else "")
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=file_ext(fmt))
         shown = short_name(TARGETS[opts.to]) if opts.to in TARGETS else opts.to

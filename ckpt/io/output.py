@@ -144,6 +144,10 @@ def _open_writer(path: Path, f, fd: int):
     """The writer of the file's format; both take the whole plan up front and then bands in order.
     `fd` is the new file, already created by the staging; the writer owns it."""
     entries = [t.entry for t in f.tensors]
+    if f.format == "gguf":
+        from ckpt.io.gguf_writer import GGUFFileWriter
+
+        return GGUFFileWriter(path, entries, f.fields)
     if f.format == "torch":
         from ckpt.io.torchzip import TorchZipWriter
 

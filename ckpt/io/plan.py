@@ -26,13 +26,15 @@ class OutTensor:
     shape: tuple[int, ...]
     source: Tensor
     cast: Callable[[torch.Tensor, object], torch.Tensor]
+    gguf_type: int | None = None  # GGUF block type: `cast` makes uint8 blocks (ckpt.quant.gguf.encode)
 
     @property
     def entry(self) -> Entry:
-        return Entry(self.name, self.dtype, self.shape)
+        return Entry(self.name, self.dtype, self.shape, self.gguf_type)
 
 
 FORMATS = ("safetensors", "torch")  # torch: the zip `torch.save` writes (ckpt.io.torchzip)
+# gguf (ckpt.io.gguf_writer) is chosen by `convert --to gguf-*`, not by --format.
 
 
 @dataclass
@@ -44,10 +46,15 @@ class OutFile:
     # torch.save names the zip's top folder after the file's stem; set from the final name
     # (`name_single_file`) when the output is one file.
     archive: str = "archive"
+    fields: list = field(default_factory=list)  # gguf only: typed key-values (ckpt.io.gguf_writer.Field)
 
     @property
     def nbytes(self) -> int:
         entries = [t.entry for t in self.tensors]
+        if self.format == "gguf":
+            from ckpt.io.gguf_writer import file_size as gguf_size
+
+            return gguf_size(entries, self.fields)
         if self.format == "torch":
             from ckpt.io.torchzip import file_size as zip_size
 

@@ -23,9 +23,14 @@ class Entry:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    gguf_type: int | None = None  # GGUF only: the GGML block type the uint8 data holds (e.g. Q8_0)
 
     @property
     def nbytes(self) -> int:
+        if self.gguf_type is not None:
+            from ckpt.io.gguf import encoded_nbytes
+
+            return encoded_nbytes(self.gguf_type, self.shape)
         return nbytes(self.dtype, self.shape)
 
 

@@ -1,0 +1,127 @@
+"""Header-first GGUF writer: the whole header planned from (name, GGML type, shape) and typed metadata,
+then each tensor's blocks streamed in bands with pwrite, like the safetensors and torch-zip writers.
+
+GGUF (llama.cpp's ggml/docs/gguf.md, version 3, little-endian): magic "GGUF", u32 version, u64 tensor
+count, u64 key-value count, the key-values (u64-length string key, u32 value type, value; arrays are u32
+element type, u64 count, elements), the tensor infos (name, u32 n_dims, u64 dims innermost first, u32
+GGML type, u64 offset relative to the data section), padding to `general.alignment` (32 by default),
+then each tensor's data at its offset, every offset a multiple of the alignment. The bytes are those
+`gguf.GGUFWriter` writes for the same key-values and tensors in the same order (tests compare them),
+without holding every tensor in memory as it must.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+from ckpt.io.writer import Entry, RegionWriter, _pwrite_all
+
+ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
+VERSION = 3
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+@dataclass(frozen=True)
+class Field:
+    """One metadata key-value: `vtype` a gguf.GGUFValueType; arrays give `sub_type` and a list value."""
+
+    key: str
+    value: object
+    vtype: int
+    sub_type: int | None = None
+
+
+def string(key: str, value: str) -> Field:
+    return Field(key, value, _gguf().GGUFValueType.STRING)
+
+
+def uint32(key: str, value: int) -> Field:
+    return Field(key, int(value), _gguf().GGUFValueType.UINT32)
+
+
+def int32_array(key: str, values) -> Field:
+    V = _gguf().GGUFValueType
+    return Field(key, [int(v) for v in values], V.ARRAY, V.INT32)
+
+
+_SCALARS = {"UINT8": "<B", "INT8": "<b", "UINT16": "<H", "INT16": "<h", "UINT32": "<I", "INT32": "<i",
+            "FLOAT32": "<f", "UINT64": "<Q", "INT64": "<q", "FLOAT64": "<d", "BOOL": "<?"}
+
+
+def _pack_value(value, vtype, sub_type=None) -> bytes:
+    V = _gguf().GGUFValueType
+    vtype = V(vtype)
+    if vtype == V.STRING:
+        raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        return struct.pack("<Q", len(raw)) + raw
+    if vtype == V.ARRAY:
+        if sub_type is None or not len(value):
+            raise ValueError("a GGUF array needs an element type and at least one element")
+        return struct.pack("<IQ", int(sub_type), len(value)) + b"".join(_pack_value(v, sub_type) for v in value)
+    return struct.pack(_SCALARS[vtype.name], value)
+
+
+def ggml_type(e: Entry) -> int:
+    """The GGML type of an entry: its block type, or the plain type of its dtype."""
+    if e.gguf_type is not None:
+        return e.gguf_type
+    from ckpt.io.gguf import plain_types
+
+    for t, dtype in plain_types().items():
+        if dtype == e.dtype:
+            return int(t)
+    raise ValueError(f"{e.name}: GGUF has no type for {e.dtype}")
+
+
+def _pad(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def layout(entries: list[Entry], fields: list[Field], alignment: int = ALIGNMENT):
+    """(header bytes, name -> (absolute start, end), file size). Tensors keep the given order."""
+    head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(entries), len(fields)))
+    for f in fields:
+        head += _pack_value(f.key, _gguf().GGUFValueType.STRING) + struct.pack("<I", int(f.vtype))
+        head += _pack_value(f.value, f.vtype, f.sub_type)
+    rel, pos = {}, 0
+    for e in entries:
+        head += _pack_value(e.name, _gguf().GGUFValueType.STRING)
+        head += struct.pack("<I", len(e.shape)) + b"".join(struct.pack("<Q", d) for d in reversed(e.shape))
+        head += struct.pack("<IQ", ggml_type(e), pos)
+        rel[e.name] = (pos, pos + e.nbytes)
+        pos = _pad(pos + e.nbytes, alignment)
+    start = _pad(len(head), alignment)
+    head += bytes(start - len(head))
+    regions = {k: (start + a, start + b) for k, (a, b) in rel.items()}
+    return bytes(head), regions, start + pos
+
+
+def file_size(entries: list[Entry], fields: list[Field]) -> int:
+    return layout(entries, fields)[2]
+
+
+class GGUFFileWriter(RegionWriter):
+    def __init__(self, path, entries: list[Entry], fields: list[Field]):
+        head, regions, size = layout(entries, fields)
+        self._open(path, entries, regions)
+        try:
+            _pwrite_all(self.fd, memoryview(head), 0)
+            # Sized up front (sparse): alignment padding reads as zeros, as GGUFWriter writes it.
+            os.ftruncate(self.fd, size)
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._check_full()
+            os.fsync(self.fd)
+        finally:
+            self.abort()
