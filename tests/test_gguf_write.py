@@ -240,7 +240,7 @@ def test_refusals(tmp_path, run_ckpt):
         (("flux.safetensors", "--to", "bf16", "-o", "x.gguf"), "GGUF is written by --to gguf-"),
         (("flux.safetensors", "--to", "gguf-q8_0", "--keep", "*norm*"), "--keep does not apply"),
         (("flux.safetensors", "--to", "gguf-q8_0", "--format", "torch"), "--format does not apply"),
-        (("diffusers.safetensors", "--to", "gguf-q8_0"), "diffusers layout of a flux model"),
+        (("diffusers.safetensors", "--to", "gguf-q8_0"), "ComfyUI-GGUF loads the original layout: run `ckpt convert SRC --layout original` first"),
         (("other.safetensors", "--to", "gguf-q8_0"), "not a diffusion model ComfyUI-GGUF knows"),
     ]
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -5,25 +5,27 @@ patched llama.cpp `llama-quantize` quantizes it. ckpt writes the final file in o
 choosing each tensor's type as those two steps would:
 
 1. convert.py: the model's own names (a `model.diffusion_model.` / `model.` prefix stripped, `net.`
-   when every key has it), `general.architecture` from its key detection (flux, sd3, aura, hidream,
-   cosmos, qwen_image, ltxv, hyvid, wan, sdxl, sd1, lumina2), `general.quantization_version`,
-   `general.file_type`. Unquantized tensors are BF16 for a BF16 model, else F16 (`--to gguf-f16` /
-   `gguf-bf16` choose); 1-D tensors, tensors of at most 1024 values and each family's `keys_hiprec`
-   stay F32 (ckpt applies this to F16 sources too: F16 -> F32 is exact, and norms and biases read
-   back the same); tensors of more than 4 dims (Wan / HunyuanVideo patch embeddings) are F32, as its
-   fix_5d_tensors.py adds them. SD1/SDXL tensors whose last dim is not a multiple of 256 are stored as
-   rows of 256 with `comfy.gguf.orig_shape.<name>`.
+   when every key has it), `general.architecture`, `general.quantization_version`, `general.file_type`.
+   Unquantized tensors are BF16 for a BF16 model, else F16 (`--to gguf-f16` / `gguf-bf16` choose);
+   1-D tensors, tensors of at most 1024 values and the family's F32 list (`keys_hiprec`) stay F32 (ckpt
+   applies this to F16 sources too: F16 -> F32 is exact); tensors of more than 4 dims (Wan /
+   HunyuanVideo patch embeddings) are F32, as its fix_5d_tensors.py adds them. SD1/SDXL tensors whose
+   last dim is not a multiple of 256 are stored as rows of 256 with `comfy.gguf.orig_shape.<name>`.
 2. llama-quantize with ComfyUI-GGUF's lcpp.patch: a tensor is quantized when its name ends in `weight`,
-   it has exactly 2 dims (leading 1s not counted, as ggml counts), and the family's rule does not keep
-   it (input/output layers: for Flux `img_in.`, `txt_in.`, `time_in.`, `vector_in.`, `guidance_in.`,
-   `final_layer.`, ...). A row whose length is not a multiple of the block size (32) stays in the
-   unquantized type, as llama.cpp falls back.
+   it has exactly 2 dims (leading 1s not counted, as ggml counts), and the family does not keep it
+   (its input and output layers). A row whose length is not a multiple of the block size (32) stays in
+   the unquantized type, as llama.cpp falls back.
+
+Where the rules live: each family module's `gguf=GGUFStorage(arch, f32, reshape)` and its
+`high_precision[ORIGINAL]` (the layers kept unquantized; the comfy_quant writer reads the same list) in
+`ckpt/families/`; families ComfyUI-GGUF writes that have no module yet (AuraFlow, HiDream, Cosmos,
+Qwen-Image, LTX-Video, HunyuanVideo, Lumina 2 / Z-Image) are in `PENDING` below with ComfyUI-GGUF's own
+detection keys, until their modules carry the two fields. Rules from ComfyUI-GGUF's auto_convert branch
+(Nov 2025).
 
 Values are quantized from their fp32 values by `gguf.quants.quantize` (ComfyUI-GGUF's route first rounds
 F32 sources to F16; for BF16 and F16 sources the result is the same), band by band (blocks never cross
 a row). K-quants and IQ-quants have no encoder in gguf's Python package: refused by name.
-
-The per-family rules below are ComfyUI-GGUF's (auto_convert branch, Nov 2025), kept in this one table.
 """
 
 from __future__ import annotations
@@ -51,67 +53,65 @@ MAX_DIMS = 4
 
 
 @dataclass(frozen=True)
-class Family:
+class Rules:
+    """ComfyUI-GGUF's rules for one model: regexes on names (model prefix stripped)."""
+
     arch: str  # general.architecture
-    detect: tuple[tuple[str, ...], ...]  # any one key set fully present
-    banned: tuple[str, ...] = ()  # keys of a layout ComfyUI-GGUF refuses (the diffusers layout)
-    f32: tuple[str, ...] = ()  # name substrings kept F32 (convert.py keys_hiprec)
-    keep: tuple[str, ...] = ()  # name substrings llama-quantize leaves unquantized ("=name": exact name)
+    f32: tuple[str, ...] = ()  # kept F32 (its convert.py keys_hiprec)
+    keep: tuple[str, ...] = ()  # left unquantized: the input and output layers (its lcpp.patch)
     reshape: bool = False  # SD1/SDXL: rows of 256 + comfy.gguf.orig_shape
-    ignore: tuple[str, ...] = ()  # name substrings left out (convert.py keys_ignore)
+    ignore: tuple[str, ...] = ()  # left out (its convert.py keys_ignore)
+    where: str = ""  # where the rule is written, for the plan's note
 
 
-_FLUX_KEEP = ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.")
-FAMILIES = [
-    Family("flux", (("single_transformer_blocks.0.attn.norm_k.weight",), ("double_blocks.0.img_attn.proj.weight",)),
-           banned=("single_transformer_blocks.0.attn.norm_k.weight",),
-           keep=_FLUX_KEEP + ("single_stream_modulation.", "double_stream_modulation_")),  # (Flux.2)
-    Family("sd3", (("transformer_blocks.0.ff_context.net.0.proj.weight",), ("joint_blocks.0.x_block.attn.qkv.weight",)),
-           banned=("transformer_blocks.0.ff_context.net.0.proj.weight",),
-           keep=("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.",
-                 "x_embedder.", "=proj_out.weight", "=pos_embed")),
-    Family("aura", (("double_layers.3.modX.1.weight",),
-                    ("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
-           banned=("joint_transformer_blocks.3.ff_context.out_projection.weight",),
-           keep=("t_embedder.", "init_x_linear.", "=modF.1.weight", "=cond_seq_linear.weight", "=final_linear.weight",
-                 "=positional_encoding", "=register_tokens")),
-    Family("hidream", (("caption_projection.0.linear.weight", "double_stream_blocks.0.block.ff_i.shared_experts.w3.weight"),),
-           f32=(".ff_i.gate.weight", "img_emb.emb_pos"),
-           keep=("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight", "caption_projection.")),
-    Family("cosmos", (("blocks.0.mlp.layer1.weight", "blocks.0.adaln_modulation_cross_attn.1.weight"),),
-           f32=("pos_embedder",), ignore=("_extra_state", "accum_"),
-           keep=("p_embedder.", "t_embedder.", "t_embedding_norm.", "x_embedder.", "pos_embedder.", "final_layer.")),
-    Family("qwen_image", (("time_text_embed.timestep_embedder.linear_2.weight", "transformer_blocks.0.attn.norm_added_q.weight",
-                           "transformer_blocks.0.img_mlp.net.0.proj.weight"),),
-           keep=("img_in.", "txt_in.", "time_text_embed.", "proj_out.", "norm_out.")),
-    Family("ltxv", (("adaln_single.emb.timestep_embedder.linear_2.weight", "transformer_blocks.27.scale_shift_table",
-                     "caption_projection.linear_2.weight"),),
-           f32=("scale_shift_table",),
-           keep=("adaln_single.", "caption_projection.", "patchify_proj.", "proj_out.", "scale_shift_table")),
-    Family("hyvid", (("double_blocks.0.img_attn_proj.weight", "txt_in.individual_token_refiner.blocks.1.self_attn_qkv.weight"),),
-           keep=_FLUX_KEEP),
-    Family("wan", (("blocks.0.self_attn.norm_q.weight", "text_embedding.2.weight", "head.modulation"),),
-           f32=(".modulation", ".encoder.padding_tokens", "trainable_cond_mask", "casual_audio_encoder.weights",
-                "casual_audio_encoder.encoder.conv"),
-           keep=("modulation.", "patch_embedding.", "text_embedding.", "time_projection.", "time_embedding.", "img_emb.",
-                 "head.", "cond_encoder.", "frame_packer.", "audio_injector.", "casual_audio_encoder.",
-                 "trainable_cond_mask.")),
-    Family("sdxl", (("down_blocks.0.downsamplers.0.conv.weight", "add_embedding.linear_1.weight"),
-                    ("input_blocks.3.0.op.weight", "input_blocks.6.0.op.weight", "output_blocks.2.2.conv.weight",
-                     "output_blocks.5.2.conv.weight"), ("label_emb.0.0.weight",)),
-           reshape=True, keep=("class_embedding.", "time_embedding.", "add_embedding.", "time_embed.", "label_emb.",
-                               "conv_in.", "conv_out.", "=input_blocks.0.0.weight", "=out.2.weight")),
-    Family("sd1", (("down_blocks.0.downsamplers.0.conv.weight",),
-                   ("input_blocks.3.0.op.weight", "input_blocks.6.0.op.weight", "input_blocks.9.0.op.weight",
-                    "output_blocks.2.1.conv.weight", "output_blocks.5.2.conv.weight", "output_blocks.8.2.conv.weight")),
-           reshape=True, keep=("class_embedding.", "time_embedding.", "add_embedding.", "time_embed.", "label_emb.",
-                               "conv_in.", "conv_out.", "=input_blocks.0.0.weight", "=out.2.weight")),
-    Family("lumina2", (("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight"),),  # Lumina 2, Z-Image
-           f32=("x_pad_token", "cap_pad_token"),
-           keep=("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.", "noise_refiner.",
-                 "x_pad_token.", "cap_pad_token.")),
+@dataclass(frozen=True)
+class Pending:
+    """A family ComfyUI-GGUF writes that has no module in ckpt/families yet: its own detection keys (any
+    one key set fully present; a `banned` key means the diffusers layout, which it refuses) and rules.
+    When the family's module lands, its `gguf=` and `high_precision` fields replace the entry here."""
+
+    detect: tuple[tuple[str, ...], ...]
+    rules: Rules
+    banned: tuple[str, ...] = ()
+
+
+def _words(*parts: str) -> tuple[str, ...]:
+    """lcpp.patch's `name.find(x)` substrings (and `=name`: exact names) as regexes."""
+    return tuple(rf"^{re.escape(p[1:])}$" if p.startswith("=") else re.escape(p) for p in parts)
+
+
+_TABLE = "ComfyUI-GGUF's table in ckpt/convert/gguf_out.py (no family module yet)"
+PENDING = [
+    Pending((("double_layers.3.modX.1.weight",), ("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
+            Rules("aura", keep=_words("t_embedder.", "init_x_linear.", "=modF.1.weight", "=cond_seq_linear.weight",
+                                      "=final_linear.weight", "=positional_encoding", "=register_tokens"), where=_TABLE),
+            banned=("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
+    Pending((("caption_projection.0.linear.weight", "double_stream_blocks.0.block.ff_i.shared_experts.w3.weight"),),
+            Rules("hidream", f32=_words(".ff_i.gate.weight", "img_emb.emb_pos"),
+                  keep=_words("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight",
+                              "caption_projection."), where=_TABLE)),
+    Pending((("blocks.0.mlp.layer1.weight", "blocks.0.adaln_modulation_cross_attn.1.weight"),),
+            Rules("cosmos", f32=_words("pos_embedder"), ignore=_words("_extra_state", "accum_"),
+                  keep=_words("p_embedder.", "t_embedder.", "t_embedding_norm.", "x_embedder.", "pos_embedder.",
+                              "final_layer."), where=_TABLE)),
+    Pending((("time_text_embed.timestep_embedder.linear_2.weight", "transformer_blocks.0.attn.norm_added_q.weight",
+              "transformer_blocks.0.img_mlp.net.0.proj.weight"),),
+            Rules("qwen_image", keep=_words("img_in.", "txt_in.", "time_text_embed.", "proj_out.", "norm_out."),
+                  where=_TABLE)),
+    Pending((("adaln_single.emb.timestep_embedder.linear_2.weight", "transformer_blocks.27.scale_shift_table",
+              "caption_projection.linear_2.weight"),),
+            Rules("ltxv", f32=_words("scale_shift_table"),
+                  keep=_words("adaln_single.", "caption_projection.", "patchify_proj.", "proj_out.", "scale_shift_table"),
+                  where=_TABLE)),
+    Pending((("double_blocks.0.img_attn_proj.weight", "txt_in.individual_token_refiner.blocks.1.self_attn_qkv.weight"),),
+            Rules("hyvid", keep=_words("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."),
+                  where=_TABLE)),
+    Pending((("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight"),),  # Lumina 2, Z-Image
+            Rules("lumina2", f32=_words("x_pad_token", "cap_pad_token"),
+                  keep=_words("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.",
+                              "noise_refiner.", "x_pad_token.", "cap_pad_token."), where=_TABLE)),
 ]
-ARCHS = ", ".join(f.arch for f in FAMILIES)
+ARCHS = "flux, sd3, wan, sd1, sdxl (ckpt/families), " + ", ".join(p.rules.arch for p in PENDING)
 
 
 def _gguf():
@@ -133,18 +133,32 @@ def ggml_type_of(target: str) -> int:
 
 
 def _matches(name: str, patterns) -> bool:
-    return any(name == p[1:] if p.startswith("=") else p in name for p in patterns)
+    return any(re.search(p, name) for p in patterns)
 
 
-def detect_family(names) -> Family:
+def rules_for(names: list[str], shapes: dict) -> Rules:
+    """The rules of the model these names (prefix stripped) are: its family module's `gguf` and
+    `high_precision` fields, else ComfyUI-GGUF's own detection for the families without a module."""
+    from ckpt import families
+
+    m = families.detect(names, shapes)
+    if m is not None and m.family.gguf is not None:
+        if m.layout == families.DIFFUSERS:
+            raise CkptError(f"this is the diffusers layout of a {m.label}; ComfyUI-GGUF loads the original layout: "
+                            "run `ckpt convert SRC --layout original` first")
+        g = m.family.gguf
+        arch = g.arch_for(m.family_id)
+        if arch is not None:
+            return Rules(arch, f32=g.f32, keep=m.family.high_precision.get(families.ORIGINAL, ()), reshape=g.reshape,
+                         where=f"the {m.family.family_id} family module (ckpt/families)")
     keys = set(names)
-    for fam in FAMILIES:
-        for group in fam.detect:
+    for p in PENDING:
+        for group in p.detect:
             if all(k in keys for k in group):
-                if any(k in keys for k in fam.banned):
-                    raise CkptError(f"this is the diffusers layout of a {fam.arch} model; ComfyUI-GGUF loads the "
-                                    "original (BFL/SAI) layout only: convert the layout first")
-                return fam
+                if any(k in keys for k in p.banned):
+                    raise CkptError(f"this is the diffusers layout of a {p.rules.arch} model; ComfyUI-GGUF loads the "
+                                    "original layout only: convert the layout first")
+                return p.rules
     raise CkptError(f"not a diffusion model ComfyUI-GGUF knows (its architectures: {ARCHS}); llama.cpp LLM GGUFs "
                     "are written by llama.cpp's convert_hf_to_gguf.py")
 
@@ -177,7 +191,7 @@ class Choice:
     why: str  # for the plan's summary
 
 
-def choose(name: str, t: Tensor, fam: Family, target: int) -> Choice:
+def choose(name: str, t: Tensor, fam: Rules, target: int) -> Choice:
     """Each tensor's GGUF type and stored shape, by ComfyUI-GGUF's two steps (module docstring)."""
     T = _gguf().GGMLQuantizationType
     shape, n = tuple(t.shape), t.numel
@@ -267,7 +281,7 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
     prefix, dropped = strip_prefix(names)
     keep = [n for n in names if n.startswith(prefix)]
     try:
-        fam = detect_family([n[len(prefix):] for n in keep])
+        fam = rules_for([n[len(prefix):] for n in keep], {n[len(prefix):]: tuple(view.tensors[n].shape) for n in keep})
     except CkptError as e:
         raise CkptError(f"{comp.where}: {e}") from None
     notes = []
@@ -319,7 +333,7 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
               string("ckpt.version", __version__),
               string("ckpt.operation", f"convert --to {target_name}")]
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
-    notes.append(f"GGUF {fam.arch}: {counts}")
+    notes.append(f"GGUF {fam.arch} (rules: {fam.where}): {counts}")
     if ckpt.copies:
         notes.append(f"{len(ckpt.copies)} other files ({', '.join(ckpt.copies[:3])}...) not copied: a GGUF is one file")
     return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)

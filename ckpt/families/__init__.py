@@ -32,7 +32,8 @@ Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY
    I2V-only modules): `spec.present()` keeps the ones the file has.
 4. LoRA facts: `kohya_layout` (which layout `lora_unet_<path>` names follow), `lora_aliases` (names in
    neither layout: XLabs, old diffusers processors), `lora_namings` (README table).
-5. `high_precision`: per layout, regexes of tensors a quantizing writer keeps in high precision.
+5. `high_precision`: per layout, regexes of tensors a quantizing writer keeps in high precision;
+   `gguf`: ComfyUI-GGUF's architecture name and F32 list for the family (`spec.GGUFStorage`).
 6. Tests: build a tiny model with the diffusers class, make the original layout from it (diffusers'
    converter in reverse where it exists, else `tests/families_util.py` `original_from_pairs` checked
    by the forward converter), and add the family to the parametrised lists in
@@ -50,10 +51,10 @@ import importlib
 import pkgutil
 import re
 
-from ckpt.families.spec import (DIFFUSERS, LAYOUTS, ORIGINAL, Alias, Family, Match, Pair, Shapes, Signature,
-                                module_of)
+from ckpt.families.spec import (DIFFUSERS, LAYOUTS, ORIGINAL, Alias, Family, GGUFStorage, Match, Pair, Shapes,
+                                Signature, module_of)
 
-__all__ = ["Alias", "Family", "Match", "Pair", "Shapes", "Signature", "ORIGINAL", "DIFFUSERS", "LAYOUTS",
+__all__ = ["Alias", "Family", "GGUFStorage", "Match", "Pair", "Shapes", "Signature", "ORIGINAL", "DIFFUSERS", "LAYOUTS",
            "all_families", "detect", "from_config", "get", "module_of", "layout_name"]
 
 _REGISTRY: dict[str, Family] | None = None

@@ -14,8 +14,8 @@ ComfyUI `single_blocks.N.linear1_qkv` for the attention rows of `linear1`.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, dim, has, present, renames, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, GGUFStorage, Pair, Shapes,
+                                Signature, at, block_indices, blocks_count, dim, has, present, renames, thirds)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -219,4 +219,5 @@ FAMILY = Family(
         ORIGINAL: (r"^(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)\.",),
         DIFFUSERS: (r"^(x_embedder|context_embedder|time_text_embed|norm_out|proj_out)\.",),
     },
+    gguf=GGUFStorage("flux"),
 )

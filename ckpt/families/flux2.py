@@ -16,7 +16,7 @@ LoRA on `to_q/k/v` on rows of `qkv`.
 from __future__ import annotations
 
 from ckpt.families.flux1 import BFL, flux2_evidence
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature, at,
                                 block_indices, blocks_count, present, thirds)
 
 BASIC = (
@@ -147,4 +147,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(x_embedder|context_embedder|time_guidance_embed|norm_out|proj_out"
                     r"|(double|single)_stream_modulation\w*)\.",),
     },
+    gguf=GGUFStorage("flux"),  # ComfyUI-GGUF names Flux.2 "flux" too (its Flux.2 filter is the modulation rule)
 )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, blocks_count,
-                                present, renames, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, GGUFStorage, Pair, Shapes, Signature, at, block_indices,
+                                blocks_count, present, renames, thirds)
 
 BASIC = (
     ("x_embedder.proj", "pos_embed.proj"),
@@ -135,4 +135,5 @@ FAMILY = Family(
         ORIGINAL: (r"^(x_embedder|t_embedder|y_embedder|context_embedder|final_layer|pos_embed)",),
         DIFFUSERS: (r"^(pos_embed|time_text_embed|context_embedder|norm_out|proj_out)",),
     },
+    gguf=GGUFStorage("sd3"),
 )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, SEP, Alias, ConventionError, Family, Pair, Shapes, Signature, at, block_indices,
-                                blocks_count, dim, has, module_of, prefixes_of)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, SEP, Alias, ConventionError, Family, GGUFStorage, Pair, Shapes,
+                                Signature, at, block_indices, blocks_count, dim, has, module_of, prefixes_of)
 
 # LDM resnet submodules -> diffusers ResnetBlock2D submodules.
 RESNET = (
@@ -270,4 +270,5 @@ FAMILY = Family(
         ORIGINAL: (r"^(input_blocks\.0\.|out\.|time_embed\.|label_emb\.)",),
         DIFFUSERS: (r"^(conv_in|conv_out|conv_norm_out|time_embedding|add_embedding|class_embedding)\.",),
     },
+    gguf=GGUFStorage({"sd1": "sd1", "sd2": "sd1", "sdxl": "sdxl", "": "sd1"}, reshape=True),  # "": keys cannot tell
 )

@@ -87,6 +87,25 @@ class Signature:
 
 
 @dataclass(frozen=True)
+class GGUFStorage:
+    """How ComfyUI-GGUF stores a family (`ckpt convert --to gguf-*`; the original layout only).
+
+    `arch`: its `general.architecture` (a dict per family id where one module answers for several:
+    sd1/sd2 -> "sd1", sdxl -> "sdxl"); `f32`: regexes of tensors its tools/convert.py keeps in F32
+    (`keys_hiprec`: parameters ComfyUI uses directly, which it cannot load from BF16); `reshape`: conv
+    weights stored as rows of 256 with `comfy.gguf.orig_shape.<name>` (SD1/SDXL). Which matrices stay
+    unquantized is the family's `high_precision` (its input and output layers), the rule ComfyUI-GGUF's
+    patched llama-quantize follows too."""
+
+    arch: str | dict[str, str]
+    f32: tuple[str, ...] = ()
+    reshape: bool = False
+
+    def arch_for(self, family_id: str | None) -> str | None:
+        return self.arch if isinstance(self.arch, str) else self.arch.get(family_id or "")
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: recognition, correspondence between its layouts, and the facts the commands
     that read it need. Declared as `FAMILY = Family(...)` in one module of `ckpt.families`.
@@ -102,6 +121,7 @@ class Family:
       `kohya_layouts`: the same per id, where the ids of one module differ (sd1/sd2 vs sdxl).
     - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
       (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
+    - `gguf`: how ComfyUI-GGUF stores the family (`GGUFStorage`), for `convert --to gguf-*`.
     - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
       diffusers-layout shapes are given; what shapes do not determine comes from the family's
       `CONVENTIONS`; raises `ConventionError` where they do not apply (then `--config REF` is needed).
@@ -120,6 +140,7 @@ class Family:
     kohya_layouts: dict[str, str] = field(default_factory=dict)  # per id, where ids of one module differ
     lora_namings: tuple[str, ...] = ()
     high_precision: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    gguf: GGUFStorage | None = None  # ComfyUI-GGUF's architecture and F32 rule for this family
     diffusers_config: Callable[[Shapes], dict] | None = None
     priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, block_indices,
-                                blocks_count, dim, has, present, renames, start)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
+                                block_indices, blocks_count, dim, has, present, renames, start)
 
 TOP = (
     ("patch_embedding", "patch_embedding"),
@@ -146,7 +146,10 @@ FAMILY = Family(
                   "SimpleTuner LyCORIS", "Wan-Fun"),
     high_precision={
         ORIGINAL: (r"^(patch_embedding|vace_patch_embedding|text_embedding|time_embedding|time_projection|head"
-                   r"|img_emb)\.", r"modulation$"),
+                   r"|img_emb|cond_encoder|frame_packer|audio_injector|casual_audio_encoder|trainable_cond_mask)\.",
+                   r"modulation$"),  # (S2V: cond_encoder ... trainable_cond_mask, as ComfyUI-GGUF keeps them)
         DIFFUSERS: (r"^(patch_embedding|vace_patch_embedding|condition_embedder|proj_out)\.", r"scale_shift_table$"),
     },
+    gguf=GGUFStorage("wan", f32=(r"\.modulation", r"\.encoder\.padding_tokens", r"trainable_cond_mask",
+                                 r"casual_audio_encoder\.(weights|encoder\.conv)")),
 )
