@@ -75,7 +75,8 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: st
     """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
     `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
     folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
-    (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache."""
+    (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache. A name
+    starting with "checkpoint" takes the suffix in front instead (`fp16-checkpoint-500/`, see `tagged`)."""
     p = Path(src).expanduser()
     if not p.exists():  # hub id: name it after the repo (and subfolder), write it here
         from ckpt.io.hub import parse_repo_spec
@@ -94,9 +95,16 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: st
         base = p
     if not base.name or base.name == "..":  # "." or "..": name it after the real folder
         base = base.resolve()
-    if folder:
-        return base.parent / f"{base.name}-{suffix}"
-    return base.parent / f"{base.name}-{suffix}{ext}"
+    name = tagged(base.name, suffix)
+    return base.parent / (name if folder else f"{name}{ext}")
+
+
+def tagged(name: str, tag: str) -> str:
+    """`name-tag`; but `tag-name` for a name starting with "checkpoint": trainers (diffusers and
+    accelerate scripts, SimpleTuner, HF Trainer) take every `checkpoint*` entry of their output folder for
+    one of their own, resume from the newest and delete the oldest, so an output must never look like one
+    (`checkpoint-4000` -> `dequant-checkpoint-4000`)."""
+    return f"{tag}-{name}" if name.lower().startswith("checkpoint") else f"{name}-{tag}"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -38,8 +38,10 @@ def no_temp_files(*roots: Path) -> bool:
     return not any(".ckpt-tmp-" in p.name for r in roots if r.exists() for p in r.rglob("*"))
 
 
-def manifest_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def manifest_lines(path: Path, started: bool = False) -> list[dict]:
+    """The manifest's result lines (and, with `started`, also the line written as each job starts)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in lines if started or r["status"] != "started"]
 
 
 # ------------------------------------------------------------------------------------------- discovery
@@ -70,6 +72,9 @@ def make_tree(root: Path) -> None:
     for name in ("optimizer.bin", "scheduler.pt"):
         torch.save({"state": {}}, ck / name)
     (ck / "random_states_0.pkl").write_bytes(b"x")
+    # a LoRA-only training checkpoint: no model subfolder, so its LoRA file is the job
+    st(root / "run" / "checkpoint-20" / "pytorch_lora_weights.safetensors")
+    torch.save({"state": {}}, root / "run" / "checkpoint-20" / "optimizer.bin")
     # an HF Trainer output: config + weights at the top and checkpoint-* runs below: each is its own job
     tr = root / "trainer_out"
     st(tr / "model.safetensors")
@@ -105,8 +110,8 @@ def test_discovery_counts_each_checkpoint_once(tmp_path):
         ("loras/a.safetensors", False),
         ("loras/b.pt", False),
         ("pipe", True),
-        ("run/checkpoint-10/pytorch_lora_weights.safetensors", False),
-        ("run/checkpoint-10/transformer", True),
+        ("run/checkpoint-10", True),  # a training checkpoint with a model subfolder: one job, as `ckpt dequant` sees it
+        ("run/checkpoint-20/pytorch_lora_weights.safetensors", False),
         ("sharded", True),
         ("trainer_out/checkpoint-5", True),
         ("trainer_out/model.safetensors", False),
@@ -116,7 +121,7 @@ def test_discovery_counts_each_checkpoint_once(tmp_path):
     assert "ckpt convert --to fp16" in why["prev-fp16.safetensors"]
     assert why["empty_model"] == "model folder without weight files"
     assert why["out"] == "the batch's output folder"
-    assert why["run/checkpoint-10/optimizer.bin"] == "training state, not weights"
+    assert why["run/checkpoint-20/optimizer.bin"] == "training state, not weights"
     # inspect reads ckpt's own outputs too
     assert "prev-fp16.safetensors" in {f.rel for f in discover(root, skip_ckpt_outputs=False).found}
 
@@ -125,11 +130,11 @@ def test_discovery_glob(tmp_path):
     root = tmp_path / "models"
     make_tree(root)
     rels = {f.rel for f in discover(root, pattern="checkpoint-*").found}
-    assert rels == {"run/checkpoint-10/pytorch_lora_weights.safetensors", "run/checkpoint-10/transformer",
+    assert rels == {"run/checkpoint-10", "run/checkpoint-20/pytorch_lora_weights.safetensors",
                     "trainer_out/checkpoint-5"}
     assert {f.rel for f in discover(root, pattern="loras/*.pt").found} == {"loras/b.pt"}
     assert {f.rel for f in discover(root, pattern="*.safetensors").found} == {
-        "loras/a.safetensors", "run/checkpoint-10/pytorch_lora_weights.safetensors", "trainer_out/model.safetensors"}
+        "loras/a.safetensors", "run/checkpoint-20/pytorch_lora_weights.safetensors", "trainer_out/model.safetensors"}
 
 
 def test_hf_cache_with_two_refs_gives_two_named_jobs(tmp_path):
@@ -385,7 +390,7 @@ def test_ctrl_c_with_parallel_workers(tmp_path):
         while time.monotonic() < deadline:
             temps = list(out.glob(".slow*.ckpt-tmp-*")) if out.exists() else []
             if len(temps) == 2 and (out / "ckpt-batch.jsonl").exists() and \
-                    (out / "ckpt-batch.jsonl").read_text().count("\n") == 1:
+                    (out / "ckpt-batch.jsonl").read_text().count('"status": "ok"') == 1:
                 break
             assert p.poll() is None, p.communicate()
             time.sleep(0.1)
@@ -423,24 +428,63 @@ def quanto_folder(folder: Path, seed: int) -> dict[str, torch.Tensor]:
             "0.bias": m[0].bias.detach(), "1.bias": m[1].bias.detach()}
 
 
-def test_batch_dequant_every_checkpoint_matches_quanto(tmp_path, run_ckpt):
+def training_checkpoint(folder: Path, seed: int, lora: bool = True) -> dict[str, torch.Tensor]:
+    """A SimpleTuner-style `checkpoint-N/`: a quanto-quantized transformer/, maybe a LoRA, trainer state."""
+    want = quanto_folder(folder / "transformer", seed)
+    if lora:
+        st(folder / "pytorch_lora_weights.safetensors", seed)
+    for name in ("optimizer.bin", "scheduler.bin"):
+        torch.save({"state": {}}, folder / name)
+    (folder / "random_states_0.pkl").write_bytes(b"rng")
+    (folder / "training_state.json").write_text('{"global_step": 100}')
+    return want
+
+
+def files_under(p: Path) -> list[str]:
+    return sorted(str(x.relative_to(p)) for x in p.rglob("*") if x.is_file())
+
+
+def test_batch_dequant_of_training_checkpoints_matches_single_dequant_and_quanto(tmp_path, run_ckpt):
     run, out = tmp_path / "run", tmp_path / "out"
-    want = {n: quanto_folder(run / n / "transformer", i) for i, n in enumerate(["checkpoint-100", "checkpoint-200"])}
-    st(run / "checkpoint-100" / "pytorch_lora_weights.safetensors")  # nothing quantized: reported, not written
+    want = {"checkpoint-100": training_checkpoint(run / "checkpoint-100", 0),
+            "checkpoint-200": training_checkpoint(run / "checkpoint-200", 1, lora=False)}
+    # a LoRA-only checkpoint: nothing quantized, reported, nothing written (not even an empty folder)
+    st(run / "checkpoint-300" / "pytorch_lora_weights.safetensors")
+    (run / "checkpoint-300" / "training_state.json").write_text("{}")
     st(run / "samples" / "other.safetensors")  # not selected by --glob
     code, stdout, err = run_ckpt("batch", "dequant", run, "--glob", "checkpoint-*", "-o", out)
     assert code == 0, err
     assert "3 ok, 0 skipped, 0 failed" in stdout
-    assert "checkpoint-100/pytorch_lora_weights.safetensors (nothing to do; nothing written)" in stdout
+    assert "checkpoint-300/pytorch_lora_weights.safetensors (nothing to do; nothing written)" in stdout
     for name, tensors in want.items():
         got = load_file(out / name / "transformer" / "diffusion_pytorch_model.safetensors")
         assert set(got) == set(tensors)
         for k, v in tensors.items():
             assert got[k].dtype == v.dtype and torch.equal(bits(got[k]), bits(v)), (name, k)
-        assert not (out / name / "transformer" / "quanto_qmap.json").exists()
-    assert not (out / "checkpoint-100" / "pytorch_lora_weights.safetensors").exists() and not (out / "samples").exists()
+    # the whole checkpoint is one job: its LoRA travels with transformer/, trainer state never does
+    assert files_under(out / "checkpoint-100") == [
+        "pytorch_lora_weights.safetensors", "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]
+    assert not (out / "checkpoint-300").exists() and not (out / "samples").exists()
+
+    # the single command on one checkpoint writes the same files, byte for byte, under a name no trainer
+    # takes for one of its checkpoints
+    code, stdout, err = run_ckpt("dequant", run / "checkpoint-100")
+    assert code == 0, err
+    single = run / "dequant-checkpoint-100"
+    assert files_under(single) == files_under(out / "checkpoint-100")
+    for rel in files_under(single):
+        assert (single / rel).read_bytes() == (out / "checkpoint-100" / rel).read_bytes(), rel
+    for state in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "training_state.json"):
+        assert f"{state}: training state, not copied" in err
+
     code, stdout, _ = run_ckpt("batch", "dequant", run, "--glob", "checkpoint-*", "-o", out)
     assert code == 0 and "0 ok, 3 skipped, 0 failed" in stdout
+    # without -o each output goes beside its checkpoint, under the single command's name
+    code, stdout, err = run_ckpt("batch", "dequant", run, "--glob", "checkpoint-2*", "-q")
+    assert code == 0, err
+    assert (run / "dequant-checkpoint-200" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-100", "checkpoint-200", "checkpoint-300"]
 
 
 def peft_lora(path: Path, seed: int) -> dict[str, torch.Tensor]:

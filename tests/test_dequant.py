@@ -270,11 +270,11 @@ def test_diffusers_quantoconfig_training_checkpoint(tmp_path, run_ckpt, flux_pla
     assert len(list((ck / "transformer").glob("*.safetensors"))) > 1
     code, out, err = run_ckpt("dequant", ck, "-q")
     assert code == 0, err
-    dst = tmp_path / "checkpoint-4000-dequant"
+    dst = tmp_path / "dequant-checkpoint-4000"  # never `checkpoint-*`: trainers would resume from it or delete it
     sd = _check_flux(q, dst / "transformer")
     index = json.loads(next((dst / "transformer").glob("*.index.json")).read_text())
     assert set(index["weight_map"]) == set(sd)
-    assert (dst / "training_state.json").is_file()  # sidecars travel; trainer pickles follow ckpt.io's policy
+    assert not (dst / "training_state.json").exists() and not (dst / "optimizer.bin").exists()  # a model, not a run
 
 
 def test_optimum_quanto_save_folder_uses_config_model_class(tmp_path, run_ckpt, flux_plain):

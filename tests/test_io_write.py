@@ -395,9 +395,14 @@ def test_training_state_is_not_copied(tmp_path, run_ckpt):
     (src / "config.json").write_text(json.dumps({"architectures": ["X"], "torch_dtype": "float32"}))
     torch.save({"state": {}}, src / "optimizer.pt")
     torch.save(torch.get_rng_state(), src / "rng_state.pth")
+    (src / "trainer_state.json").write_text('{"global_step": 10}')  # HF Trainer; accelerate and SimpleTuner:
+    (src / "random_states_0.pkl").write_bytes(b"rng")
+    (src / "training_state.json").write_text('{"global_step": 10}')
+    (src / "scheduler_config.json").write_text("{}")  # a model's sidecar, not trainer state: copied
     code, out, err = run_ckpt("convert", src, "--to", "fp16")
     assert code == 0, err
-    dst = tmp_path / "checkpoint-10-fp16"
-    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
-    assert "optimizer.pt: training state, not copied" in err and "rng_state.pth" in err
+    dst = tmp_path / "fp16-checkpoint-10"  # a name no trainer takes for one of its checkpoints
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors", "scheduler_config.json"]
+    for name in ("optimizer.pt", "rng_state.pth", "trainer_state.json", "random_states_0.pkl", "training_state.json"):
+        assert f"{name}: training state, not copied" in err
     assert torch.equal(load_file(dst / "model.safetensors")["w"], load_file(src / "model.safetensors")["w"].half())

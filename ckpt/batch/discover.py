@@ -5,6 +5,10 @@ Rules (the README lists them for users):
   model, with everything below it: shards of one model are one job. Exception: a training output folder
   (config.json and its own unsharded weights, plus `checkpoint-*`-style subfolders that are models of
   their own) is searched like a plain folder, so each run inside it is its own job.
+- A training checkpoint folder (named `checkpoint-N`/`checkpoint_N`, or holding trainer state such as
+  `optimizer.bin`, `random_states_0.pkl`, `training_state.json`) that has model subfolders is one job,
+  like the single command on that folder: `transformer/`, a LoRA file beside it and so on are written
+  together (trainer state is never copied), so batch and single outputs have the same layout.
 - Any other `*.safetensors`, `*.ckpt`, `*.pt`, `*.pth`, `*.bin` file is one job; optimizer, scheduler,
   scaler and RNG-state pickles are not weights.
 - A Hugging Face cache repo (`models--org--name`) contributes the snapshots its refs point at, named
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import NOT_WEIGHTS, PICKLES, SAFETENSORS
+from ckpt.io.checkpoint import NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
 
 WEIGHT_SUFFIXES = SAFETENSORS + PICKLES
 INDEX = re.compile(r"\.(safetensors|bin|pt|pth)\.index\.json$")
@@ -79,6 +83,16 @@ def _markers(files: list[Path]) -> set[str]:
 def _is_model_folder(d: Path) -> bool:
     files, _ = _entries(d)
     return bool(_markers(files))
+
+
+TRAINING_CHECKPOINT = re.compile(r"checkpoint[-_]\d+", re.IGNORECASE)
+
+
+def _is_training_checkpoint(d: Path, files: list[Path], dirs: list[Path]) -> bool:
+    """A trainer's `checkpoint-N` folder (by name, or by the trainer state in it) with model subfolders."""
+    if not (TRAINING_CHECKPOINT.fullmatch(d.name) or any(is_training_state(f) for f in files)):
+        return False
+    return any(_is_model_folder(s) and has_weights(s) for s in dirs)
 
 
 def has_weights(d: Path) -> bool:
@@ -175,6 +189,9 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
                 visit(snap, f"{parent}/{name}" if parent else name)
             return
         marks = _markers(files)
+        if not marks and _is_training_checkpoint(d, files, dirs):
+            add(d, rel or d.resolve().name, True)
+            return
         if marks:
             container = ("model_index.json" not in marks and "index" not in marks
                          and any(_is_model_folder(s) for s in dirs))
@@ -214,7 +231,10 @@ def fingerprint(path: Path) -> tuple[int, int]:
         for n in filenames:
             if n.startswith("."):
                 continue
-            st = (Path(dirpath) / n).stat()
+            try:
+                st = (Path(dirpath) / n).stat()
+            except OSError:  # a dangling link or an unreadable entry: not part of what is read
+                continue
             size += st.st_size
             mtime = max(mtime, st.st_mtime_ns)
     return size, mtime

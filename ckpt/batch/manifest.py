@@ -7,7 +7,11 @@ on the file, so two batches cannot write the same output folder at once.
 
 Fields: input (absolute path), size and mtime_ns (the input's fingerprint when it was processed),
 operation (the op and its options, e.g. "convert --to fp16"), output (absolute path or null), status
-("ok" | "failed"), error (one line or null), seconds, finished (UTC time).
+("ok" | "failed" | "started"), error (one line or null), seconds, finished (UTC time), started_ns.
+
+A "started" line is written just before a job runs (with `started_ns`, the wall clock in ns): when the
+batch is killed after the job's output was published but before its "ok" line, the next run finds the
+output there, made by ckpt for this operation after that moment, and records it as done.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Record:
     error: str | None = None
     seconds: float = 0.0
     finished: str = ""
+    started_ns: int | None = None
 
 
 class Manifest:
@@ -85,9 +90,13 @@ class Manifest:
     def append(self, rec: Record) -> None:
         rec.finished = rec.finished or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.records[(rec.input, rec.operation)] = rec
-        self._fh.write(json.dumps(asdict(rec), sort_keys=True) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        fields = {k: v for k, v in asdict(rec).items() if v is not None or k != "started_ns"}
+        try:
+            self._fh.write(json.dumps(fields, sort_keys=True) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as e:
+            raise CkptError(f"{self.path}: cannot write the batch manifest ({e.strerror or e})") from None
 
     def close(self) -> None:
         if self._fh is not None:

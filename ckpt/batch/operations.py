@@ -97,6 +97,16 @@ class Operation:
     def estimate(self, item: Found) -> int:
         return header_estimate(item.path)
 
+    def owns(self, provenance: str | None) -> bool:
+        """Whether an output whose `ckpt_operation` metadata reads `provenance` is what this operation
+        writes (resume recognises a killed run's finished outputs by it)."""
+        return provenance is not None and provenance == self.provenance
+
+    @property
+    def provenance(self) -> str:
+        """The `ckpt_operation` its outputs carry."""
+        return self.name
+
     def run(self, src: Path, out: Path | None, overwrite: bool) -> tuple[Path | None, Report, dict | None]:
         """(output path, report, a summary row for read-only operations)."""
         raise NotImplementedError
@@ -132,6 +142,10 @@ class ConvertOp(Operation):
     @property
     def suffix(self) -> str:
         return self.params["to"] + ("-scaled" if self.params.get("scaled") else "")
+
+    @property
+    def provenance(self) -> str:
+        return f"convert --to {self.params['to']}" + (" --scaled" if self.params.get("scaled") else "")
 
     def output_is_folder(self, item: Found) -> bool:
         return item.is_folder or bool(self.params.get("max_shard_size"))
@@ -184,6 +198,10 @@ class DequantOp(Operation):
         p = self.params
         return ("dequant" + _flag("--to", p.get("to")) + _flag("--shapes-from", p.get("shapes_from"))
                 + _flag("--qtype", p.get("qtype")) + _flag("--max-shard-size", p.get("max_shard_size")))
+
+    @property
+    def provenance(self) -> str:
+        return "dequant" + (f" --to {self.params['to']}" if self.params.get("to") else "")
 
     def output_is_folder(self, item: Found) -> bool:
         return item.is_folder or bool(self.params.get("max_shard_size"))
@@ -250,6 +268,15 @@ class MergeLoraOp(Operation):
                 + _flag("--ratio", p.get("ratios")) + _flag("--to", p.get("to"))
                 + _flag("--allow-unmatched", p.get("allow_unmatched")))
 
+    def owns(self, provenance: str | None) -> bool:
+        """merge-lora records the LoRA file names and ratios: `merge-lora NAME@R [--to X]`."""
+        role, path = self.fixed
+        ratio = (self.params.get("ratios") or [1.0])[0]
+        to = f" --to {self.params['to']}" if self.params.get("to") else ""
+        if provenance is None or not provenance.startswith("merge-lora ") or not provenance.endswith(f"@{ratio:g}{to}"):
+            return False
+        return role == "base" or f" {path.name}@" in provenance
+
     @property
     def title(self) -> str:
         role, path = self.fixed
@@ -266,6 +293,8 @@ class MergeLoraOp(Operation):
         base_stem = base.name if base.is_dir() else base.stem
         lora_stem = item.path.name if item.is_folder else item.path.stem
         name = f"{base_stem}+{lora_stem}"
+        if name.lower().startswith("checkpoint"):  # never a name a trainer takes for its own (ckpt.run.tagged)
+            name = f"merged-{name}"
         return name if self.output_is_folder(item) else f"{name}.safetensors"
 
     def default_output(self, item: Found) -> Path:

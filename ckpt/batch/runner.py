@@ -1,8 +1,8 @@
 """Running one operation over every checkpoint of a folder: plan the jobs, run them, summarise.
 
-Jobs run one at a time in this process (`--jobs 1`), or in N worker processes (`python -m
-ckpt.batch.worker`, one fresh process per job so its memory is returned when it ends). Each job goes
-through the operation's Python API, whose writer is atomic: a failing or interrupted job leaves no
+Jobs run one at a time in this process (`--jobs 1`), or in N long-lived worker processes
+(`ckpt.batch.worker`, which import only the package this process runs, never one from the cwd). Each
+job goes through the operation's Python API, whose writer is atomic: a failing or interrupted job leaves no
 partial output, and every finished one is recorded in the manifest at once, so Ctrl-C keeps all
 finished work and a second run resumes.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -21,10 +22,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.batch.discover import Found, discover, fingerprint
+from ckpt.batch.discover import Found, discover, fingerprint, made_by_ckpt
 from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, Record
 from ckpt.batch.operations import Operation
+from ckpt.batch.worker import command as worker_command
 from ckpt.errors import CkptError
+from ckpt.io.publish import remove_stale_temps, temp_name
+
+
+CLOCK_SLACK_NS = 2_000_000_000  # filesystems with coarse timestamps may date a file before its job began
 
 
 class BatchFailed(CkptError):
@@ -53,6 +59,7 @@ class Outcome:
     messages: list[str] = field(default_factory=list)
     row: dict | None = None
     output: str | None = None  # what was written (None: failed, or nothing to do)
+    recognised: bool = False  # finished in a killed run, recognised now: recorded when this run starts
 
 
 @dataclass
@@ -119,6 +126,15 @@ def _outputs(op: Operation, items: list[Found], outdir: Path | None) -> dict[Fou
             for item in group:
                 if item is not keep:
                     outs[item] = _disambiguate(outs[item], item)
+    # Disambiguated once; a name still shared (a.pt -> a-pt.safetensors beside an input a-pt.safetensors)
+    # is refused before anything runs: one output can never silently hold another input's tensors.
+    taken: dict[str, Found] = {}
+    for item in sorted(outs, key=lambda i: i.rel):
+        key = str(outs[item].resolve())
+        if key in taken:
+            raise CkptError(f"batch: {taken[key].rel} and {item.rel} would both write {outs[item]}; rename one "
+                            "of them, or run them apart with --glob")
+        taken[key] = item
     return outs
 
 
@@ -160,15 +176,35 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
                 job.reason = "done in an earlier run"
                 done.append(Outcome(job, "skipped"))
                 continue
-            if rec.status != "ok":
+            if rec.status == "started" and same and ours and _finished_by(op, out, rec):
+                job.reason = "done in an earlier run that was stopped before recording it"
+                done.append(Outcome(job, "skipped", output=str(out.resolve()), recognised=True))
+                continue
+            if rec.status == "started":
+                job.reason = "retry: interrupted in an earlier run"
+                # an output at this path with ckpt's provenance for this operation is this job's own
+                ours = ours and out.exists() and op.owns(made_by_ckpt(out))
+            elif rec.status != "ok":
                 job.reason = "retry: failed in an earlier run"
             elif not same:
                 job.reason = "redo: the input changed since the earlier run"
             else:
                 job.reason = "redo: the earlier output is gone"
             job.overwrite = overwrite or (ours and out.exists())
+        if out is not None and job.reason == "new" and (out.exists() or out.is_symlink()):
+            job.reason = f"new; {out} would be overwritten" if overwrite else f"new; {out} exists: needs --overwrite"
         jobs.append(job)
     return jobs, done, ignored
+
+
+def _finished_by(op: Operation, out: Path, rec: Record) -> bool:
+    """Whether OUT is what the job recorded as started finished writing before the run was killed: it
+    carries ckpt's provenance for this operation and was written after the job started. (The record
+    also names this input with its size and mtime, checked by the caller.)"""
+    if not out.exists() or not op.owns(made_by_ckpt(out)):
+        return False
+    _, newest = fingerprint(out)
+    return rec.started_ns is not None and newest >= rec.started_ns - CLOCK_SLACK_NS
 
 
 def check_memory(op: Operation, jobs: list[Job], n: int) -> str | None:
@@ -203,9 +239,7 @@ def _one_line(e: BaseException) -> str:
 def run_job(op: Operation, src: Path, out: Path | None, overwrite: bool) -> dict:
     """One job through the operation's API; never raises except KeyboardInterrupt."""
     t0 = time.monotonic()
-    try:
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the writer creates OUT's missing parent folders, and removes them if the job fails
         path, report, row = op.run(src, out, overwrite)
         msgs = [f"note: {n}" if not n.startswith("warning:") else n for n in report.notes] + report.warnings()
         return {"status": "ok", "output": str(path) if path else None, "error": None,
@@ -213,6 +247,32 @@ def run_job(op: Operation, src: Path, out: Path | None, overwrite: bool) -> dict
     except Exception as e:  # isolate the failure: the other checkpoints go on
         return {"status": "failed", "output": None, "error": _one_line(e), "seconds": time.monotonic() - t0,
                 "messages": [], "row": None}
+
+
+SCRATCH_PREFIX = "ckpt-batch-"  # the workers' stderr files: TMPDIR/ckpt-batch-PID-XXXXXXXX/
+
+
+def remove_stale_scratch() -> None:
+    """Scratch folders of batches whose process is gone (killed: its `close()` never ran)."""
+    base = Path(tempfile.gettempdir())
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = re.fullmatch(rf"{SCRATCH_PREFIX}(\d+)-\w+", p.name)
+        if m and p.is_dir() and not p.is_symlink() and not _alive(int(m[1])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 class _Workers:
@@ -225,7 +285,7 @@ class _Workers:
 
     def __init__(self, op: Operation, n: int):
         self.op, self.n = op, n
-        self.tmp = Path(tempfile.mkdtemp(prefix="ckpt-batch-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         self.idle: list[subprocess.Popen] = []
         self.busy: dict[subprocess.Popen, Job] = {}
         self.errs: dict[subprocess.Popen, Path] = {}
@@ -240,8 +300,8 @@ class _Workers:
     def _spawn(self) -> subprocess.Popen:
         ef = self.tmp / f"worker-{len(self.errs)}.stderr"
         with open(ef, "wb") as err:
-            p = subprocess.Popen([sys.executable, "-m", "ckpt.batch.worker"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+            p = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                 text=True, bufsize=1)
         self.errs[p] = ef
         return p
 
@@ -298,8 +358,7 @@ class _Workers:
                 p.wait()
         for job in self.busy.values():
             if job.output is not None:
-                for t in job.output.parent.glob(f".{job.output.name}.ckpt-tmp-*"):
-                    shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
+                remove_stale_temps(job.output)
         self.busy.clear()
         self.idle.clear()
 
@@ -350,9 +409,22 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
         return result
 
     if manifest is not None:
-        if out_root is not None:
-            out_root.mkdir(parents=True, exist_ok=True)
-        manifest.open_for_append()
+        try:
+            if out_root is not None:
+                out_root.mkdir(parents=True, exist_ok=True)
+            manifest.open_for_append()
+        except OSError as e:
+            where = "choose another -o" if out_root is not None else \
+                "pass -o OUTDIR to write the outputs and the manifest there"
+            raise CkptError(f"{manifest.path}: cannot write the batch manifest ({e.strerror or e}); {where}") from None
+        for o in done:  # finished in a killed run: recorded now, so the next run needs no second look
+            if o.recognised:
+                manifest.append(Record(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
+                                       o.output, "ok"))
+    remove_stale_scratch()
+    for job in [*todo, *(o.job for o in done)]:
+        if job.output is not None:
+            remove_stale_temps(job.output)
     bar = tqdm(total=sum(j.size for j in todo), desc=f"batch {op.name}", unit="B", unit_scale=True,
                unit_divisor=1024, file=sys.stderr, disable=quiet or None, leave=False, dynamic_ncols=True)
 
@@ -372,17 +444,27 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
             for m in oc.messages:
                 bar.write(f"        {m}", file=sys.stderr)
 
+    def started(job: Job) -> None:
+        """Recorded before the job runs: if this process is killed after the job's output is published
+        but before its result is recorded, the next run recognises that output as this job's."""
+        if manifest is not None and job.output is not None:
+            manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
+                                   str(job.output.resolve()), "started", started_ns=time.time_ns()))
+
     workers = _Workers(op, jobs) if jobs > 1 and len(todo) > 1 else None
     queue = list(todo)
     try:
         if workers is None:
             for job in queue:
                 bar.set_postfix_str(job.item.rel, refresh=True)
+                started(job)
                 finish(job, run_job(op, job.item.path, job.output, job.overwrite))
         else:
             while queue or workers.running:
                 while queue and workers.free():
-                    workers.start(queue.pop(0))
+                    job = queue.pop(0)
+                    started(job)
+                    workers.start(job)
                 job, res = workers.wait_one()
                 finish(job, res)
     except KeyboardInterrupt:
@@ -448,7 +530,8 @@ def write_csv(result: BatchResult, path: Path, columns) -> None:
     import csv
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.ckpt-tmp-{os.getpid()}")
+    remove_stale_temps(path)
+    tmp = path.with_name(temp_name(path.name))
     try:
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")

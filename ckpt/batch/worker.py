@@ -1,4 +1,4 @@
-"""A batch worker process: `python -m ckpt.batch.worker`, started by `ckpt.batch.runner`.
+"""A batch worker process, started by `ckpt.batch.runner` with `command()`.
 
 Reads one JSON job per line on stdin, runs it through the operation's API, answers one JSON result per
 line on the original stdout (anything else printing to stdout is sent to stderr, so the protocol stays
@@ -13,6 +13,32 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+
+# Started as `python [-P] -c BOOT /path/to/ckpt/__init__.py`: the package is loaded from the file the
+# parent itself runs, and nothing from the current folder. (`python -m ckpt.batch.worker` would put the
+# current folder first on sys.path: a `./ckpt/` there, a common name for a checkpoint folder, would be
+# imported instead, and a planted `ckpt/batch/worker.py` would run.)
+BOOT = """
+import importlib.util, os, sys
+if sys.path and sys.path[0] in ("", ".") and not getattr(sys.flags, "safe_path", False):
+    del sys.path[0]  # `-c` puts the current folder first (Python 3.10 has no -P)
+init = sys.argv[1]
+spec = importlib.util.spec_from_file_location("ckpt", init, submodule_search_locations=[os.path.dirname(init)])
+module = importlib.util.module_from_spec(spec)
+sys.modules["ckpt"] = module
+spec.loader.exec_module(module)
+from ckpt.batch.worker import main
+sys.exit(main())
+"""
+
+
+def command() -> list[str]:
+    """The command line that starts a worker running this very ckpt package."""
+    import ckpt
+
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe, "-c", BOOT, str(Path(ckpt.__file__).resolve())]
 
 
 def _sigterm(signum, frame):

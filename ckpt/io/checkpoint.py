@@ -30,6 +30,16 @@ GGUF = ".gguf"  # llama.cpp / ComfyUI-GGUF files, one model each (ckpt.io.gguf)
 LITGPT_LORA = ".pth.lora"
 # Files that are never weights even though they end like a pickle.
 NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|training_args)[^/]*$")
+# Trainer state that is not a pickle by its suffix: accelerate's RNG states, the trainers' progress files
+# (SimpleTuner training_state.json, HF Trainer trainer_state.json, kohya train_state.json).
+TRAINER_FILES = re.compile(r"(random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|training_state[\w.-]*\.json|"
+                           r"trainer_state\.json|train_state\.json)")
+
+
+def is_training_state(p: Path) -> bool:
+    """Optimizer, scheduler, scaler, RNG and progress files a trainer saves beside the weights: never part
+    of a model, so never copied into an output (a converted checkpoint is a model, not a resumable run)."""
+    return (p.suffix in PICKLES and bool(NOT_WEIGHTS.search(p.name))) or bool(TRAINER_FILES.fullmatch(p.name))
 
 
 @dataclass
@@ -153,8 +163,8 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> list[str]:
         rel = p.relative_to(root)
         if not p.is_file() or p in used or any(part.startswith(".") for part in rel.parts):
             continue
-        if p.suffix in PICKLES and NOT_WEIGHTS.search(p.name):
-            # Trainer state (optimizer, scheduler, RNG) of a checkpoint-N folder is not part of a model.
+        if is_training_state(p):
+            # Trainer state (optimizer, scheduler, RNG, progress) of a checkpoint-N folder is not part of a model.
             (by_dir.get(p.parent) or comps[0]).notes.append(f"{rel}: training state, not copied")
             continue
         if p.parent in comp_dirs and _is_weight_like(p):
