@@ -56,8 +56,6 @@ from ckpt.io.gguf import GGUFStored
 from ckpt.io.output import bands
 from ckpt.io.tensors import PickleTensor
 
-TRAINING_STATE = re.compile(r"(^|/)(training_state[^/]*\.json|optimizer(_\d+)?\.(bin|pt)|scheduler\.(bin|pt)"
-                            r"|random_states_\d+\.pkl|trainer_state\.json)$")
 QUANTO_FIX = "0.2.5"
 QUANTO_KEYERROR = ("the resume failure \"KeyError: '...weight._data'\" comes from optimum-quanto < 0.2.5 loading a "
                    "LoRA onto a quanto-quantized base; it is fixed in optimum-quanto 0.2.5 (PR #295): "
@@ -72,7 +70,7 @@ def inspect(src: str, scan: bool = False) -> dict:
 
 def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
     comps = [summarize_component(ckpt, c, scan) for c in ckpt.components]
-    training = any(TRAINING_STATE.search(p) for p in ckpt.copies)
+    training = bool(ckpt.state)  # trainer state beside the weights (ckpt.io.checkpoint.is_training_state)
     notes: list[str] = []
     quanto = any(e.startswith("optimum-quanto") for c in comps for e in c["encodings"])
     if training:

@@ -81,6 +81,7 @@ class Checkpoint:
     components: list[Component]
     copies: list[str]  # non-weight files (relative to path) that travel with the weights
     handles: FileHandles
+    state: list[str] = field(default_factory=list)  # trainer state found beside the weights (never copied)
 
     @property
     def inputs(self) -> list[Path]:
@@ -134,14 +135,16 @@ def _open_folder(spec: str, root: Path, handles: FileHandles) -> Checkpoint:
     if not comps:
         raise file_error(root, "no weights found (no *.safetensors, *.safetensors.index.json, torch pickle or .gguf)")
     kind = "pipeline" if subs else "folder"
-    return Checkpoint(spec, root, kind, comps, _sidecars(root, comps, recursive=True), handles)
+    copies, state = _sidecars(root, comps, recursive=True)
+    return Checkpoint(spec, root, kind, comps, copies, handles, state)
 
 
 def _open_index(spec: str, index: Path, handles: FileHandles) -> Checkpoint:
     """An index file named directly: that sharded set, with the sidecars beside it."""
     folder = index.parent
     comp = _component_from_index(folder, index, handles, "")
-    return Checkpoint(spec, folder, "folder", [comp], _sidecars(folder, [comp], recursive=False), handles)
+    copies, state = _sidecars(folder, [comp], recursive=False)
+    return Checkpoint(spec, folder, "folder", [comp], copies, handles, state)
 
 
 def _is_weight_like(p: Path) -> bool:
@@ -149,8 +152,8 @@ def _is_weight_like(p: Path) -> bool:
             or bool(re.search(r"\.(safetensors|bin|pt|pth)\.index(\.\w+)?\.json$", p.name)))
 
 
-def _sidecars(root: Path, comps: list[Component], recursive: bool) -> list[str]:
-    """Non-weight files that travel with the weights (relative to `root`).
+def _sidecars(root: Path, comps: list[Component], recursive: bool) -> tuple[list[str], list[str]]:
+    """Non-weight files that travel with the weights, and trainer state that does not (relative to `root`).
 
     Weight files of a component folder that the component does not use (a `.bin` twin of a
     `.safetensors`, an `*.fp16.safetensors` variant, another index) are left out with a note rather
@@ -158,7 +161,7 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> list[str]:
     used = {f.path for c in comps for f in c.files} | {root / c.subdir / c.index_name for c in comps if c.index_name}
     comp_dirs = {root / c.subdir for c in comps}
     by_dir = {root / c.subdir: c for c in comps}
-    out = []
+    out, state = [], []
     for p in sorted(root.rglob("*") if recursive else root.iterdir()):
         rel = p.relative_to(root)
         if not p.is_file() or p in used or any(part.startswith(".") for part in rel.parts):
@@ -166,13 +169,14 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> list[str]:
         if is_training_state(p):
             # Trainer state (optimizer, scheduler, RNG, progress) of a checkpoint-N folder is not part of a model.
             (by_dir.get(p.parent) or comps[0]).notes.append(f"{rel}: training state, not copied")
+            state.append(str(rel))
             continue
         if p.parent in comp_dirs and _is_weight_like(p):
             by_dir[p.parent].notes.append(f"{rel}: not used and not copied (the weights come from "
                                           f"{', '.join(f.relpath for f in by_dir[p.parent].files[:2])})")
             continue
         out.append(str(rel))
-    return out
+    return out, state
 
 
 def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component | None:
