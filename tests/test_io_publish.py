@@ -204,6 +204,8 @@ def test_stale_temp_outputs_of_dead_runs_are_removed_and_nothing_else(tmp_path, 
             tmp_path / f".m-fp16.safetensors.ckpt-tmp-{pid}-cccccccc"]  # locked: its owner lives elsewhere
     for k in keep:
         k.write_bytes(b"x")
+    fifo = tmp_path / f".m-fp16.safetensors.ckpt-tmp-{pid}-dddddddd"  # planted: never hangs the run
+    os.mkfifo(fifo)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, sys, time
         fd = os.open({str(keep[-1])!r}, os.O_RDONLY)

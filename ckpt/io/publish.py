@@ -147,7 +147,8 @@ def _owner_gone(dir_fd: int, name: str, pid: int) -> bool:
     except OSError:  # EPERM: alive, someone else's
         return False
     try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+        # O_NONBLOCK: a FIFO planted under a temp name must not hang the run
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     except OSError:
         return False
     try:
