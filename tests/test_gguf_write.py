@@ -223,6 +223,53 @@ def wan_original_layout(model) -> dict:
     return out
 
 
+def test_gguf_rewritten_byte_for_byte(tmp_path):
+    """Every metadata value type and tensor type of a read GGUF written again by ckpt's writer
+    (`fields_from` + `stored_output`, what a format-keeping output needs) gives the same bytes."""
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.io.gguf_writer import fields_from
+    from ckpt.io.output import execute
+    from ckpt.io.plan import OutFile, Plan
+    from ckpt.quant.gguf import stored_output
+
+    V = gguf.GGUFValueType
+    src = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(src), arch="llama")
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "héllo", "", "x" * 300])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3e-8, 7.0])
+    w.add_array("tokenizer.ggml.token_type", [1, 2, 3, 4])
+    w.add_key_value("some.flags", [True, False], V.ARRAY, sub_type=V.BOOL)
+    w.add_float32("llama.rope.freq_base", 500000.0)
+    w.add_float64("x.f64", 1 / 3)
+    w.add_bool("x.bool", True)
+    w.add_uint64("x.u64", 2**40 + 3)
+    w.add_int8("x.i8", -5)
+    w.add_uint16("x.u16", 65535)
+    w.add_int64("x.i64", -(2**40))
+    w.add_string("general.name", "tiny ünïcode")
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(4, 144), dtype=np.uint8)
+    blocks[:, :4] = np.array([0x00, 0x3C, 0x00, 0x38], dtype=np.uint8)  # Q4_K d = 1.0, dmin = 0.5
+    tensors = {"a": (gguf.quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), T.Q8_0), T.Q8_0),
+               "k": (blocks, T.Q4_K), "h": (rng.standard_normal((3, 5)).astype(np.float16), None),
+               "b": (gguf.quants.quantize(rng.standard_normal((2, 7)).astype(np.float32), T.BF16), T.BF16),
+               "f": (rng.standard_normal(33).astype(np.float32), None), "i": (np.arange(6, dtype=np.int32), None),
+               "patch": (rng.standard_normal((4, 2, 1, 2, 2)).astype(np.float32), None)}
+    for n, (data, t) in tensors.items():
+        w.add_tensor(n, data, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open_checkpoint(str(src)) as ckpt:
+        f = ckpt.components[0].files[0]
+        outs = [stored_output(ckpt.components[0].tensors[n]) for n in f.names]
+        execute(Plan(True, [OutFile("", {}, outs, "gguf", fields=fields_from(f.gguf))]), tmp_path / "copy.gguf",
+                inputs=ckpt.inputs)
+    assert (tmp_path / "copy.gguf").read_bytes() == src.read_bytes()
+
+
 # ---- refusals: one line, exit 2, nothing written
 
 

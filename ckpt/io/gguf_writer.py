@@ -84,8 +84,36 @@ def _pad(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def layout(entries: list[Entry], fields: list[Field], alignment: int = ALIGNMENT):
-    """(header bytes, name -> (absolute start, end), file size). Tensors keep the given order."""
+def fields_from(header) -> list[Field]:
+    """Every metadata key-value of a GGUF read by `ckpt.io.gguf` (a `GGUFHeader`), with its exact value
+    types, in file order: what writing the same header again needs (strings kept as their bytes)."""
+    V = _gguf().GGUFValueType
+    out = []
+    for key, f in header.fields.items():
+        if key.startswith("GGUF."):  # the reader's pseudo-fields: version and counts
+            continue
+        types = [V(t) for t in f.types]
+        if types[0] == V.STRING:
+            out.append(Field(key, bytes(f.parts[-1]), V.STRING))
+        elif types[0] == V.ARRAY:
+            if len(types) != 2:
+                raise ValueError(f"metadata {key!r}: nested arrays are not supported")
+            values = ([bytes(f.parts[i]) for i in f.data] if types[1] == V.STRING
+                      else [f.parts[i].tolist()[0] for i in f.data])
+            out.append(Field(key, values, V.ARRAY, types[1]))
+        else:
+            out.append(Field(key, f.parts[-1].tolist()[0], types[0]))
+    return out
+
+
+def _alignment(fields: list[Field]) -> int:
+    return next((int(f.value) for f in fields if f.key == "general.alignment"), ALIGNMENT)
+
+
+def layout(entries: list[Entry], fields: list[Field], alignment: int | None = None):
+    """(header bytes, name -> (absolute start, end), file size). Tensors keep the given order; data is
+    aligned to `general.alignment` when the fields set it, else 32."""
+    alignment = alignment or _alignment(fields)
     head = bytearray(b"GGUF" + struct.pack("<IQQ", VERSION, len(entries), len(fields)))
     for f in fields:
         head += _pack_value(f.key, _gguf().GGUFValueType.STRING) + struct.pack("<I", int(f.vtype))

@@ -116,6 +116,17 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(q)).reshape(-1)
 
 
+def stored_output(stored: GGUFStored, name: str | None = None):
+    """A stored GGUF tensor written again unchanged: same type, shape and block bytes (for tensors an
+    operation leaves alone when writing GGUF)."""
+    from ckpt.io.plan import OutTensor
+
+    if stored.quantized:
+        return OutTensor(name or stored.name, torch.uint8, stored.stored_shape, stored, lambda x, b: x,
+                         gguf_type=stored.ggml_type)
+    return OutTensor(name or stored.name, stored.dtype, stored.stored_shape, stored, lambda x, b: x)
+
+
 def can_encode(ggml_type: int) -> bool:
     """Whether gguf's Python package can write this type (K- and IQ-quants: no)."""
     if ggml_type in plain_types():
