@@ -149,3 +149,59 @@ def flux1_converter(width: int):
     consts = tuple(width if c == 3072 and type(c) is int else c for c in code.co_consts)
     return types.FunctionType(code.replace(co_consts=consts), fn.__globals__, fn.__name__, fn.__defaults__,
                               fn.__closure__)
+
+
+def with_width(fn, width: int, constant: int = 3072):
+    """`fn` (a diffusers converter) with its hard-coded model width `constant` set to `width`, in nested
+    functions too; everything else is diffusers' own code. Tiny models cannot be 3072 wide."""
+    def patch(code):
+        consts = tuple(width if type(c) is int and c == constant else patch(c) if hasattr(c, "co_consts") else c
+                       for c in code.co_consts)
+        return code.replace(co_consts=consts)
+
+    found = []
+
+    def count(code):
+        found.extend(c for c in code.co_consts if type(c) is int and c == constant)
+        for c in code.co_consts:
+            if hasattr(c, "co_consts"):
+                count(c)
+
+    count(fn.__code__)
+    assert len(found) == 1, f"{fn.__name__}: expected one {constant}, found {len(found)}"
+    return types.FunctionType(patch(fn.__code__), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def tiny_hunyuan_video(kind: str = "t2v"):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    in_ch = {"t2v": 4, "i2v": 9}[kind]
+    return HunyuanVideoTransformer3DModel(
+        in_channels=in_ch, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        num_single_layers=2, num_refiner_layers=1, text_embed_dim=12, pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4), image_condition_type="latent_concat" if kind == "i2v" else None)
+
+
+def tiny_hunyuan_video15(meanflow: bool = False, head: int = 8):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=5, out_channels=4, num_attention_heads=2, attention_head_dim=head, num_layers=2,
+        num_refiner_layers=1, text_embed_dim=12, text_embed_2_dim=10, image_embed_dim=6,
+        rope_axes_dim=(2, 2, 4) if head == 8 else (16, 56, 56), use_meanflow=meanflow)
+
+
+def tiny_ltx_video(head: int = 8):
+    from diffusers import LTXVideoTransformer3DModel
+
+    return LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=head,
+                                      cross_attention_dim=16, num_layers=2, caption_channels=12)
+
+
+def tiny_ltx2(head: int = 8, audio_head: int = 4):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=head, cross_attention_dim=16,
+        num_layers=2, caption_channels=12, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=audio_head, audio_cross_attention_dim=8)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from families_util import (diffusers_from_pairs, flux1_converter, original_from_pairs, shapes, state_dict, tiny_clip,
-                           tiny_flux1, tiny_flux2, tiny_sd3, tiny_unet, tiny_wan, unique_values)
+                           tiny_flux1, tiny_flux2, tiny_hunyuan_video, tiny_ltx2, tiny_ltx_video, tiny_sd3, tiny_unet,
+                           tiny_wan, unique_values, with_width)
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
@@ -59,6 +60,10 @@ def _vae():
     return model, lambda sd: _sfu().convert_ldm_vae_checkpoint(sd, dict(model.config))
 
 
+def _hunyuan_video(kind):
+    return lambda: (tiny_hunyuan_video(kind), with_width(_sfu().convert_hunyuan_video_transformer_to_diffusers, 16))
+
+
 # family id, variant label, maker of (tiny model, converter original -> diffusers)
 CASES = [
     ("autoencoder_kl", "vae", _vae),
@@ -71,6 +76,10 @@ CASES = [
     ("sd1", "sd1", _unet("sd1")),
     ("sdxl", "sdxl", _unet("sdxl")),
     ("clip", "clip-bigG-like", _clip),
+    ("hunyuan_video", "hunyuan-video-t2v", _hunyuan_video("t2v")),
+    ("hunyuan_video", "hunyuan-video-i2v", _hunyuan_video("i2v")),
+    ("ltx_video", "ltx-video", lambda: (tiny_ltx_video(), _sfu().convert_ltx_transformer_checkpoint_to_diffusers)),
+    ("ltx2", "ltx2", lambda: (tiny_ltx2(), _sfu().convert_ltx2_transformer_to_diffusers)),
 ]
 
 
