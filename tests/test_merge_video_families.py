@@ -295,3 +295,35 @@ def test_high_precision_rules():
     assert ltx2.keeps_high_precision("transformer_blocks.0.scale_shift_table_a2v_ca_video", (5, 16), "original")
     assert ltx2.keeps_high_precision("av_cross_attn_video_a2v_gate.linear.weight", (16, 16), "diffusers")
     assert not ltx2.keeps_high_precision("transformer_blocks.0.audio_attn1.to_q.weight", (8, 8), "original")
+
+
+def test_trainer_spellings_of_diffusers_names_onto_ltx2_original_base(tmp_path, run_ckpt):
+    """PEFT `transformer.` (and DiffSynth's `.default.`), OneTrainer `lora_transformer_`, SimpleTuner
+    `lycoris_`: the same diffusers-named LoRA (renamed modules `proj_in`, `time_embed.linear` included) merges
+    to the same tensors on a Lightricks-layout base."""
+    torch.manual_seed(11)
+    sd = state_dict(tiny_ltx2())
+    fam = families.get("ltx2")
+    save_file(original_from_pairs(fam, sd), tmp_path / "base.safetensors")
+    modules = ["transformer_blocks.0.attn1.to_q", "transformer_blocks.1.audio_attn2.to_v", "proj_in",
+               "time_embed.linear", "av_cross_attn_audio_v2a_gate.linear", "transformer_blocks.0.attn1.to_out.0"]
+    peft = _lora_pair(sd, modules, seed=12, prefix="transformer.")
+    flat = {}
+    for k, v in peft.items():
+        module, part = k[len("transformer."):].rsplit(".lora_", 1)
+        flat[module.replace(".", "_") + (".lora_down.weight" if part.startswith("A") else ".lora_up.weight")] = v
+    spellings = {"peft": peft,
+                 "default": {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+                             for k, v in peft.items()},
+                 "onetrainer": {"lora_transformer_" + k: v for k, v in flat.items()},
+                 "lycoris": {"lycoris_" + k: v for k, v in flat.items()}}
+    outs = {}
+    for name, lora in spellings.items():
+        save_file(lora, tmp_path / f"{name}.safetensors")
+        code, stdout, err = run_ckpt("merge-lora", tmp_path / "base.safetensors", tmp_path / f"{name}.safetensors",
+                                     "-o", tmp_path / f"{name}-out.safetensors", "-q")
+        assert code == 0, (name, err)
+        assert f"{len(modules)} LoRA modules matched" in stdout, (name, stdout)
+        outs[name] = load_file(tmp_path / f"{name}-out.safetensors")
+    first = outs["peft"]
+    assert all(set(o) == set(first) and all(torch.equal(o[k], first[k]) for k in first) for o in outs.values())
