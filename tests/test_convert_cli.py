@@ -310,9 +310,15 @@ def test_torch_format_output_is_what_torch_save_writes(tmp_path, run_ckpt):
     assert code == 2 and "names a torch file but --format is safetensors" in err
 
 
-def test_torch_format_refuses_sharding(tmp_path, run_ckpt):
-    save_file({"a": torch.randn(4, 4), "b": torch.randn(4, 4)}, tmp_path / "m.safetensors")
+def test_torch_format_shards_like_transformers(tmp_path, run_ckpt):
+    """A one-file input resharded in torch format: `m-0000x-of-0000y.bin` torch zips and their index."""
+    sd = {"a": torch.randn(4, 4), "b": torch.randn(4, 4)}
+    save_file(sd, tmp_path / "m.safetensors")
     code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "fp16", "--format", "torch",
-                              "--max-shard-size", "100", "-o", tmp_path / "out")
-    assert code == 2 and "unsharded checkpoints only" in err
-    assert not (tmp_path / "out").exists()
+                              "--max-shard-size", "40", "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    index = json.loads((tmp_path / "out" / "m.bin.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["m-00001-of-00002.bin", "m-00002-of-00002.bin"]
+    assert index["metadata"]["total_size"] == 64
+    for k, f in index["weight_map"].items():
+        assert torch.equal(torch.load(tmp_path / "out" / f, weights_only=True)[k], sd[k].half())

@@ -20,7 +20,7 @@ from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.errors import CkptError
 from ckpt.io.header import MAX_HEADER
 from ckpt.io.writer import layout as header_layout
-from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, safetensors_name, shard
+from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, safetensors_name, shard, torch_stem
 
 QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
 
@@ -34,8 +34,10 @@ def _stem(relpath: str) -> str:
     return re.sub(r"-\d{5}-of-\d{5}$", "", name)
 
 
-def _index_name(index_name: str) -> str:
+def _index_name(index_name: str, file_format: str = "safetensors") -> str:
     base = re.sub(r"\.(bin|pt|pth|safetensors)\.index\.json$", "", index_name)
+    if file_format == "torch":
+        return torch_stem(base) + ".bin.index.json"
     return re.sub(r"^pytorch_model", "model", base) + ".safetensors.index.json"
 
 
@@ -46,19 +48,20 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
     prefix = f"{comp.subdir}/" if comp.subdir else ""
     if single_file:
         return [OutFile("", metadata_of(comp.files[0].relpath), outs, file_format)], {}
-    if file_format == "torch" and (max_shard_size is not None or comp.sharded):
-        raise CkptError(f"{comp.where}: torch-format output is written for unsharded checkpoints only "
-                        "(use --format safetensors to shard)")
     if max_shard_size is not None:
         stem = _stem(comp.files[0].relpath)
-        files, index = shard(outs, max_shard_size, stem)
+        ext = ".safetensors"
+        if file_format == "torch":  # transformers / diffusers names: pytorch_model-0000x-of-0000y.bin
+            stem, ext = torch_stem(stem), ".bin"
+        files, index = shard(outs, max_shard_size, stem, ext)
         merged = {}
         for f in comp.files:
             merged.update(metadata_of(f.relpath))
-        out_files = [OutFile(prefix + fn, dict(merged), ts) for fn, ts in files.items()]
+        out_files = [OutFile(prefix + fn, dict(merged), ts, file_format, archive=PurePosixPath(fn).stem)
+                     for fn, ts in files.items()]
         if index is None:
             return out_files, {}
-        return out_files, {f"{prefix}{stem}.safetensors.index.json": index}
+        return out_files, {f"{prefix}{stem}{ext}.index.json": index}
     by_home: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
     for t in outs:
         by_home[t.source.home or comp.files[0].relpath].append(t)
@@ -68,7 +71,8 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
         return out_files, {}
     weight_map = {t.name: PurePosixPath(f.relpath).name for f in out_files for t in f.tensors}
     total = sum(t.entry.nbytes for f in out_files for t in f.tensors)
-    return out_files, {prefix + _index_name(comp.index_name): {"metadata": {"total_size": total}, "weight_map": weight_map}}
+    return out_files, {prefix + _index_name(comp.index_name, file_format):
+                       {"metadata": {"total_size": total}, "weight_map": weight_map}}
 
 
 def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list[OutTensor]], *,

@@ -95,14 +95,15 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def shard(tensors: list[OutTensor], max_shard_size: int, stem: str = "model") -> tuple[dict[str, list[OutTensor]], dict | None]:
+def shard(tensors: list[OutTensor], max_shard_size: int, stem: str = "model",
+          ext: str = ".safetensors") -> tuple[dict[str, list[OutTensor]], dict | None]:
     """Split into shards with huggingface_hub's planner: filename -> tensors, and the index (None when
-    everything fits in one file, which is then named `{stem}.safetensors`)."""
+    everything fits in one file, which is then named `{stem}{ext}`)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     by_name = {t.name: t for t in tensors}
     split = split_state_dict_into_shards_factory(
-        by_name, get_storage_size=lambda t: t.entry.nbytes, filename_pattern=stem + "{suffix}.safetensors",
+        by_name, get_storage_size=lambda t: t.entry.nbytes, filename_pattern=stem + "{suffix}" + ext,
         max_shard_size=max_shard_size,
     )
     files = {fn: [by_name[n] for n in names] for fn, names in split.filename_to_tensors.items()}
@@ -127,8 +128,22 @@ def output_name(relpath: str, file_format: str) -> str:
 
 
 def torch_name(relpath: str) -> str:
-    """Pickles keep their name (`lit_model.pth` stays `lit_model.pth`); safetensors files get `.pth`."""
-    return re.sub(r"\.safetensors$", ".pth", relpath)
+    """The torch-zip name of a stored weight file inside a folder output: the names transformers and
+    diffusers load (`model.safetensors` -> `pytorch_model.bin`, `model-00001-of-00002.safetensors` ->
+    `pytorch_model-00001-of-00002.bin`, `diffusion_pytorch_model.safetensors` -> `.bin`; any other
+    `x.safetensors` -> `x.bin`); pickles keep their name (`lit_model.pth` stays `lit_model.pth`)."""
+    head, _, name = relpath.rpartition("/")
+    head = head + "/" if head else ""
+    if name.endswith(".gguf"):
+        return head + "pytorch_model.bin"
+    if not name.endswith(".safetensors"):
+        return relpath
+    return head + torch_stem(name[: -len(".safetensors")]) + ".bin"
+
+
+def torch_stem(stem: str) -> str:
+    """`model` (transformers' safetensors stem, shard suffix allowed) is `pytorch_model` in torch format."""
+    return re.sub(r"^model(?=$|-\d{5}-of-\d{5}$)", "pytorch_model", stem)
 
 
 def safetensors_name(relpath: str) -> str:
