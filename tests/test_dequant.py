@@ -310,8 +310,11 @@ def test_shapes_from_hub_reads_headers_only(tmp_path, run_ckpt, monkeypatch):
     m = quantized(model, "qint4", torch.float32)
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "q.safetensors")
     asked = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None:
-                        ["README.md", "transformer/diffusion_pytorch_model.safetensors", "vae/x.safetensors"])
+    names = ["README.md", "transformer/diffusion_pytorch_model.safetensors", "vae/x.safetensors"]
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, revision=None, timeout=None:
+                        SimpleNamespace(siblings=[SimpleNamespace(rfilename=n) for n in names]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: the headers are read remotely
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
     def parse(self, repo, filename, revision=None):
         asked.append((repo, filename, revision))
@@ -388,3 +391,58 @@ def test_bench_source_and_quanto_baseline_agree_with_ckpt(tmp_path, qtype, dtype
     a, b = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
     assert set(a) == set(b)
     assert all(bits_equal(a[k], b[k]) for k in a)
+
+
+def _fake_hub_cache(root, repo: str, files: dict, revision="a" * 40):
+    """The folder layout huggingface_hub's cache uses: models--owner--name/{refs/main, snapshots/REV/...}."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(revision)
+    for rel, tensors in files.items():
+        p = base / "snapshots" / revision / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, p)
+    return base
+
+
+def _grouped_q4(tmp_path):
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(256, 32, bias=False))
+
+    m = quantized(model, "qint4", torch.float32)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "q.safetensors")
+    return m
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "dead-network"])
+def test_shapes_from_hub_uses_the_cache_first(tmp_path, run_ckpt, monkeypatch, offline):
+    """A cached repository answers --shapes-from without the network, offline or not."""
+    m = _grouped_q4(tmp_path)
+    _fake_hub_cache(tmp_path / "hub", "someone/base", {"transformer/diffusion_pytorch_model.safetensors":
+                                                       {"0.weight": torch.zeros(32, 256)}})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: any request would fail
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    code, _, err = run_ckpt("dequant", tmp_path / "q.safetensors", "--shapes-from", "someone/base/transformer", "-q")
+    assert code == 0, err
+    assert_matches_quanto(m, load_file(tmp_path / "q-dequant.safetensors"), ["0"])
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "dead-network"])
+def test_shapes_from_hub_not_cached_is_one_line_without_retries(tmp_path, run_ckpt, monkeypatch, caplog, offline):
+    _grouped_q4(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    code, out, err = run_ckpt("dequant", tmp_path / "q.safetensors", "--shapes-from", "someone/base", "-q")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --shapes-from someone/base: not ")
+    assert ("HF_HUB_OFFLINE is set" in err) == offline
+    assert not any("Retrying" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "q-dequant.safetensors").exists()

@@ -20,6 +20,7 @@ REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.\-]+))?
 SIDECARS = ("*.json", "*.txt", "*.model", "*.yaml", "*.tiktoken")
 SAFETENSORS = ("*.safetensors",)
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+HUB_TIMEOUT = 10  # seconds per request of the header-only reads
 
 
 def looks_like_repo_id(spec: str) -> bool:
@@ -121,3 +122,53 @@ def sidecars_from_hub(spec: str) -> Path:
     except HfHubHTTPError as e:
         raise CkptError(f"{spec}: hub error: {str(e).splitlines()[0]}") from None
     return root / sub.strip("/") if sub else root
+
+
+def cached_snapshot(spec: str) -> Path | None:
+    """`spec`'s snapshot folder (or subfolder) in the local cache when it holds safetensors files, found
+    without any network access; else None."""
+    from huggingface_hub import snapshot_download
+
+    repo, rev, sub = parse_repo_spec(spec)
+    sub = sub.strip("/") if sub else None
+    patterns = [f"{sub}/{p}" for p in SAFETENSORS + SIDECARS] if sub else list(SAFETENSORS + SIDECARS)
+    try:
+        root = Path(snapshot_download(repo, revision=rev, allow_patterns=patterns, cache_dir=_cache_dir(),
+                                      local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError, a revision never fetched, an unreadable cache: not cached
+        return None
+    path = root / sub if sub else root
+    return path if _has_safetensors(path) else None
+
+
+def remote_safetensors_shapes(spec: str, what: str) -> dict[str, dict[str, tuple]]:
+    """{subfolder relative to `spec`: {tensor: shape}} from the repository's safetensors headers, read with
+    range requests (no weights downloaded). The cache is `cached_snapshot`'s business; this is the network
+    step, refused at once when offline and never retried (huggingface_hub's listing retries a dead network
+    for about 27 s): `model_info` lists the files, `parse_safetensors_file_metadata` reads each header."""
+    from huggingface_hub import HfApi
+
+    if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
+        raise CkptError(f"{what} {spec}: not a local path, and not in the local Hugging Face cache "
+                        "(HF_HUB_OFFLINE is set)")
+    repo, rev, sub = parse_repo_spec(spec)
+    sub = sub.strip("/") if sub else ""
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    try:
+        info = api.model_info(repo, revision=rev, timeout=HUB_TIMEOUT)
+        files = [s.rfilename for s in (info.siblings or []) if s.rfilename.endswith(".safetensors")
+                 and (not sub or s.rfilename.startswith(sub + "/"))]
+        by_sub: dict[str, dict[str, tuple]] = {}
+        for f in files:
+            meta = api.parse_safetensors_file_metadata(repo, f, revision=rev)
+            folder = f.rsplit("/", 1)[0] if "/" in f else ""
+            folder = folder[len(sub):].strip("/") if sub else folder
+            by_sub.setdefault(folder, {}).update({n: tuple(i.shape) for n, i in meta.tensors.items()})
+    except Exception as e:  # HTTP errors, no network, a bad repository: one line, no retries
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CkptError(f"{what} {spec}: not in the local Hugging Face cache, and the hub did not answer "
+                        f"({first[:200]})") from None
+    if not by_sub:
+        raise CkptError(f"{what} {spec}: the repository has no safetensors files" + (f" under {sub}/" if sub else ""))
+    return by_sub
+

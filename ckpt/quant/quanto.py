@@ -519,18 +519,23 @@ def _meta_model_shapes(config: dict | None) -> dict[str, tuple[int, ...]]:
 
 
 def shapes_from(spec: str):
-    """`--shapes-from REF`: the original shapes from a local checkpoint's headers or a hub repository's
-    safetensors headers (range requests; no weights are downloaded). Returns lookup(subdir, name)."""
+    """`--shapes-from REF`: the original shapes from a local checkpoint's headers, or a hub repository's:
+    from the local Hugging Face cache first (also offline), else its safetensors headers read over the
+    network (range requests; no weights are downloaded). Returns lookup(subdir, name)."""
+    from ckpt.io.hub import cached_snapshot, looks_like_repo_id, remote_safetensors_shapes
+
     p = Path(spec).expanduser()
-    by_sub: dict[str, dict[str, tuple]] = {}
-    if p.exists():
+    if not p.exists():
+        if not looks_like_repo_id(spec):
+            raise CkptError(f"--shapes-from {spec}: no such file or directory, and not a hub id")
+        p = cached_snapshot(spec)
+    if p is not None:
         from ckpt.io.checkpoint import open_checkpoint
 
         with open_checkpoint(str(p)) as ref:
-            for c in ref.components:
-                by_sub[c.subdir] = {n: tuple(t.shape) for n, t in c.tensors.items()}
+            by_sub = {c.subdir: {n: tuple(t.shape) for n, t in c.tensors.items()} for c in ref.components}
     else:
-        by_sub = _hub_shapes(spec)
+        by_sub = remote_safetensors_shapes(spec, "--shapes-from")
     everywhere: dict[str, tuple] = {}
     for shapes in by_sub.values():
         for n, s in shapes.items():
@@ -543,33 +548,6 @@ def shapes_from(spec: str):
         return everywhere.get(name)
 
     return lookup
-
-
-def _hub_shapes(spec: str) -> dict[str, dict[str, tuple]]:
-    from huggingface_hub import HfApi
-
-    from ckpt.io.hub import looks_like_repo_id, parse_repo_spec
-
-    if not looks_like_repo_id(spec):
-        raise CkptError(f"--shapes-from {spec}: no such file or directory, and not a hub id")
-    repo, rev, sub = parse_repo_spec(spec)
-    api = HfApi()
-    try:
-        files = [f for f in api.list_repo_files(repo, revision=rev) if f.endswith(".safetensors")
-                 and (not sub or f.startswith(sub.strip("/") + "/"))]
-        by_sub: dict[str, dict[str, tuple]] = {}
-        for f in files:
-            meta = api.parse_safetensors_file_metadata(repo, f, revision=rev)
-            folder = f.rsplit("/", 1)[0] if "/" in f else ""
-            if sub:
-                folder = folder[len(sub.strip("/")):].strip("/")
-            by_sub.setdefault(folder, {}).update({n: tuple(i.shape) for n, i in meta.tensors.items()})
-    except Exception as e:  # HTTP errors, no network, offline mode: all mean "no shapes from there"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CkptError(f"--shapes-from {spec}: cannot read the repository's safetensors headers ({first})") from None
-    if not by_sub:
-        raise CkptError(f"--shapes-from {spec}: the repository has no safetensors files")
-    return by_sub
 
 
 DECODERS = [decode]
