@@ -17,7 +17,7 @@ from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state
-from ckpt.io.checkpoint import PICKLES
+from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.progress import progress_bar
@@ -57,7 +57,8 @@ def output_format(fmt: str | None, out: str | Path | None, default: str = "safet
     """--format as given; else what -o's suffix says (`.pth`/`.pt`/`.bin`/`.ckpt` -> the torch zip,
     `.safetensors` -> safetensors); else `default`."""
     suffix = Path(out).suffix if out else ""
-    implied = "torch" if suffix in PICKLES else "safetensors" if suffix == ".safetensors" else None
+    implied = ("torch" if suffix in PICKLES or str(out or "").endswith(LITGPT_LORA) else
+               "safetensors" if suffix == ".safetensors" else None)
     if fmt is None:
         return implied or default
     if fmt not in FORMATS:
@@ -89,6 +90,11 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: st
         base = Path.cwd() / name
     elif p.is_file() and p.name.endswith(".index.json"):
         base = p.parent
+    elif p.is_file() and p.name.endswith(LITGPT_LORA):  # lit_model.pth.lora: not `lit_model.pth-fp16...`
+        stem = p.name[: -len(LITGPT_LORA)]
+        if ext == ".pth" and not folder:  # torch format keeps LitGPT's LoRA suffix
+            return p.parent / f"{stem}-{suffix}{LITGPT_LORA}"
+        base = p.parent / f"{stem}-lora"
     elif p.is_file():
         base = p.parent / p.stem
     else:
@@ -125,6 +131,9 @@ def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
     p = Path(out).expanduser()
     if plan.single_file and ((p.is_dir() and not p.is_symlink()) or str(out).endswith(("/", os.sep))):
         return p / derived.name
+    if not plan.single_file and p.suffix in WEIGHT_SUFFIXES and not p.is_dir():
+        raise CkptError(f"-o {out} names a file, but the output is a folder of {len(plan.files)} weight file(s) "
+                        "and their configs: name a folder")
     return p
 
 

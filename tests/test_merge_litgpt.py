@@ -75,3 +75,74 @@ def test_inspect_names_litgpt_files(tmp_path, run_ckpt):
     assert comp["family"] == "LoRA for LitGPT GPT"
     code, out, err = run_ckpt("inspect", base / "lit_model.pth", "--json")
     assert json.loads(out)["components"][0]["family"] == "LitGPT GPT"
+
+
+def test_finetune_merge_to_a_file_name_writes_that_file(tmp_path, run_ckpt):
+    """`-o merged/lit_model.pth` is one file (never a folder named lit_model.pth), with the same tensors
+    the folder form writes; a note says which configs the folder form would have copied."""
+    base, ft = write_litgpt(tmp_path, qkv_lora())
+    code, out, err = run_ckpt("merge-lora", ft, "-o", tmp_path / "folder")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "folder").iterdir()) == [
+        "hyperparameters.yaml", "lit_model.pth", "model_config.yaml"]
+    code, out, err = run_ckpt("merge-lora", ft, "-o", tmp_path / "merged" / "lit_model.pth")
+    assert code == 0, err
+    assert (tmp_path / "merged" / "lit_model.pth").is_file()
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["lit_model.pth"]
+    assert "names a file" in err and "hyperparameters.yaml, model_config.yaml" in err
+    one = torch.load(tmp_path / "merged" / "lit_model.pth", weights_only=True)
+    folder = torch.load(tmp_path / "folder" / "lit_model.pth", weights_only=True)
+    assert one.keys() == folder.keys() and all(torch.equal(one[k], folder[k]) for k in one)
+    code, out, err = run_ckpt("merge-lora", ft, "-o", tmp_path / "m.safetensors")
+    assert code == 0 and (tmp_path / "m.safetensors").is_file(), err
+
+
+def test_lora_file_alone_finds_its_base(tmp_path, run_ckpt):
+    base, ft = write_litgpt(tmp_path, qkv_lora())
+    (ft / "prompt_style.yaml").write_text("class_path: litgpt.prompts.Alpaca\n")
+    code, out, err = run_ckpt("merge-lora", ft / "lit_model.pth.lora")
+    assert code == 0, err
+    merged = tmp_path / "ft-merged"
+    assert sorted(p.name for p in merged.iterdir()) == [
+        "hyperparameters.yaml", "lit_model.pth", "model_config.yaml", "prompt_style.yaml"]
+    code, out, err = run_ckpt("merge-lora", ft, "-o", tmp_path / "from-folder")
+    assert code == 0, err
+    assert (merged / "lit_model.pth").read_bytes() == (tmp_path / "from-folder" / "lit_model.pth").read_bytes()
+
+
+def test_inspect_a_finetune_folder(tmp_path, run_ckpt):
+    import json
+
+    base, ft = write_litgpt(tmp_path, qkv_lora())
+    code, out, err = run_ckpt("inspect", ft, "--json")
+    assert code == 0, err
+    comp = json.loads(out)["components"][0]
+    assert comp["files"] == ["lit_model.pth.lora"] and comp["lora"]["types"] == ["LitGPT LoRA"]
+
+
+def test_convert_a_litgpt_lora_default_names(tmp_path, run_ckpt):
+    from safetensors.torch import load_file
+
+    lora = qkv_lora()
+    base, ft = write_litgpt(tmp_path, lora)
+    code, out, err = run_ckpt("convert", ft / "lit_model.pth.lora", "--to", "bf16", "-q")
+    assert code == 0, err
+    got = load_file(ft / "lit_model-lora-bf16.safetensors")  # not lit_model.pth-bf16.safetensors
+    assert all(torch.equal(got[k], v.bfloat16()) for k, v in lora.items())
+    code, out, err = run_ckpt("convert", ft / "lit_model.pth.lora", "--to", "bf16", "--format", "torch", "-q")
+    assert code == 0, err
+    got = torch.load(ft / "lit_model-bf16.pth.lora", weights_only=True)  # still named as a LitGPT LoRA
+    assert all(torch.equal(got[k], v.bfloat16()) for k, v in lora.items())
+
+
+def test_folder_output_to_a_file_name_is_refused(tmp_path, run_ckpt):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "model"
+    d.mkdir()
+    save_file({"w": torch.ones(2)}, d / "model.safetensors")
+    (d / "config.json").write_text("{}")
+    (tmp_path / "sub").mkdir()
+    code, out, err = run_ckpt("convert", d, "--to", "fp16", "-o", tmp_path / "sub" / "model.safetensors")
+    assert code == 2 and err.count("\n") == 1 and "names a file, but the output is a folder" in err, err
+    assert list((tmp_path / "sub").iterdir()) == []

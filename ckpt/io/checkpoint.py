@@ -28,6 +28,8 @@ GGUF = ".gguf"  # llama.cpp / ComfyUI-GGUF files, one model each (ckpt.io.gguf)
 # LitGPT's LoRA-only state dict (`lit_model.pth.lora`, a torch zip): read when named, never picked
 # from a folder as the model's weights.
 LITGPT_LORA = ".pth.lora"
+# An -o ending like this names one file, never a folder (`ckpt.run.output_path`).
+WEIGHT_SUFFIXES = SAFETENSORS + PICKLES + (".gguf",)
 # Files that are never weights even though they end like a pickle.
 NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|training_args)[^/]*$")
 # Trainer state that is not a pickle by its suffix: accelerate's RNG states, the trainers' progress files
@@ -149,7 +151,7 @@ def _open_index(spec: str, index: Path, handles: FileHandles) -> Checkpoint:
 
 def _is_weight_like(p: Path) -> bool:
     return (p.suffix in SAFETENSORS or p.suffix == GGUF or (p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name))
-            or bool(re.search(r"\.(safetensors|bin|pt|pth)\.index(\.\w+)?\.json$", p.name)))
+            or p.name.endswith(LITGPT_LORA) or bool(re.search(r"\.(safetensors|bin|pt|pth)\.index(\.\w+)?\.json$", p.name)))
 
 
 def _sidecars(root: Path, comps: list[Component], recursive: bool) -> tuple[list[str], list[str]]:
@@ -198,6 +200,8 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
         if len(st) > 1:  # a repository of quantizations of one model: each file is a whole model
             raise file_error(folder, f"several GGUF files ({', '.join(p.name for p in st[:4])}"
                                      f"{', ...' if len(st) > 4 else ''}); pass the one you mean")
+    if not st:  # a LitGPT finetune folder holds only its LoRA: those are its weights
+        st = [p for p in files if p.name.endswith(LITGPT_LORA)]
     if not st:
         return None
     return _component_from_files(folder, st, handles, subdir)

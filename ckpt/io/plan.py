@@ -151,6 +151,7 @@ def safetensors_name(relpath: str) -> str:
     if relpath.endswith(".gguf"):  # a GGUF LLM becomes an HF model folder, whose loaders want model.safetensors
         return relpath[: len(relpath) - len(relpath.rsplit("/", 1)[-1])] + "model.safetensors"
     name = re.sub(r"^pytorch_model", "model", relpath.rsplit("/", 1)[-1])
+    name = re.sub(r"\.pth\.lora$", "-lora", name)  # LitGPT's lit_model.pth.lora
     name = re.sub(r"\.(bin|pt|pth|ckpt|safetensors)$", "", name)
     head = relpath.rsplit("/", 1)[0] + "/" if "/" in relpath else ""
     return f"{head}{name}.safetensors"

@@ -17,7 +17,7 @@ import torch
 
 from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
 from ckpt.io.layout import plan_checkpoint
 from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
@@ -93,7 +93,13 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             files.append(f)
         fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
         plan = _plan(ckpt, files, ratios, opts, report, fmt)
-        if finetune_dir is not None:  # a LitGPT checkpoint folder: weights + the finetune folder's files
+        if finetune_dir is not None and out and Path(out).suffix in WEIGHT_SUFFIXES:
+            # `-o merged/lit_model.pth` is that one file (never a folder named lit_model.pth)
+            names = [n for _, n in litgpt.sidecars(finetune_dir, base_dir)]
+            report.note(f"-o {out} names a file: only the merged weights are written there; a LitGPT checkpoint "
+                        f"folder also holds {', '.join(names) or 'its config files'} (-o FOLDER writes them too)")
+            derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=False, ext=file_ext(fmt))
+        elif finetune_dir is not None:  # a LitGPT checkpoint folder: weights + the finetune folder's files
             litgpt.as_folder(plan, "lit_model" + file_ext(fmt), litgpt.sidecars(finetune_dir, base_dir))
             derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
         else:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ckpt.errors import CkptError, file_error
-from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, open_checkpoint
+from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, WEIGHT_SUFFIXES, open_checkpoint
 from ckpt.io.tensors import RowSlice, Tensor
 from ckpt.merge.adapter_files import LoraFile, LoraModule
 
@@ -122,11 +122,16 @@ def read_settings(lora_file: Path, base_hint: Path | None = None) -> LitSettings
 
 
 def finetune_inputs(base: str, loras: list[str]) -> tuple[str, list[str], Path | None]:
-    """`ckpt merge-lora FINETUNE_DIR`: (base lit_model.pth, [its LoRA], the folder); else unchanged."""
-    folder = Path(base).expanduser()
-    if loras or not (folder.is_dir() and (folder / LORA_FILE).is_file()):
+    """`ckpt merge-lora FINETUNE_DIR` or `ckpt merge-lora FINETUNE_DIR/lit_model.pth.lora` alone:
+    (base lit_model.pth, [the LoRA], the finetune folder); else unchanged."""
+    path = Path(base).expanduser()
+    if loras:
         return base, loras, None
-    return str(base_of(folder)), [str(folder / LORA_FILE)], folder
+    if path.is_dir() and (path / LORA_FILE).is_file():
+        return str(base_of(path)), [str(path / LORA_FILE)], path
+    if path.is_file() and path.name.endswith(LITGPT_LORA):
+        return str(base_of(path.parent)), [str(path)], path.parent
+    return base, loras, None
 
 
 def base_of(finetune_dir: Path) -> Path:
@@ -134,7 +139,8 @@ def base_of(finetune_dir: Path) -> Path:
     resolved the way litgpt does: as written, else under `checkpoints/`)."""
     hp_path = finetune_dir / HPARAMS
     if not hp_path.is_file():
-        raise file_error(finetune_dir, f"has {LORA_FILE} but no {HPARAMS}; it is written by litgpt finetune lora")
+        raise file_error(finetune_dir, f"has {LORA_FILE} but no {HPARAMS} (it names the base model; litgpt "
+                         f"finetune lora writes it): name the base: ckpt merge-lora BASE/{MODEL_FILE} LORA")
     written = _yaml(hp_path).get("checkpoint_dir")
     if not written:
         raise file_error(hp_path, f"has no checkpoint_dir; name the base: ckpt merge-lora BASE/{MODEL_FILE} "
@@ -271,7 +277,7 @@ def sidecars(finetune_dir: Path, base_dir: Path | None) -> list[tuple[Path, str]
     hyperparameters), plus litgpt's config and tokenizer files it lacks from the base folder."""
     out = {}
     for p in sorted(finetune_dir.iterdir()):
-        if p.is_file() and not p.name.startswith(".") and p.name not in (LORA_FILE, MODEL_FILE) \
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES + (LITGPT_LORA,)) \
                 and not NOT_WEIGHTS.search(p.name):
             out[p.name] = p
     if base_dir is not None:
