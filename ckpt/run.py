@@ -131,9 +131,6 @@ def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
     p = Path(out).expanduser()
     if plan.single_file and ((p.is_dir() and not p.is_symlink()) or str(out).endswith(("/", os.sep))):
         return p / derived.name
-    if not plan.single_file and p.suffix in WEIGHT_SUFFIXES and not p.is_dir():
-        raise CkptError(f"-o {out} names a file, but the output is a folder of {len(plan.files)} weight file(s) "
-                        "and their configs: name a folder")
     return p
 
 
@@ -144,6 +141,9 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     for n in plan.notes:
         report.note(n)
     need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite, dry_run=dry_run)
+    if not plan.single_file and out_path.suffix in WEIGHT_SUFFIXES and not out_path.is_dir():
+        raise CkptError(f"-o {out_path} names a file, but the output is a folder of {len(plan.files)} weight "
+                        "file(s) and their configs: name a folder")
     if dry_run:  # never refused for an existing output: says what a real run would do with it
         n_files = len(plan.files)
         kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
