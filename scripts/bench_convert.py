@@ -140,7 +140,8 @@ def log(msg: str) -> None:
 
 def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[list[Row], dict, dict]:
     src_dtype, layout, to = CASES[name]
-    src, ref, out = work / f"src-{src_dtype}.safetensors", work / "ref.safetensors", work / "out.safetensors"
+    ext = "" if to.startswith("layout:") else ".safetensors"  # a --layout output is a folder: no file suffix
+    src, ref, out = work / f"src-{src_dtype}.safetensors", work / f"ref{ext}", work / f"out{ext}"
     log(f"[{name}] generating {layout} {src_dtype} source ...")
     info = bl.generate(src, params, src_dtype, layout)
     try:
