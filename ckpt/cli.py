@@ -13,6 +13,7 @@ from ckpt.errors import CkptError
 from ckpt.interrupts import load
 from ckpt.report import Report
 
+from ckpt.cli_report import REPORT, finish as finish_report, record, reset as reset_report
 from ckpt.cli_options import (ALLOW_UNMATCHED, CONVERT_OR_GGUF, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT,
                               MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QTYPE, QUIET, SHAPES_FROM)
 
@@ -51,6 +52,7 @@ def cli():
 @DEVICE
 @OVERWRITE
 @QUIET
+@REPORT
 def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8, to
     ComfyUI's nvfp4/mxfp8/int8 or to a ComfyUI-GGUF file, and/or rename it to its family's diffusers or
@@ -62,6 +64,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
                           device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run, format=fmt,
                           layout=layout, config=config)
     path, report = run(src, out, opts)
+    record(report, inputs=[src], output=path, status="dry-run" if dry_run else "ok")
     _print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
 
@@ -77,6 +80,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
 @DEVICE
 @OVERWRITE
 @QUIET
+@REPORT
 def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, overwrite, quiet):
     """optimum-quanto, bitsandbytes, ComfyUI comfy_quant and FP8-scaled checkpoints back to plain X.weight
     tensors."""
@@ -86,7 +90,8 @@ def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, o
     opts = DequantOptions(to=to, shapes_from=shapes_from, qtype=qtype, max_shard_size=max_shard_size, device=device,
                           overwrite=overwrite, quiet=quiet, dry_run=dry_run)
     path, report = run(src, out, opts)
-    _print_report(report, quiet and path is not None)
+    record(report, inputs=[src], output=path, status="nothing-to-do" if path is None else "dry-run" if dry_run else "ok")
+    _print_report(report, quiet)
     if path is None:
         click.echo("nothing to dequantize; nothing written")
     else:
@@ -97,7 +102,9 @@ def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, o
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (layout: ckpt.inspect.summary).")
 @click.option("--scan", is_flag=True, help="Also read every tensor (band by band) and count NaN/Inf.")
-def inspect(src, as_json, scan):
+@QUIET
+@REPORT
+def inspect(src, as_json, scan, quiet):
     """Format, model/LoRA family, dtypes, sizes, metadata, and warnings that predict trainer failures."""
     import json
 
@@ -105,7 +112,8 @@ def inspect(src, as_json, scan):
     from ckpt.inspect import inspect as run, render_text
 
     report = run(src, scan=scan)
-    click.echo(json.dumps(report, indent=1) if as_json else render_text(report))
+    record(inputs=[src], notes=report["notes"], warnings=report["warnings"], inspect=report)
+    click.echo(json.dumps(report, indent=1) if as_json else render_text(report, quiet=quiet))
 
 
 @cli.command("merge-lora")
@@ -121,6 +129,7 @@ def inspect(src, as_json, scan):
 @DEVICE
 @OVERWRITE
 @QUIET
+@REPORT
 def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, device, overwrite, quiet):
     """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
 
@@ -137,6 +146,7 @@ def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, devi
         for line in e.report.summary:
             click.echo(line)
         raise
+    record(report, inputs=[base, *loras], output=path, status="dry-run" if dry_run else "ok")
     for line in report.summary:
         click.echo(line)
     _print_report(report, quiet)
@@ -183,10 +193,16 @@ def _interrupted(since: int) -> None:
 
 
 def _dispatch(argv, handler: _Signals, since: int) -> None:
+    reset_report(argv)
     try:
         cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
         handler.active = False
+        finish_report(0)  # --report FILE.json (a failure to write it is the CkptError below)
     except CkptError as e:
+        try:
+            finish_report(e.exit_code, str(e), getattr(e, "report", None))
+        except CkptError:  # the command's own error is the one line to print
+            pass
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):

@@ -6,6 +6,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 
+def plural(n: int, word: str) -> str:
+    """`1 tensor`, `2 tensors`, `1,024 tensors` (`word` is the singular; "y" -> "ies" is not needed here)."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 @dataclass
 class Report:
     notes: list[str] = field(default_factory=list)
@@ -19,11 +24,14 @@ class Report:
     def note(self, text: str) -> None:
         self.notes.append(text)
 
-    DESCRIBE = {
-        "overflow": "values overflowed to inf in the target dtype (use --clamp to saturate)",
-        "clamped": "values were clamped to the target dtype's finite range",
-        "saturated": "values saturated at the fp8 maximum (448)",
-        "nonfinite_input": "NaN/Inf values were already in the input (kept as they are)",
+    DESCRIBE = {  # kind -> (one, several)
+        "overflow": ("value overflowed to inf in the target dtype (use --clamp to saturate)",
+                     "values overflowed to inf in the target dtype (use --clamp to saturate)"),
+        "clamped": ("value was clamped to the target dtype's finite range",
+                    "values were clamped to the target dtype's finite range"),
+        "saturated": ("value saturated at the fp8 maximum (448)", "values saturated at the fp8 maximum (448)"),
+        "nonfinite_input": ("NaN/Inf value was already in the input (kept as it is)",
+                            "NaN/Inf values were already in the input (kept as they are)"),
     }
 
     def warnings(self) -> list[str]:
@@ -32,7 +40,8 @@ class Report:
             total = sum(per.values())
             worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]
             listed = ", ".join(f"{k} ({v})" for k, v in worst) + (", ..." if len(per) > 5 else "")
-            out.append(f"warning: {total} {self.DESCRIBE.get(kind, kind)} in {len(per)} tensors: {listed}")
+            what = self.DESCRIBE.get(kind, (kind, kind))[total != 1]
+            out.append(f"warning: {total:,} {what} in {plural(len(per), 'tensor')}: {listed}")
         return out
 
     def as_dict(self) -> dict:

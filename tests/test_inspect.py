@@ -367,7 +367,7 @@ def test_fp8_plain_and_comfy_scaled(tmp_path, run_ckpt):
     w = rnd(8, 4).to(torch.float8_e4m3fn)
     c = one(inspect_json(run_ckpt, save(tmp_path, "p.safetensors", {"a.weight": w, "a.bias": rnd(8, dtype=torch.bfloat16)})))
     assert c["encodings"] == ["fp8_e4m3fn (plain, no scales)"]
-    assert any("1 tensors stored as fp8_e4m3fn" in x for x in c["warnings"])
+    assert any("1 tensor stored as fp8_e4m3fn" in x for x in c["warnings"])
     scaled = {"scaled_fp8": torch.zeros(2, dtype=torch.float8_e4m3fn), "a.weight": w, "a.scale_weight": torch.tensor(0.5),
               "b.weight": w.clone(), "b.scale_weight": torch.tensor(2.0), "b.bias": rnd(8, dtype=torch.bfloat16)}
     c = one(inspect_json(run_ckpt, save(tmp_path, "s.safetensors", scaled)))
@@ -392,7 +392,7 @@ def test_fp8_layouts_named_by_the_decoders(tmp_path, run_ckpt):
     c = one(inspect_json(run_ckpt, folder))
     assert c["encodings"] == ["hf-block-fp8", "fp8_e4m3fn", "config.json quantization_config: fp8, weight_block_size [128, 128]"]
     assert c["family"] == "HF causal LM (Llama-style decoder)" and c["config_class"] == "Qwen3ForCausalLM"
-    assert [x.split(":")[0] for x in c["warnings"]] == ["1 tensors stored as fp8_e4m3fn"]  # fp32 block scales: layout
+    assert [x.split(":")[0] for x in c["warnings"]] == ["1 tensor stored as fp8_e4m3fn"]  # fp32 block scales: layout
 
 
 def test_quanto_weights_from_real_optimum_quanto(tmp_path, run_ckpt):

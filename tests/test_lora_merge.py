@@ -154,7 +154,7 @@ def test_bad_inputs(tmp_path, run_ckpt):
                                              "o.safetensors"))
     assert "not the same model" in _bad(run_ckpt, tmp_path, A, B, "-o", o)
     assert "DoRA" in _bad(run_ckpt, tmp_path, A, D, "-o", o)
-    assert "--ratio given 1 times" in _bad(run_ckpt, tmp_path, A, D, "--ratio", 1, "-o", o)
+    assert "--ratio given 1 time for" in _bad(run_ckpt, tmp_path, A, D, "--ratio", 1, "-o", o)
     assert "another naming" in _bad(run_ckpt, tmp_path, A, P, "-o", o)
     assert "at least two" in _bad(run_ckpt, tmp_path, A, "-o", o)
     assert "go with --svd" in _bad(run_ckpt, tmp_path, A, A, "--rank", 2, "-o", o)

@@ -43,7 +43,7 @@ def test_keeps_dtypes_metadata_and_rounds_once(tmp_path, run_ckpt):
     with safe_open(dst, "pt") as f:
         meta = f.metadata()
     assert meta["title"] == "tiny" and meta["ckpt_operation"].startswith("merge-lora")
-    assert "1 LoRA modules matched" in out and "base tensors changed: 1" in out
+    assert "1 LoRA module matched" in out and "base tensors changed: 1" in out
 
 
 def test_several_loras_with_ratios_and_to(tmp_path, run_ckpt):
@@ -86,7 +86,7 @@ def test_dry_run_writes_nothing(tmp_path, run_ckpt):
     base, lora, *_ = simple(tmp_path)
     code, out, err = run_ckpt("merge-lora", base, lora, "--dry-run")
     assert code == 0, err
-    assert "would write" in out and "1 LoRA modules matched" in out
+    assert "would write" in out and "1 LoRA module matched" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "l.safetensors"]
 
 

@@ -92,10 +92,19 @@ def lora_modules(names, shapes: dict) -> tuple[dict[str, set[str]], dict[str, tu
                           ("LitGPT LoRA", (".lora_A", ".lora_B"))):
         for mod in kinds.get(kind, ()):
             down, up = shapes.get(mod + down_up[0]), shapes.get(mod + down_up[1])
-            if down:
+            # LitGPT's fused attn.qkv stacks one rank-r pair per enabled projection: its rows are not a rank
+            if down and not (kind == "LitGPT LoRA" and mod.endswith(".attn.qkv")):
                 ranks.add(down[0])
             if down and up and len(down) >= 2:
                 base_shapes[mod] = (up[0], down[1], *down[2:])
+    for kind, factors in (("LyCORIS LoHa", (".hada_w1_b", ".hada_w2_b")),  # rank: rows of the b factors
+                          ("LyCORIS LoKr", (".lokr_w1_b", ".lokr_w2_b"))):  # decomposed factors only
+        for mod in kinds.get(kind, ()):
+            for f in factors:
+                s = shapes.get(mod + f)
+                if s:
+                    ranks.add(s[0])
+                    break
     if "kohya LoRA/LoCon" in kinds:  # LoCon when some factor is a conv with a kernel larger than 1x1
         locon = any(len(s) == 4 and tuple(s[2:]) != (1, 1) for s in base_shapes.values())
         kinds["kohya LoCon" if locon else "kohya LoRA"] = kinds.pop("kohya LoRA/LoCon")

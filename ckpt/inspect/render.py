@@ -24,8 +24,7 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
+from ckpt.report import plural  # noqa: E402,F401  (one wording of counts everywhere)
 
 
 def column(n: int, word: str) -> str:
@@ -38,7 +37,8 @@ def _short(v: str) -> str:
     return v if len(v) <= META_VALUE_CHARS else v[: META_VALUE_CHARS - 3] + "..."
 
 
-def render_text(report: dict) -> str:
+def render_text(report: dict, quiet: bool = False) -> str:
+    """The report as text; `quiet` leaves out the notes (warnings stay), as --quiet does everywhere."""
     lines = [f"{report['source']}  ({report['kind']}{', ' + report['pipeline'] if report['pipeline'] else ''}"
              f"{', training checkpoint' if report['training_checkpoint'] else ''})"]
     for c in report["components"]:
@@ -82,13 +82,13 @@ def render_text(report: dict) -> str:
             s = c["scan"]
             row("scan", f"{s['tensors']:,} floating tensors read: {sum(s['nan'].values())} NaN, "
                 f"{sum(s['inf'].values())} Inf")
-        for n in c["notes"]:
+        for n in ([] if quiet else c["notes"]):
             lines.append(f"  note: {n}")
     if len(report["components"]) > 1:
         t = report["totals"]
         lines += ["", f"total: {plural(len(report['components']), 'component')}, {plural(t['tensors'], 'tensor')}, "
                       f"parameters {human_count(t['parameters'])}, size {human_bytes(t['bytes'])}"]
-    if report["notes"]:
+    if report["notes"] and not quiet:
         lines.append("")
         lines += [f"note: {n}" for n in report["notes"]]
     if report["warnings"]:

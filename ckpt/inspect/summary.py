@@ -55,6 +55,7 @@ from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.output import bands
 from ckpt.io.tensors import PickleTensor
+from ckpt.report import plural
 
 QUANTO_FIX = "0.2.5"
 QUANTO_KEYERROR = ("the resume failure \"KeyError: '...weight._data'\" comes from optimum-quanto < 0.2.5 loading a "
@@ -129,6 +130,8 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
     lora_keys = sum(len(m) for m in kinds.values())
     is_lora = bool(kinds) and (lora_keys * 2 + alphas) >= len(tensors) * 0.5
+    if is_lora and "LitGPT LoRA" in kinds:
+        ranks = _litgpt_rank(folder) or ranks  # hyperparameters.yaml lora_r: the fused q/k/v rows are r per projection
     if is_lora:
         parts, lora = _lora_parts(kinds, base_shapes, ranks, alphas, sidecars.get("adapter_config.json"), metadata)
     else:
@@ -164,8 +167,9 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
             if per:
                 worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]
                 listed = ", ".join(f"{k} ({v})" for k, v in worst) + (", ..." if len(per) > 5 else "")
-                warnings.append(f"{sum(per.values())} {'NaN' if what == 'nan' else 'Inf'} values in {len(per)} "
-                                f"tensors: {listed}")
+                total = sum(per.values())
+                warnings.append(f"{total:,} {'NaN' if what == 'nan' else 'Inf'} value{'s' * (total != 1)} in "
+                                f"{plural(len(per), 'tensor')}: {listed}")
     if is_lora and not any(p["family"] for p in parts):
         notes.append("LoRA target model not recognised from its module names")
     kinds_present = {f.kind for f in comp.files}
@@ -225,6 +229,8 @@ def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
     modules = sorted(set().union(*kinds.values()))
     parts = []
     for p in split_parts(modules, lora=True):
+        if set(kinds) == {"LitGPT LoRA"} and p.prefix == "transformer.":
+            p.role = "LitGPT"  # LitGPT's own module root, not a diffusers pipeline component
         stripped = {m[len(p.prefix):]: base_shapes.get(m) for m in p.keys}
         m = families.detect(stripped, {k: s for k, s in stripped.items() if s})
         parts.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), **_family_fields(m)})
@@ -243,6 +249,20 @@ def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
         "network_module": metadata.get("ss_network_module"),
     }
     return parts, lora
+
+
+def _litgpt_rank(folder: Path) -> set[int]:
+    """{lora_r} from the hyperparameters.yaml `litgpt finetune lora` writes beside its LoRA, if readable."""
+    p = folder / "hyperparameters.yaml"
+    if not p.is_file():
+        return set()
+    try:
+        import yaml
+
+        r = (yaml.safe_load(p.read_text(encoding="utf-8")) or {}).get("lora_r")
+    except Exception:  # unreadable YAML: inspect still reports what the tensors say
+        return set()
+    return {r} if isinstance(r, int) and not isinstance(r, bool) and r > 0 else set()
 
 
 def _family_line(parts, is_lora, config_class) -> str | None:
@@ -272,8 +292,13 @@ def _warnings(tensors, enc, src: str) -> list[str]:
                    "without casting fails with \"expected scalar type Half but found Float\"-style errors; "
                    f"`ckpt convert {src} --to {major}` makes them one dtype")
     for kind, n in enc.fp8.items():
-        out.append(f"{n} tensors stored as {kind}: trainers cannot compute with fp8 weights ('expected m1 and m2 "
-                   f"to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
+        # the dtype table counts every stored tensor; scale and marker tensors (`scaled_fp8`) are named apart
+        aux = [k for k, t in tensors.items() if k in enc.aux_keys and t.dtype in FP8 and short_name(t.dtype) == kind]
+        also = (f" (the dtype table's {n + len(aux)} also count{'s' * (n + len(aux) == 1)} "
+                f"{plural(len(aux), 'scale/marker tensor')}: {', '.join(aux[:3])}{', ...' if len(aux) > 3 else ''})"
+                if aux else "")
+        out.append(f"{plural(n, 'tensor')} stored as {kind}{also}: trainers cannot compute with fp8 weights "
+                   f"('expected m1 and m2 to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
     for label, n in enc.quantized.items():
         hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith(("optimum-quanto", "bitsandbytes")) \
             else "ckpt cannot decode this layout"

@@ -60,6 +60,9 @@ CLAMP = click.option("--clamp-quantile", type=float, metavar="Q",
 
 
 def _common(f):
+    from ckpt.cli_report import REPORT
+
+    f = REPORT(f)
     f = QUIET(f)
     f = OVERWRITE(f)
     f = DEVICE(f)
@@ -74,6 +77,9 @@ def _options(**kw):
 
 
 def _show(report, path, quiet, dry_run, print_report):
+    from ckpt.cli_report import record
+
+    record(report, output=path, status="dry-run" if dry_run else "ok", summary=list(report.summary))
     if not quiet:
         for line in report.module_lines():
             click.echo(line)

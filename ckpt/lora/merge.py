@@ -52,7 +52,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         raise CkptError("--lowrank: merge decomposes stacked factors exactly; nothing to speed up")
     ratios = list(ratios) or [1.0] * len(specs)
     if len(ratios) != len(specs):
-        raise CkptError(f"--ratio given {len(ratios)} times for {len(specs)} LoRAs (give one per LoRA, in order)")
+        raise CkptError(f"--ratio given {len(ratios)} time{'s' * (len(ratios) != 1)} for {len(specs)} LoRA"
+                        f"{'s' * (len(specs) != 1)} (give one per LoRA, in order)")
     if opts.format is not None:
         raise CkptError("merge --format: converting the naming needs ckpt lora convert (not available yet); "
                         "merge keeps the inputs' naming")

@@ -25,13 +25,13 @@ from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
-from ckpt.report import Report
+from ckpt.report import Report, plural
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
                      resolve_device, write)
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
-SHOW_UNMATCHED = 20
+SHOW_UNMATCHED = 10  # keys listed in the summary; --report FILE.json holds all of them
 
 
 @dataclass
@@ -54,6 +54,10 @@ class MergeReport(Report):
     matched: dict[str, int] = field(default_factory=dict)  # LoRA -> modules matched
     changed: list[str] = field(default_factory=list)  # base tensors changed
     unmatched: dict[str, list[str]] = field(default_factory=dict)  # LoRA -> stored keys that matched nothing
+
+    def facts(self) -> dict:
+        """merge-lora's part of `--report FILE.json` (ckpt.cli_report): every unmatched key, not the first few."""
+        return {"summary": self.summary, "matched": self.matched, "changed": self.changed, "unmatched": self.unmatched}
 
 
 class MergeError(CkptError):
@@ -79,7 +83,8 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                         f"{litgpt.LORA_FILE})")
     ratios = list(opts.ratios) or [1.0] * len(loras)
     if len(ratios) != len(loras):
-        raise CkptError(f"--ratio given {len(ratios)} times for {len(loras)} LoRAs (give one per LoRA, in order)")
+        raise CkptError(f"--ratio given {len(ratios)} time{'s' * (len(ratios) != 1)} for {plural(len(loras), 'LoRA')} "
+                        "(give one per LoRA, in order)")
     if opts.to is not None and opts.to not in MERGE_TARGETS:
         raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")
     device = resolve_device(opts.device)
@@ -88,7 +93,13 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
         base_dir = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         files: list[LoraFile] = []
         for spec in loras:
-            f = load_lora(spec, base_dir)
+            try:
+                f = load_lora(spec, base_dir)
+            except CkptError as e:  # `ckpt merge-lora lora.safetensors model.safetensors`: say so
+                hint = _swapped_hint(ckpt)
+                if hint:
+                    raise CkptError(f"{e}{hint}") from None
+                raise
             stack.callback(f.close)
             files.append(f)
         fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
@@ -127,15 +138,17 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         _match(f, ratio, views, keymaps, where, patches, bases, report)
     report.changed = sorted(bases[i].name for i in patches)
     report.summary.append(f"base tensors changed: {len(report.changed)}")
+    swapped = _swapped_hint(ckpt)
     bad = {s: u for s, u in report.unmatched.items() if u}
     if bad and not opts.allow_unmatched:
         s, u = next(iter(bad.items()))
         f = next(f for f in files if f.spec == s)
-        raise MergeError(f"{s}: {len(u)} LoRA keys match no base tensor (e.g. {u[0]!r}; "
-                         f"{family_note(f.modules.values(), keymaps)}); nothing was written "
+        raise MergeError(f"{s}: {plural(len(u), 'LoRA key')} match{'es' * (len(u) == 1)} no base tensor (e.g. {u[0]!r}; "
+                         f"{family_note(f.modules.values(), keymaps)}){swapped}; nothing was written "
                          "(pass --allow-unmatched to merge the rest)", report)
     if not patches:
-        raise MergeError("no LoRA module matched the base; nothing to merge", report)
+        raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
+                         f"{swapped}; nothing to merge", report)
 
     target = TARGETS[opts.to] if opts.to else None
     lit_note = None
@@ -163,6 +176,22 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     if fp8_seen and target is None:
         plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
     return plan
+
+
+def _looks_like_lora(ckpt) -> bool:
+    """The base's own keys are mostly LoRA factors (inspect's rule): the arguments were probably swapped."""
+    from ckpt.inspect.detect import lora_modules
+
+    names = [n for c in ckpt.components for n in c.tensors]
+    kinds, _, _, alphas = lora_modules(names, {})
+    keys = sum(len(m) for m in kinds.values())
+    return bool(names) and (keys * 2 + alphas) >= len(names) * 0.5
+
+
+def _swapped_hint(ckpt) -> str:
+    if not _looks_like_lora(ckpt):
+        return ""
+    return f"; BASE {ckpt.spec} is itself a LoRA: swapped? the order is `ckpt merge-lora BASE LORA...`"
 
 
 def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, report: MergeReport) -> None:
@@ -198,15 +227,16 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
     report.matched[f.spec] = n_matched
     report.unmatched[f.spec] = unmatched
     detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
-    report.summary.append(f"{f.spec}: {n_matched} LoRA modules matched (ratio {ratio:g}"
+    report.summary.append(f"{f.spec}: {plural(n_matched, 'LoRA module')} matched (ratio {ratio:g}"
                           + (f"; {detail})" if detail else ")"))
     if no_alpha:
-        report.note(f"{f.spec}: {no_alpha} modules carry no alpha (no alpha key, adapter_config.json or "
+        report.note(f"{f.spec}: {plural(no_alpha, 'module')} carr{'y' if no_alpha != 1 else 'ies'} no alpha (no alpha key, adapter_config.json or "
                     "lora_adapter_metadata): scale 1")
     if unmatched:
-        shown = ", ".join(unmatched[:SHOW_UNMATCHED]) + (f", ... ({len(unmatched) - SHOW_UNMATCHED} more)"
-                                                        if len(unmatched) > SHOW_UNMATCHED else "")
-        report.summary.append(f"{f.spec}: {len(unmatched)} unmatched LoRA keys: {shown}")
+        more = len(unmatched) - SHOW_UNMATCHED
+        shown = ", ".join(unmatched[:SHOW_UNMATCHED]) + (
+            f", ... ({more} more; --report FILE.json lists them all)" if more > 0 else "")
+        report.summary.append(f"{f.spec}: {plural(len(unmatched), 'unmatched LoRA key')}: {shown}")
 
 
 def _narrow(target, m, tensors, f):

@@ -170,7 +170,29 @@ def family_note(modules, keymaps: list[KeyMap]) -> str:
     said = f"{naming} LoRA for " + (f"{_family_text(lora)}" if lora else "a model no family recognises")
     base = next((km.main for km in keymaps if km.main), None) or next(
         (m for km in keymaps for _, m in km.matches), None)
-    return said + "; base is " + (_family_text(base) if base else "a model no family recognises")
+    lora_te = _text_encoders(names)
+    base_te = _text_encoders(n for km in keymaps for n in km.names() if n.startswith("lora_te"))
+    if lora_te:
+        said += f", with {'/'.join(lora_te)} keys"
+    based = _family_text(base) if base else "a model no family recognises"
+    if lora_te and {t.replace("te1", "te") for t in lora_te} - {t.replace("te1", "te") for t in base_te}:
+        based += (f", with text encoder{'s' * (len(base_te) != 1)} {'/'.join(base_te)}" if base_te
+                  else ", with no text encoder")
+    return said + "; base is " + based
+
+
+_TE = re.compile(r"^(?:lora_te(\d?)_|text_encoder(?:_(\d))?\.)")
+
+
+def _text_encoders(names) -> list[str]:
+    """kohya's text-encoder numbers among module names: `lora_te_` (SD1/SD2) is te, `lora_te1_`/
+    `text_encoder.` te1, `lora_te2_`/`text_encoder_2.` te2, ... (sorted)."""
+    seen = set()
+    for n in names:
+        m = _TE.match(n)
+        if m:
+            seen.add("te" + (m[1] or (m[2] or ("1" if n.startswith("text_encoder.") else ""))))
+    return sorted(seen)
 
 
 def _family_text(m: Match) -> str:

@@ -313,7 +313,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         consumed[key] = "optimum-quanto <= 0.2.2 metadata string"
     _refuse_stray(ctx, set(consumed))
     summary = ", ".join(f"{n} {q}" for q, n in sorted(qtypes_seen.items())) or "no quantized weights"
-    notes = [f"{ctx.component.subdir or '.'}: optimum-quanto: dequantized {summary}"] + resolver.notes
+    where_note = f"{ctx.component.subdir}: " if ctx.component.subdir else ""
+    notes = [f"{where_note}optimum-quanto: dequantized {summary}"] + resolver.notes
     return Decoded("optimum-quanto", tensors, consumed, notes=notes, anchors=anchors)
 
 
