@@ -191,3 +191,14 @@ def test_report_in_a_missing_folder_is_refused_before_running(tmp_path, run_ckpt
     code, out, err = run_ckpt("convert", p, "--to", "fp16", "--report", tmp_path / "no" / "r.json")
     assert code == 2 and err.count("\n") == 1 and "--report" in err and "does not exist" in err
     assert not (tmp_path / "m-fp16.safetensors").exists()
+
+
+def test_inspect_names_the_top_folder_not_dot(tmp_path, run_ckpt):
+    d = tmp_path / "pipe"
+    (d / "vae").mkdir(parents=True)
+    write(d / "model.safetensors", {"a.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)})
+    write(d / "vae" / "model.safetensors", {"b.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)})
+    code, out, err = run_ckpt("inspect", d, "--json")
+    warnings = json.loads(out)["warnings"]
+    assert code == 0 and warnings[0].startswith("top folder: 1 tensor stored as fp8_e4m3fn")
+    assert warnings[1].startswith("vae: 1 tensor stored") and not any(w.startswith(".:") for w in warnings)

@@ -92,7 +92,8 @@ def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
         "training_checkpoint": training,
         "components": comps,
         "totals": {k: sum(c[k] for c in comps) for k in ("tensors", "parameters", "bytes")},
-        "warnings": [f"{c['name']}: {w}" if len(comps) > 1 else w for c in comps for w in c["warnings"]],
+        "warnings": [f"{c['name'] if c['name'] != '.' else 'top folder'}: {w}" if len(comps) > 1 else w
+                     for c in comps for w in c["warnings"]],
         "notes": notes,
     }
     return report
