@@ -49,7 +49,7 @@ def log(msg: str) -> None:
 def flux_specs(size_gb: float) -> list[tuple[str, tuple[int, ...]]]:
     """Flux's tensor list (BFL names); double and single blocks in Flux's 19:38 ratio, as many as fit."""
     params = size_gb * 1e9 / 2
-    h = next(w for w in (3072, 2048, 1536, 1024, 768, 512, 256) if 3 * 36 * w * w <= params or w == 256)
+    h = next(w for w in (3072, 2048, 1536, 1024, 768, 512, 256) if 3 * 66 * w * w <= params or w == 256)
     hd = 128 if h >= 1024 else 64
     top = [("img_in.weight", (h, 64)), ("img_in.bias", (h,)), ("txt_in.weight", (h, 4096)), ("txt_in.bias", (h,)),
            ("time_in.in_layer.weight", (h, 256)), ("time_in.in_layer.bias", (h,)),
@@ -77,7 +77,7 @@ def flux_specs(size_gb: float) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "modulation.lin.weight", (3 * h, h)), (p + "modulation.lin.bias", (3 * h,)),
                 (p + "norm.query_norm.scale", (hd,)), (p + "norm.key_norm.scale", (hd,))]
 
-    per_pair = 2 * 36 * h * h + 15 * h * h  # one double + two singles (19:38)
+    per_pair = 36 * h * h + 2 * 15 * h * h  # one double block (36 h^2) + two single blocks (15 h^2 each), 19:38
     n = max(1, round((params - sum(_numel(s) for _, s in top)) / per_pair))
     specs = list(top)
     for i in range(n):

@@ -269,6 +269,9 @@ def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
 
 def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
     """The whole GGUF output (one file) for SRC's single component."""
+    from ckpt.io.gguf import plain_types
+    from ckpt.io.gguf_writer import int32_array, string, uint32
+
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
     target = ggml_type_of(target_name)
@@ -304,11 +307,7 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
         summary.setdefault((label, c.why), 0)
         summary[(label, c.why)] += 1
         if c.reshaped:
-            from ckpt.io.gguf_writer import int32_array
-
             orig_shapes.append(int32_array(f"comfy.gguf.orig_shape.{name}", t.shape))
-        from ckpt.io.gguf import plain_types
-
         plain = plain_types().get(c.ggml_type)
         if plain is not None:
             if is_float(t.dtype):
@@ -323,7 +322,6 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
                                   gguf_type=c.ggml_type))
     if ignored:
         notes.append(f"{len(ignored)} {fam.arch} tensors ComfyUI-GGUF ignores left out (e.g. {ignored[0]!r})")
-    from ckpt.io.gguf_writer import string, uint32
 
     ftype = {T.F16: "MOSTLY_F16", T.BF16: "MOSTLY_BF16"}.get(target, f"MOSTLY_{T(target).name}")
     fields = [string("general.architecture", fam.arch),
