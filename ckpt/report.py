@@ -32,6 +32,10 @@ class Report:
         "saturated": ("value saturated at the fp8 maximum (448)", "values saturated at the fp8 maximum (448)"),
         "nonfinite_input": ("NaN/Inf value was already in the input (kept as it is)",
                             "NaN/Inf values were already in the input (kept as they are)"),
+        "nonfinite_quantized": ("NaN/Inf input value was quantized (Inf saturates; NaN is stored as 0, or as NaN in "
+                                "fp8 codes) and left out of the scales",
+                                "NaN/Inf input values were quantized (Inf saturates; NaN is stored as 0, or as NaN "
+                                "in fp8 codes) and left out of the scales"),
     }
 
     def warnings(self) -> list[str]:

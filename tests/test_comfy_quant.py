@@ -78,6 +78,31 @@ def small_bands(monkeypatch):
     monkeypatch.setattr("ckpt.io.output.BAND_ELEMS", 2048)  # a 288-row weight spans several 128-row bands
 
 
+# --- the arithmetic against comfy-kitchen's own helpers ----------------------------------------------
+
+
+def test_e2m1_rounding_blocked_layout_and_e8m0_match_comfy_kitchen():
+    from comfy_kitchen.float_utils import _f32_to_floatx_unpacked, e8m0_to_f32, from_blocked, to_blocked
+
+    from ckpt.quant import microscaling as mx
+
+    # every multiple of 1/8 in [-6, 6] and both float32 neighbours of each (all ties and their sides)
+    grid = torch.arange(-48, 49, dtype=torch.float32) / 8
+    vals = torch.cat([grid, torch.nextafter(grid, torch.tensor(-7.0)), torch.nextafter(grid, torch.tensor(7.0)),
+                      torch.tensor([0.0, -0.0, 1e-38, -1e-38, 1e-45]), torch.randn(4096) * 2]).clamp(-6, 6)
+    assert torch.equal(mx.encode_e2m1(vals), _f32_to_floatx_unpacked(vals.clone(), 2, 1))
+    codes = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(mx.unpack_e2m1(codes.reshape(-1, 1)).reshape(-1, 2),
+                       torch.stack([mx.unpack_e2m1(torch.tensor([[c]], dtype=torch.uint8)).reshape(2) for c in codes]))
+    assert torch.equal(mx.e8m0_to_float(codes).view(torch.int32), e8m0_to_f32(codes).view(torch.int32))
+    for rows, blocks in [(1, 1), (130, 5), (256, 8), (384, 3)]:
+        nat = torch.randint(0, 256, (rows, blocks), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+        grid_rows, grid_cols = mx.scale_grid(rows, blocks)
+        blocked = mx.swizzle(mx.pad_grid(nat, grid_rows, grid_cols))
+        assert torch.equal(blocked, to_blocked(nat, flatten=False))
+        assert torch.equal(mx.unswizzle(blocked)[:rows, :blocks], from_blocked(blocked, rows, blocks))
+
+
 # --- decoding: files written by comfy-kitchen ---------------------------------------------------------
 
 # shapes: rows not a multiple of 128, blocks per row not a multiple of 4 (padding in the blocked layout)
@@ -266,6 +291,20 @@ def test_all_zero_weight_decodes_to_zeros(tmp_path, run_ckpt):
             for suffix, t in ck_quantize(fmt, zeros)[2].items():
                 assert same_bytes(got[f"blocks.0.a.weight{suffix}"], t)
         assert same_bytes(comfy_load(got, "blocks.0.a", (32, 64)), zeros)
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "int8"])
+def test_nonfinite_input_counted_and_left_out_of_the_scale(tmp_path, run_ckpt, target):
+    w = weight((32, 64), dtype=torch.float32)
+    w[3, 5], w[4, 6], w[5, 7] = float("nan"), float("inf"), -float("inf")
+    save_file({"blocks.0.a.weight": w}, tmp_path / "m.safetensors")
+    code, _, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", target, "-o", tmp_path / "q.safetensors", "-q")
+    assert code == 0, err
+    assert "3 NaN/Inf input values were quantized" in err and "in 1 tensor: blocks.0.a.weight (3)" in err
+    got = load_file(tmp_path / "q.safetensors")
+    finite = w.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    key = "blocks.0.a.weight_scale_2" if target == "nvfp4" else "blocks.0.a.weight_scale"
+    assert same_bytes(got[key], ck_quantize(ENCODE[target][0], finite)[1].scale)
 
 
 def test_tiny_diffusers_flux_roundtrip_loads_strictly(tmp_path, run_ckpt):

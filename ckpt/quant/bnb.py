@@ -61,6 +61,16 @@ def code_table(quant_type: str, device=torch.device("cpu")) -> torch.Tensor:
     return _TABLE_CACHE[key]
 
 
+def _pair_table(quant_type: str, device) -> torch.Tensor:
+    """256 entries: byte b -> (table[b >> 4], table[b & 15]) as one int64 (one lookup per byte)."""
+    key = (quant_type + "-pairs", str(device))
+    if key not in _TABLE_CACHE:
+        t = code_table(quant_type)
+        pairs = torch.stack((t.repeat_interleave(16), t.repeat(16)), dim=-1).contiguous()
+        _TABLE_CACHE[key] = pairs.view(torch.int64).reshape(256).to(device)
+    return _TABLE_CACHE[key]
+
+
 class Bnb4bitWeight(Tensor):
     """A 4-bit weight: any band of rows is a range of the flattened codes, read with the absmax blocks
     covering it (and their nested codes)."""
@@ -93,20 +103,20 @@ class Bnb4bitWeight(Tensor):
         bs = self.blocksize
         b0, b1 = e0 // bs, -(-e1 // bs)  # absmax blocks covering the band
         E0, E1 = b0 * bs, min(self.n, b1 * bs)  # block-aligned element range (E0 is even: bs is)
-        codes = self._codes(E0 // 2, (E1 + 1) // 2, device)
-        vals = code_table(self.quant_type, device)[codes[: E1 - E0].long()]
+        raw = self._bytes(E0 // 2, (E1 + 1) // 2, device)
+        pairs = torch.index_select(_pair_table(self.quant_type, device), 0, raw.to(torch.int32))
+        vals = pairs.view(torch.float32)[: E1 - E0]
         vals = torch.nn.functional.pad(vals, (0, (b1 - b0) * bs - (E1 - E0)))  # a last, partial block
         y = (vals.view(-1, bs) * self._absmax(b0, b1, device).view(-1, 1)).view(-1)
         y = y[e0 - E0: e1 - E0]
         return y.reshape((stop - start, *self.shape[1:]) if self.shape else ())
 
-    def _codes(self, byte0: int, byte1: int, device) -> torch.Tensor:
-        """uint8 codes of the elements in bytes [byte0, byte1) of the packed data."""
+    def _bytes(self, byte0: int, byte1: int, device) -> torch.Tensor:
+        """Bytes [byte0, byte1) of the packed data (two codes each, the even element high)."""
         rb = self.row_bytes
         r0, r1 = byte0 // rb, -(-byte1 // rb)
         raw = self.packed.read(r0, r1, device) if self.packed.shape else self.packed.read_all(device)
-        raw = raw.contiguous().view(torch.uint8).reshape(-1)[byte0 - r0 * rb: byte1 - r0 * rb]
-        return torch.stack((raw >> 4, raw & 0x0F), dim=-1).reshape(-1)
+        return raw.contiguous().view(torch.uint8).reshape(-1)[byte0 - r0 * rb: byte1 - r0 * rb]
 
     def _absmax(self, b0: int, b1: int, device) -> torch.Tensor:
         a = self.absmax.read(b0, b1, device)

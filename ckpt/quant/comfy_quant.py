@@ -301,11 +301,22 @@ def finite_amax(source: Tensor, device: torch.device = torch.device("cpu")) -> t
 
     amax = torch.zeros((), dtype=torch.float32)
     for a, b in bands(source):
-        x = source.read(a, b, device).to(torch.float32).abs()
-        x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
-        if x.numel():
-            amax = torch.maximum(amax, x.max().cpu())
+        band = source.read(a, b, device).reshape(-1)
+        for i in range(0, band.numel(), CHUNK_ELEMS):
+            x = band[i: i + CHUNK_ELEMS].to(torch.float32)
+            lo, hi = torch.aminmax(x)
+            m = torch.maximum(hi, -lo)
+            if not bool(torch.isfinite(m)):  # rare: leave NaN/Inf out
+                m = x.abs().masked_fill_(~torch.isfinite(x), 0.0).max()
+            amax = torch.maximum(amax, m.cpu())
     return amax
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """NaN/Inf values in `x`: one sum pass, and an exact count only when that sum is not finite."""
+    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
+        return 0
+    return int((~torch.isfinite(x)).sum())
 
 
 class _Lazy:
@@ -330,6 +341,9 @@ def unencodable(spec: QuantSpec, shape) -> str | None:
     return None
 
 
+CHUNK_ELEMS = 1 << 20  # the encoders work on row chunks of a band: their fp32 temporaries stay small
+
+
 def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) -> list[OutTensor]:
     """The stored tensors of the logical weight `t` (`X.weight`, its scales) in the layout `spec`,
     each streamed from `t`'s bands. `X.comfy_quant` is not among them (see `config_tensor`).
@@ -346,48 +360,46 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
     def scalar(key, fn):
         return OutTensor(key, torch.float32, (), ComputedTensor(key, fn, torch.float32, (), home=t.home), lambda x, b: x)
 
-    def count_bad(x):
-        report.count("nonfinite_input", name, int((~torch.isfinite(x)).sum()))
+    def codes(dtype, out_cols, fn):
+        """The weight's OutTensor: each band converted to fp32 and encoded by `fn` in row chunks."""
+        def cast(x, buffers):
+            n = x.shape[0]
+            out = (buffers.typed("comfy_quant", dtype, (n, out_cols)) if buffers is not None and x.device.type == "cpu"
+                   else torch.empty((n, out_cols), dtype=dtype, device=x.device))
+            step = max(1, CHUNK_ELEMS // cols)
+            bad = 0
+            for r in range(0, n, step):
+                chunk = x[r: r + step].to(torch.float32)
+                bad += count_nonfinite(chunk)
+                out[r: r + step] = fn(chunk)
+            report.count("nonfinite_quantized", name, bad)
+            return out
+
+        return OutTensor(name, dtype, (rows, out_cols), t, cast)
 
     if fmt in FP8_FORMATS:
         dt = FP8_FORMATS[fmt]
         top = torch.finfo(dt).max
         scale = _Lazy(lambda: _nonzero(finite_amax(t) / top))
-
-        def enc_fp8(x, b):
-            x = x.to(torch.float32)
-            count_bad(x)
-            s = scale().to(x.device)
-            return torch.clamp(x * (1.0 / s), -top, top).to(dt)
-
-        return [OutTensor(name, dt, (rows, cols), t, enc_fp8), scalar(f"{layer}.weight_scale", scale)]
+        # comfy-kitchen's quantize_per_tensor_fp8: x * (1 / scale), clamped, cast
+        return [codes(dt, cols, lambda x: (x * (1.0 / scale().to(x.device))).clamp_(-top, top).to(dt)),
+                scalar(f"{layer}.weight_scale", scale)]
     if fmt == "int8_tensorwise":
         if spec.rowwise:
-            def enc_rows(x, b):
-                x = x.to(torch.float32)
-                count_bad(x)
-                s = _int8_scale(x.abs().amax(dim=-1, keepdim=True))
-                return torch.round(x / s).clamp_(-128, 127).to(torch.int8)
+            def row_scales(x):
+                return _int8_scale(x.to(torch.float32).abs().amax(dim=-1, keepdim=True))
 
-            srows = _Derived(f"{layer}.weight_scale", t, torch.float32, (rows, 1),
-                             lambda x: _int8_scale(x.to(torch.float32).abs().amax(dim=-1, keepdim=True)))
-            return [OutTensor(name, torch.int8, (rows, cols), t, enc_rows),
+            srows = _Derived(f"{layer}.weight_scale", t, torch.float32, (rows, 1), row_scales)
+            return [codes(torch.int8, cols, lambda x: _int8_round(x / row_scales(x))),
                     OutTensor(srows.name, torch.float32, (rows, 1), srows, lambda x, b: x)]
         scale = _Lazy(lambda: _int8_scale(finite_amax(t)))
-
-        def enc_int8(x, b):
-            x = x.to(torch.float32)
-            count_bad(x)
-            return torch.round(x / scale().to(x.device)).clamp_(-128, 127).to(torch.int8)
-
-        return [OutTensor(name, torch.int8, (rows, cols), t, enc_int8), scalar(f"{layer}.weight_scale", scale)]
+        return [codes(torch.int8, cols, lambda x: _int8_round(x / scale().to(x.device))),
+                scalar(f"{layer}.weight_scale", scale)]
     grid = mx.scale_grid(rows, cols // BLOCK[fmt])
     if fmt == "nvfp4":
         gscale = _Lazy(lambda: _nonzero(finite_amax(t) / (mx.E4M3_MAX * mx.E2M1_MAX)))
 
-        def enc_fp4(x, b):
-            x = x.to(torch.float32)
-            count_bad(x)
+        def fp4(x):
             g = gscale().to(x.device)
             return mx.nvfp4_codes(x, g, mx.nvfp4_block_scales(x, g))
 
@@ -395,18 +407,11 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
             return mx.nvfp4_block_scales(x.to(torch.float32), gscale().to(x.device)).view(torch.uint8)
 
         bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e4m3fn, grid, fp4_scales, blocked=True)
-        return [OutTensor(name, torch.uint8, (rows, cols // 2), t, enc_fp4),
-                OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
+        return [codes(torch.uint8, cols // 2, fp4), OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
                 scalar(f"{layer}.weight_scale_2", gscale)]
-
-    def enc_mx(x, b):
-        x = x.to(torch.float32)
-        count_bad(x)
-        return mx.mxfp8_codes(x)
-
     bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e8m0fnu, grid,
                   lambda x: mx.mxfp8_block_scales(x.to(torch.float32))[0], blocked=True)
-    return [OutTensor(name, torch.float8_e4m3fn, (rows, cols), t, enc_mx),
+    return [codes(torch.float8_e4m3fn, cols, mx.mxfp8_codes),
             OutTensor(bs.name, torch.float8_e8m0fnu, grid, bs, lambda x, b: x)]
 
 
@@ -422,6 +427,11 @@ def _nonzero(s: torch.Tensor) -> torch.Tensor:
     """A per-tensor scale; an all-zero tensor gets 1 (any scale decodes zeros to zeros, and 0 would make
     comfy-kitchen's block scales 0/0)."""
     return torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32)
+
+
+def _int8_round(y: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's int8 rounding: round half to even, saturate at [-128, 127] (NaN: 0)."""
+    return y.nan_to_num_(0.0).round_().clamp_(-128, 127).to(torch.int8)
 
 
 def _int8_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -443,15 +453,13 @@ class _Derived(Tensor):
         return 0
 
     def read(self, start, stop, device, scratch=None):
-        from ckpt.io.output import BAND_ELEMS
-
         wrows, cols = self.weight.shape
         a, b = min(start, wrows), min(stop, wrows)
         align = self.weight.row_align
         if align is None:  # the weight is read whole
             parts = [self.fn(self.weight.read(0, wrows, device)[a:b])] if b > a else []
         else:
-            step = max(align, BAND_ELEMS // max(cols, 1) // align * align)
+            step = max(align, CHUNK_ELEMS // max(cols, 1) // align * align)
             parts = [self.fn(self.weight.read(r, min(b, r + step), device)) for r in range(a, b, step)]
         if not self.blocked:
             return torch.cat(parts) if parts else torch.empty((0, 1), dtype=self.dtype, device=device)

@@ -24,17 +24,40 @@ TILE_ROWS, TILE_COLS = 128, 4
 
 # e2m1 code -> value (codes 8..15 are the negatives, 8 is -0.0)
 _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-# Round to nearest, ties to even code: a magnitude above a boundary takes the upper code; at a boundary it
-# does only where the upper code is even (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0; 0.25 -> 0, 1.25 -> 1.0 ...).
-_UP_ABOVE = [0.25, 1.25, 2.5, 5.0]  # upper code odd: ties go down
-_UP_AT = [0.75, 1.75, 3.5]  # upper code even: ties go up
 _LUTS: dict[tuple, torch.Tensor] = {}
 
 
-def _const(values, device) -> torch.Tensor:
-    key = (id(values), str(device))
+def _encode_lut() -> list[int]:
+    """Code of a magnitude m in [0, 6] by q = 4m (exact): entry 2 * floor(q) + (q not an integer), plus 50
+    for a set sign bit. Round to nearest, ties to the even code: above a boundary a magnitude takes the
+    upper code; at one it does only where the upper code is even (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0;
+    0.25 -> 0, 1.25 -> 1.0, 2.5 -> 2.0, 5.0 -> 4.0). Boundaries are multiples of 0.25, so floor(q) and
+    whether q is an integer decide."""
+    up_above, up_at = (1, 5, 10, 20), (3, 7, 14)  # boundaries in units of q
+    lut = []
+    for k in range(25):
+        for frac in (0, 1):
+            lut.append(sum(k > b or (frac and k >= b) for b in up_above) + sum(k >= b for b in up_at))
+    return lut + [c | 8 for c in lut]
+
+
+_ENCODE = _encode_lut()
+
+
+def _lut(name: str, values, dtype, device) -> torch.Tensor:
+    key = (name, str(device))
     if key not in _LUTS:
-        _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        _LUTS[key] = torch.tensor(values, dtype=dtype).to(device)
+    return _LUTS[key]
+
+
+def _pair_lut(device) -> torch.Tensor:
+    """256 entries: byte b -> its two float32 values (E2M1[b >> 4], E2M1[b & 15]) viewed as one int64."""
+    key = ("pairs", str(device))
+    if key not in _LUTS:
+        e = torch.tensor(_E2M1, dtype=torch.float32)
+        pairs = torch.stack((e.repeat_interleave(16), e.repeat(16)), dim=-1).contiguous()
+        _LUTS[key] = pairs.view(torch.int64).reshape(256).to(device)
     return _LUTS[key]
 
 
@@ -43,19 +66,20 @@ def roundup(x: int, m: int) -> int:
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """(..., n) uint8 -> (..., 2n) float32 values; the high nibble holds the even element."""
-    codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(*packed.shape[:-1], -1)
-    return _const(_E2M1, packed.device)[codes.long()]
+    """(..., n) uint8 -> (..., 2n) float32 values; the high nibble holds the even element (one lookup of
+    a value pair per byte)."""
+    idx = packed.reshape(-1).to(torch.int32)
+    pairs = torch.index_select(_pair_lut(packed.device), 0, idx)
+    return pairs.view(torch.float32).reshape(*packed.shape[:-1], -1)
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """float32 values already clamped to [-6, 6] -> uint8 codes (round to nearest, ties to even; the
     sign of -0.0 and of values rounding to zero is kept, as comfy-kitchen keeps it)."""
-    mag = x.abs()
-    code = torch.bucketize(mag, _const(_UP_ABOVE, x.device), right=False)  # boundaries strictly below
-    code += torch.bucketize(mag, _const(_UP_AT, x.device), right=True)  # boundaries at or below
-    code = code.to(torch.uint8)
-    return code | (torch.signbit(x).to(torch.uint8) << 3)
+    q = x.abs().mul_(4)  # exact: a power of two
+    idx = q.to(torch.int32)  # floor, q >= 0
+    idx.mul_(2).add_(q.frac_() != 0).add_(torch.signbit(x), alpha=50)
+    return torch.index_select(_lut("encode", _ENCODE, torch.uint8, x.device), 0, idx.reshape(-1)).reshape(x.shape)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -105,11 +129,16 @@ def pad_grid(natural: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 # per-band block math, exactly as comfy-kitchen's eager quantize_nvfp4 / quantize_mxfp8
 
 
+def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(rows, cols) -> (rows, cols/block) max |x| per block: one min/max pass, no |x| copy (NaN
+    propagates, and the result is never -0.0, as with abs().amax())."""
+    lo, hi = torch.aminmax(x.reshape(x.shape[0], -1, block), dim=-1)
+    return torch.maximum(hi, lo.neg_()).abs_()
+
+
 def nvfp4_block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """(rows, cols) float32 -> (rows, cols/16) float8_e4m3fn block scales relative to `global_scale`."""
-    rows = x.shape[0]
-    amax = x.reshape(rows, -1, 16).abs().amax(dim=-1)
-    scaled = (amax / E2M1_MAX) / global_scale
+    scaled = (block_amax(x, 16) / E2M1_MAX) / global_scale
     return torch.clamp(scaled, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -118,10 +147,13 @@ def nvfp4_codes(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch
     rows, cols = x.shape
     total = global_scale * block_scales.to(torch.float32)
     zero = total == 0
-    safe = torch.where(zero, torch.ones_like(total), total)
-    y = x.reshape(rows, -1, 16) / safe.unsqueeze(-1)
-    y = torch.where(zero.unsqueeze(-1), torch.zeros_like(y), y)
-    y = torch.clamp(y, -E2M1_MAX, E2M1_MAX).reshape(rows, cols)
+    has_zero = bool(zero.any())
+    if has_zero:
+        total = torch.where(zero, torch.ones_like(total), total)
+    y = x.reshape(rows, -1, 16) / total.unsqueeze(-1)
+    if has_zero:  # comfy-kitchen's zero-scale blocks (all-zero or underflowed): codes 0
+        y.masked_fill_(zero.unsqueeze(-1), 0.0)
+    y = y.nan_to_num_(0.0).clamp_(-E2M1_MAX, E2M1_MAX).reshape(rows, cols)  # NaN has no e2m1 code: 0
     return pack_e2m1(encode_e2m1(y))
 
 
@@ -137,8 +169,7 @@ def nvfp4_decode(packed: torch.Tensor, global_scale: torch.Tensor, block_scales:
 def mxfp8_block_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) float32 -> ((rows, cols/32) uint8 e8m0 exponents, all-zero-block mask); an
     all-zero block gets exponent 0."""
-    rows = x.shape[0]
-    amax = x.reshape(rows, -1, 32).abs().amax(dim=-1)
+    amax = block_amax(x, 32)
     need = torch.clamp(amax / E4M3_MAX, min=2.0 ** -127)
     e = torch.clamp(torch.ceil(torch.log2(need)).to(torch.int32) + 127, 0, 254).to(torch.uint8)
     zero = amax == 0
