@@ -29,7 +29,7 @@ from ckpt.dtypes import is_float
 from ckpt.io.plan import OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.quant.comfy_quant import META_KEY, QuantSpec, config_tensor, encode, unencodable
-from ckpt.report import Report
+from ckpt.report import Report, plural
 
 TARGETS = {
     "nvfp4": QuantSpec("nvfp4"),
@@ -109,17 +109,14 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views,
             f.metadata.pop(META_KEY, None)
             if mine and f.format == "safetensors":
                 f.metadata[META_KEY] = json.dumps({"format_version": "1.0", "layers": mine})
-        plan.notes.append(f"{_count(len(layers), 'weight')} stored as {spec.format}"
+        plan.notes.append(f"{plural(len(layers), 'weight')} stored as {spec.format}"
                           + (" (row-wise scales)" if spec.rowwise else "")
                           + f"; other tensors keep their dtype ({'; '.join(sorted({r.describe for r in rules}))})")
         if misfits:
             block = {"nvfp4": 16, "mxfp8": 32}.get(spec.format)
             shown = ", ".join(misfits[:3]) + (", ..." if len(misfits) > 3 else "")
-            plan.notes.append(f"{_count(len(misfits), 'weight')} kept in high precision: dimensions not "
+            plan.notes.append(f"{plural(len(misfits), 'weight')} kept in high precision: dimensions not "
                               f"multiples of {block} ({shown})")
 
     return make, finish
 
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'s' * (n != 1)}"
