@@ -94,6 +94,18 @@ def test_rows_shorter_than_a_block_use_the_flattened_blocks(tmp_path, run_ckpt):
     assert same_bytes(load_file(tmp_path / "o.safetensors")["m.weight"], want)
 
 
+def test_other_quant_storage_dtype_holds_the_same_bytes(tmp_path, run_ckpt):
+    """`bnb_4bit_quant_storage=bfloat16` (FSDP/QLoRA saves): the packed bytes stored as a bf16 tensor."""
+    w = (torch.randn(24, 64, generator=torch.Generator().manual_seed(7)) * 0.1).bfloat16()
+    q, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4", quant_storage=torch.bfloat16)
+    assert q.dtype == torch.bfloat16
+    save_file({"m.weight": q} | {f"m.weight.{k}": v for k, v in st.as_dict(packed=True).items()}, tmp_path / "q.safetensors")
+    st.dtype = torch.float32
+    code, _, err = run_ckpt("convert", tmp_path / "q.safetensors", "--to", "fp32", "-o", tmp_path / "o.safetensors", "-q")
+    assert code == 0, err
+    assert same_bytes(load_file(tmp_path / "o.safetensors")["m.weight"], F.dequantize_4bit(q, st))
+
+
 def test_forge_style_nf4_single_file(tmp_path, run_ckpt):
     """Forge's NF4 Flux checkpoints: Params4bit keys under `model.diffusion_model.`, the rest bf16."""
     g = torch.Generator().manual_seed(3)
