@@ -248,10 +248,12 @@ def test_diffusers_file_loads_with_load_lora_adapter_and_fuses_to_tuned(tmp_path
 
     with safe_open(out, "pt") as f:
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert meta["transformer.rank_pattern"] or meta["transformer.r"] in (2, 4)
+    ranks = {meta["transformer.r"], *meta["transformer.rank_pattern"].values()}
+    assert ranks == {2, 4} and meta["transformer.lora_alpha"] == meta["transformer.r"]
     fresh = make()
     fresh.load_state_dict(load_file(tmp_path / "base" / "diffusion_pytorch_model.safetensors"))
-    fresh.load_lora_adapter(str(out), prefix="transformer")
+    lora_sd, metadata = diffusers.FluxPipeline.lora_state_dict(str(out), return_lora_metadata=True)
+    fresh.load_lora_adapter(lora_sd, prefix="transformer", metadata=metadata)
     fresh.fuse_lora()
     got = {k.replace(".base_layer.", "."): v for k, v in fresh.state_dict().items() if "lora_" not in k}
     for k, v in want.items():

@@ -57,7 +57,8 @@ def test_bfl_base_with_diffusers_names_loads_in_diffusers(tmp_path, run_ckpt):
     assert "transformer.norm_out.linear.lora_A.weight" in keys
     fresh = tiny_flux1()
     fresh.load_state_dict(base)
-    fresh.load_lora_adapter(str(out), prefix="transformer")
+    lora_sd, metadata = diffusers.FluxPipeline.lora_state_dict(str(out), return_lora_metadata=True)
+    fresh.load_lora_adapter(lora_sd, prefix="transformer", metadata=metadata)
     fresh.fuse_lora()
     got = {k.replace(".base_layer.", "."): v for k, v in fresh.state_dict().items() if "lora_" not in k}
     for k, v in tuned.items():

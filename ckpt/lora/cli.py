@@ -1,4 +1,4 @@
-"""`ckpt lora extract|resize|merge`: the click commands. Each builds `LoraOptions` and calls its
+"""`ckpt lora extract|resize|merge|convert`: the click commands. Each builds `LoraOptions` and calls its
 Python API; usage errors (a bad value, a missing argument) are one `error: ...` line with exit 2 like
 every other bad input, not click's usage text."""
 
@@ -17,7 +17,7 @@ class _OneLine:
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as e:
-            raise CkptError(f"{self._where(info_name, parent)}: {e.format_message()}") from None
+            raise CkptError(f"{self._where(info_name, parent)}: {' '.join(e.format_message().split())}") from None
 
     @staticmethod
     def _where(info_name, parent):
@@ -39,7 +39,7 @@ class LoraGroup(_OneLine, click.Group):
         try:
             return super().resolve_command(ctx, args)
         except click.UsageError as e:
-            raise CkptError(f"ckpt lora: {e.format_message()}") from None
+            raise CkptError(f"ckpt lora: {' '.join(e.format_message().split())}") from None
 
 
 def _rank_options(f):
@@ -91,7 +91,7 @@ def _show(report, path, quiet, dry_run, print_report):
 
 @click.group("lora", cls=LoraGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def lora():
-    """LoRA operations: extract from a fine-tune, resize, merge several into one."""
+    """LoRA operations: extract from a fine-tune, resize, merge several into one, convert namings."""
 
 
 @lora.command()
@@ -162,4 +162,28 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
                     clamp_quantile=clamp_quantile, save_dtype=save_dtype, device=device, dry_run=dry_run,
                     overwrite=overwrite, quiet=quiet)
     path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode)
+    _show(report, path, quiet, dry_run, _print_report)
+
+
+@lora.command()
+@click.argument("lora_file", metavar="LORA")
+@click.option("--format", "fmt", required=True, type=click.Choice(["kohya", "peft", "diffusers", "comfy"]),
+              help="Naming to write: kohya (lora_unet_..., .alpha), peft (adapter folder), diffusers (one file, "
+                   "alpha in lora_adapter_metadata), comfy (diffusion_model.<original names>).")
+@click.option("--base", help="The model the LoRA was made for: decides names the LoRA's keys alone cannot "
+                             "(default: recognised from the LoRA's own names).")
+@click.option("-o", "--output", "out", help="Output file or folder (default: LORA-FORMAT beside LORA).")
+@click.option("--to-lora", type=int, metavar="RANK",
+              help="Turn LoHa/LoKr/full modules the target naming has no form for into plain LoRA by SVD.")
+@click.option("--save-dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="dtype of factors that are recut (split, fused, folded); renamed modules keep theirs.")
+@_common
+def convert(lora_file, fmt, base, out, to_lora, save_dtype, dry_run, device, overwrite, quiet):
+    """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI): fused <-> split q/k/v, alpha placed."""
+    from ckpt.cli import _print_report
+    from ckpt.lora.convert import convert as run
+
+    opts = _options(format=fmt, save_dtype=save_dtype, device=device, dry_run=dry_run, overwrite=overwrite,
+                    quiet=quiet)
+    path, report = run(lora_file, out, opts, base=base, to_lora=to_lora)
     _show(report, path, quiet, dry_run, _print_report)

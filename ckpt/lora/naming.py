@@ -9,7 +9,9 @@ names modules in one layout of that family:
 - kohya: `lora_unet_` + the family's `kohya_layout` path with `.` -> `_` (Flux, SD3, Wan: original
   names; SD1/SD2 UNets: diffusers names; SDXL: LDM names), text encoders `lora_te{N}_` + Hugging Face
   CLIP names (`lora_te_` when the base has one text encoder);
-- diffusers: `PREFIX.` + the diffusers-layout path (PREFIX `transformer`, `unet`, `text_encoder[_N]`).
+- diffusers: `PREFIX.` + the diffusers-layout path (PREFIX `transformer`, `unet`, `text_encoder[_N]`);
+- comfy: `diffusion_model.` + the original-layout path (what ComfyUI's own LoRA files name), text
+  encoders as kohya names them.
 
 When the naming's layout is not the base's, the registry's `pairs` say how weights correspond: one
 original weight may become several modules (BFL `img_attn.qkv` -> `to_q`, `to_k`, `to_v`: row slices of
@@ -91,7 +93,10 @@ class Naming:
                 return self._refuse(part, keys, "a PEFT adapter folder holds one model; this base holds several "
                                                 "(use --format kohya, or extract from the model's own folder)")
             return self._same(part, keys, "base_model.model.")
-        if self.fmt == "kohya":
+        if self.fmt == "comfy" and part.role == "dm":  # ComfyUI: its model's own (original) names, dotted
+            head, flat = "diffusion_model.", False
+            want = ORIGINAL if fam is not None and ORIGINAL in fam.layouts else None
+        elif self.fmt in ("kohya", "comfy"):
             head = "lora_unet_" if part.role == "dm" else (
                 "lora_te_" if part.plain_te and n_te == 1 else f"lora_te{max(part.te_numbers or (1,))}_")
             want = _kohya_layout(match)
@@ -99,15 +104,16 @@ class Naming:
         else:
             head = _diffusers_prefix(component, config, part, fam)
             if head is None:
-                return self._refuse(part, keys, "diffusers naming needs a model the family registry knows, or a "
-                                                "diffusers/transformers folder (use --format kohya or peft)")
+                return self._refuse(part, keys, "diffusers naming needs to know the model (transformer or unet), "
+                                                "and no family recognises it: pass --base BASE (the model, or its "
+                                                "diffusers folder), or use --format kohya or peft")
             self.prefixes.add(head)
             head += "."
             want = DIFFUSERS if base_layout is not None else None
             flat = False
         if want is None or base_layout is None or want == base_layout or fam.pairs is None:
             return self._same(part, keys, head, flat, _wrapped(fam, part.keys, base_layout) if flat else None)
-        self._across(part, keys, fam.pairs(part.keys, base_layout), base_layout, head, flat)
+        self._across(part, keys, fam, base_layout, head, flat)
 
     def _refuse(self, part, keys, why):
         for k in keys:
@@ -118,9 +124,9 @@ class Naming:
         for k in keys:
             self._add(part, [k], [Piece(_spell(head, wrapped.get(k, module_of(k)), flat))])
 
-    def _across(self, part, keys, pairs, base_layout, head, flat):
+    def _across(self, part, keys, fam, base_layout, head, flat):
         """The base in one layout, the names in the other: the registry's pairs say which weights and rows."""
-        pairs = [p for p in pairs if not (p.original or "").endswith((".bias", "_bias"))]
+        pairs = [p for p in fam.pairs(part.keys, base_layout) if not (p.original or "").endswith((".bias", "_bias"))]
         done: set[str] = set()
         if base_layout == ORIGINAL:  # one original weight -> the diffusers modules cut from it
             by_key: dict[str, list] = {}
@@ -139,10 +145,18 @@ class Naming:
             for p in pairs:
                 if p.diffusers in part.keys and p.original is not None:
                     by_original.setdefault(p.original, []).append(p)
+            whole = _complete(fam, part.keys, by_original)
             for original, ps in by_original.items():
                 ps = sorted(ps, key=lambda p: (p.rows or (0, 0))[0])
                 ks = [p.diffusers for p in ps]
                 if not all(k in keys for k in ks):
+                    continue
+                if original not in whole:
+                    for k in ks:
+                        self.groups.append(Group([part.prefix + k], reason=(
+                            f"{part.prefix + k!r} is one piece of {original!r}, whose other pieces this model "
+                            "lacks, so the fused module's size is unknown (pass --base BASE)")))
+                    done.update(ks)
                     continue
                 transform = ps[0].transform if len(ps) == 1 else None
                 self._add(part, ks, [Piece(_spell(head, module_of(original), flat), None, transform)],
@@ -169,6 +183,25 @@ class Naming:
                                                       f"{', '.join(full)} (ambiguous in this base)"))
                 return
         self.groups.append(Group(full, pieces))
+
+
+def _complete(fam, shapes, by_original) -> set[str]:
+    """The original weights all of whose diffusers pieces are present: the family's own split of an
+    original weight of the size the present pieces add up to must give back exactly those pieces (a
+    LoRA naming only some of q/k/v, read as a model, lacks the others)."""
+    orig = {}
+    for original, ps in by_original.items():
+        first = shapes[ps[0].diffusers]
+        rows = max(p.rows[1] if p.rows else shapes[p.diffusers][0] for p in ps)
+        if ps[0].transform == "transpose" and len(first) == 2:
+            orig[original] = (first[1], first[0])
+        else:
+            orig[original] = (rows,) + tuple(first[1:])
+    back: dict[str, set] = {}
+    for p in fam.pairs(orig, ORIGINAL):
+        if p.original in orig and p.diffusers is not None:
+            back.setdefault(p.original, set()).add((p.diffusers, p.rows))
+    return {o for o, ps in by_original.items() if back.get(o) == {(p.diffusers, p.rows) for p in ps}}
 
 
 def _wrapped(fam, shapes, layout) -> dict[str, str]:

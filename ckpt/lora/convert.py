@@ -1,0 +1,419 @@
+"""`ckpt lora convert LORA --format kohya|peft|diffusers|comfy [--base BASE]`: the same LoRA in the
+naming another loader expects.
+
+Every module of the LoRA is first placed on the weights of a base, exactly as `ckpt merge-lora`
+places it (the key map: names of either layout, row slices of fused weights, transforms). The base is
+BASE when given; otherwise a *virtual base* made from the LoRA itself: one weight per module, named
+by the module's own name without its trainer prefix and shaped as its factors say, recognised by the
+family registry like any base (kohya's flattened names are matched against the family's tensor
+names: `ckpt.lora.unflatten`). The output naming then cuts that base into modules
+(`ckpt.lora.naming`), and each output module's factors are put together from the input modules that
+land on its rows:
+
+- a rename (one input module is the whole output module): the factors as they are, alpha kept;
+- a split (kohya `img_attn.qkv` -> diffusers `to_q`, `to_k`, `to_v`): the up rows of each piece, the
+  same down; exact, same rank;
+- a fusion (diffusers `to_q`, `to_k`, `to_v` -> kohya `img_attn.qkv`): the pieces' factors block-
+  diagonally, up [3H, 3r] with each piece's up in its rows, down [3r, in] stacked; exact. Rows no
+  input module touches stay zero;
+- transforms (adaLN shift/scale `swap_halves`, `transpose`) permute or swap the factors.
+
+Scales: a module keeps its alpha where the contributors share one scale (alpha' = scale x rank');
+otherwise each contributor's scale is folded into its up factor and alpha' = rank' (scale 1).
+LoHa / LoKr / full modules and DoRA magnitudes are carried over on renames to formats that have them
+(kohya, comfy: LyCORIS keys); elsewhere they are refused by name, or turned into plain LoRA modules by
+SVD with --to-lora RANK (error reported per module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckpt.errors import CkptError
+from ckpt.families.lora_namings import naming_of
+from ckpt.io.plan import Plan
+from ckpt.lora import svd as S
+from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.formats import Layout, OutModule, plan_lora
+from ckpt.lora.modules import Source, factor_shapes, open_lora, stored
+from ckpt.lora.naming import Naming
+from ckpt.lora.store import FactorStore
+from ckpt.lora.unflatten import unflatten
+from ckpt.progress import progress_bar
+from ckpt.run import default_output, output_path, resolve_device, write
+
+FORMATS = ("kohya", "peft", "diffusers", "comfy")
+LYCORIS_FORMATS = ("kohya", "comfy")  # formats whose files carry LoHa/LoKr/full/IA3/GLoRA keys
+SHOW = 5
+
+
+@dataclass
+class Contribution:
+    """Rows of one input module's delta that land on rows of an output group's stacked delta."""
+
+    src: Source
+    module_rows: tuple[int, int]
+    stack_rows: tuple[int, int]
+    transform: str | None
+
+
+@dataclass
+class _Out:
+    group: object
+    total_rows: int  # rows of the group's stacked delta
+    contributions: list[Contribution] = field(default_factory=list)
+
+
+def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str | None = None,
+            to_lora: int | None = None, report: LoraReport | None = None) -> tuple[Path, LoraReport]:
+    report = report or LoraReport()
+    fmt = opts.format
+    if fmt not in FORMATS:
+        raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if to_lora is not None and to_lora < 1:
+        raise CkptError(f"--to-lora {to_lora}: a rank is at least 1")
+    opts.check(rank_required=False)
+    device = resolve_device(opts.device)
+    with contextlib.ExitStack() as stack:
+        f = open_lora(spec)
+        stack.callback(f.close)
+        if f.unknown:
+            raise CkptError(f"{spec}: {len(f.unknown)} keys are no adapter part (e.g. {f.unknown[0]!r}); "
+                            "nothing to convert them to")
+        sources = {m.name: Source(m, device) for m in f.modules.values()}
+        if base is not None:
+            from ckpt.io.checkpoint import open_checkpoint
+            from ckpt.quant import logical_view
+
+            ckpt = stack.enter_context(open_checkpoint(base))
+            comps = [(c.subdir, {k: tuple(t.shape) for k, t in logical_view(c).tensors.items()}, c.config)
+                     for c in ckpt.components]
+            renames: dict[str, str] = {}
+            inputs_extra = ckpt.inputs
+        else:
+            comps, renames = _virtual_base(sources, spec)
+            inputs_extra = []
+        namings = [Naming(fmt, shapes, sub, config, len(comps) == 1) for sub, shapes, config in comps]
+        outs = _place(sources, renames, namings, comps, spec, base)
+        layout = Layout.of("kohya" if fmt == "comfy" else fmt,
+                           tuple(sorted({p for n in namings for p in n.prefixes})))
+        folder = layout.container == "folder"
+        derived = default_output(spec, Path(spec).expanduser(), fmt, folder=folder)
+        out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
+        inputs = f.inputs + inputs_extra
+        early_target_check(out_path, inputs, opts.overwrite, not folder, opts.dry_run)
+        if opts.dry_run:
+            report.summary.append(f"would write {sum(len(o.group.pieces) for o in outs)} modules in {fmt} naming "
+                                  f"from {len(sources)} input modules")
+            return out_path, report
+        store = stack.enter_context(FactorStore(out_path))
+        modules = _build(outs, fmt, layout, opts, to_lora, store, report)
+        report.finish("wrote")
+        op = f"lora convert {Path(spec).name} --format {fmt}" + (f" --base {Path(base).name}" if base else "")
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op)
+        write(plan, out_path, inputs=inputs, report=report, desc="lora convert", device=torch.device("cpu"),
+              overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
+    return out_path, report
+
+
+# -- where the input modules land ----------------------------------------------------------------------
+
+def _virtual_base(sources: dict[str, Source], spec: str):
+    """A base made from the LoRA: one weight per module (trainer prefix removed, kohya names
+    unflattened through the family registry), per model part (`unet/`, `transformer/`,
+    `text_encoder[_N]/`), shaped as the factors say. Returns the components and module name ->
+    the virtual weight's module path (the name the key map will be asked)."""
+    parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    flat_dm: dict[str, tuple[str, tuple[int, ...]]] = {}
+    where: dict[str, tuple[str, str]] = {}
+    for name, src in sources.items():
+        shape = (src.shape2d[0],) + src.weight_tail() if not src.transposed else tuple(src.shape2d)
+        prefix, naming = naming_of(name)
+        rest = name[len(prefix):]
+        comp = _component(prefix)
+        if naming in ("kohya", "OneTrainer", "LyCORIS"):
+            if not comp.startswith("text_encoder"):
+                flat_dm[name] = (rest, shape)
+                continue
+            # kohya text encoders: Hugging Face CLIP / T5 names, unflattened the same way below
+            flat_dm.setdefault("__te__" + name, (rest, shape))
+            where[name] = (comp, rest)
+            continue
+        parts.setdefault(comp, {})[rest + ".weight"] = shape
+        where[name] = (comp, rest)
+    if flat_dm:
+        dm = {n: v for n, v in flat_dm.items() if not n.startswith("__te__")}
+        mapping, _ = unflatten({rest: shape for rest, shape in dm.values()})
+        for name, (rest, shape) in dm.items():
+            dotted = mapping.get(rest)
+            if dotted is None:
+                continue
+            parts.setdefault("model", {})[dotted + ".weight"] = shape
+            where[name] = ("model", dotted)
+        te = {n[len("__te__"):]: v for n, v in flat_dm.items() if n.startswith("__te__")}
+        by_comp: dict[str, dict] = {}
+        for name, (rest, shape) in te.items():
+            by_comp.setdefault(where[name][0], {})[rest] = (name, shape)
+        for comp, items in by_comp.items():
+            mapping, _ = unflatten({rest: shape for rest, (_, shape) in items.items()})
+            for rest, (name, shape) in items.items():
+                dotted = mapping.get(rest)
+                if dotted is None:
+                    where.pop(name, None)
+                    continue
+                parts.setdefault(comp, {})[dotted + ".weight"] = shape
+                where[name] = (comp, dotted)
+    missing = [n for n in sources if n not in where]
+    if missing:
+        raise CkptError(f"{spec}: {len(missing)} modules are named in a way no known family explains without a "
+                        f"base (e.g. {missing[0]!r}); pass --base BASE (the model the LoRA was trained on)")
+    comps = [(comp, shapes, None) for comp, shapes in sorted(parts.items())]
+    return comps, {name: f"{comp}/{path}" for name, (comp, path) in where.items()}
+
+
+def _component(prefix: str) -> str:
+    """The pipeline component a trainer prefix stands for ("model" where the prefix does not say:
+    kohya's `lora_unet_`, ComfyUI's `diffusion_model.`, no prefix)."""
+    if prefix.startswith("lora_te"):
+        n = prefix[len("lora_te"):-1]
+        return "text_encoder" if n in ("", "1") else f"text_encoder_{n}"
+    if prefix.startswith(("text_encoder", "transformer.", "unet.", "prior.")):
+        return prefix.rstrip(".")
+    return "model"
+
+
+def _place(sources, renames, namings, comps, spec, base) -> list[_Out]:
+    """Every input module's Targets in the (virtual) base, as contributions to the output groups."""
+    index: list[dict[str, tuple[object, int, int]]] = []
+    for naming, (_, shapes, _) in zip(namings, comps):
+        at: dict[str, tuple[object, int, int]] = {}
+        for g in naming.groups:
+            total = sum(shapes[k][0] if shapes[k] else 1 for k in g.keys)
+            off = 0
+            for k in g.keys:
+                at[k] = (g, off, total)
+                off += shapes[k][0] if shapes[k] else 1
+        index.append(at)
+    outs: dict[int, _Out] = {}
+    unmatched = []
+    for name, src in sources.items():
+        hit = _resolve(src.module, renames.get(name), namings, comps)
+        if hit is None:
+            unmatched.append(name)
+            continue
+        ci, targets = hit
+        for t in targets:
+            entry = index[ci].get(t.key)
+            if entry is None:
+                raise CkptError(f"{spec}: module {name!r} lands on {t.key!r}, which no LoRA names in this format "
+                                "(a VAE or another model)")
+            g, off, total = entry
+            if g.pieces is None:
+                raise CkptError(f"{spec}: module {name!r}: {g.reason}")
+            shapes = comps[ci][1]
+            key_rows = shapes[t.key][0]
+            rows = t.rows or (0, key_rows)
+            mrows = t.part or (0, src.shape2d[0])
+            outs.setdefault(id(g), _Out(g, total)).contributions.append(
+                Contribution(src, mrows, (off + rows[0], off + rows[1]), t.transform))
+    if unmatched:
+        where = f"the base {base}" if base else "the model its names describe"
+        raise CkptError(f"{spec}: {len(unmatched)} modules match no weight of {where} (e.g. {unmatched[0]!r})")
+    return list(outs.values())
+
+
+def _resolve(module, renamed, namings, comps):
+    names = [renamed] if renamed else list(module.lookup_names)
+    if renamed:  # "comp/path" of the virtual base: its own component's key map
+        comp, path = renamed.split("/", 1)
+        ci = next(i for i, (sub, _, _) in enumerate(comps) if sub == comp)
+        targets = namings[ci].km.targets(path)
+        return (ci, targets) if targets else None
+    for name in names:
+        hits = [(i, n.km.targets(name)) for i, n in enumerate(namings)]
+        hits = [(i, t) for i, t in hits if t]
+        if len(hits) > 1:
+            raise CkptError(f"{module.source}: module {module.name!r} matches weights of several models of the base")
+        if hits:
+            return hits[0]
+    return None
+
+
+# -- the output modules -------------------------------------------------------------------------------
+
+def _build(outs: list[_Out], fmt: str, layout: Layout, opts: LoraOptions, to_lora, store, report) -> list[OutModule]:
+    modules: list[OutModule] = []
+    dtype = opts.dtype
+    with progress_bar(len(outs), "lora convert", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+        for o in outs:
+            bar.update(1)
+            total = o.total_rows
+            for piece in o.group.pieces:
+                p0, p1 = piece.rows or (0, total)
+                cs = sorted((c for c in o.contributions if c.stack_rows[0] < p1 and c.stack_rows[1] > p0),
+                            key=lambda c: c.stack_rows)
+                if not cs:
+                    continue
+                renamed = _as_renamed(cs, piece, p0, p1, fmt, layout, store)
+                if renamed is not None:
+                    modules.append(renamed)
+                    src = cs[0].src
+                    rows, cols = src.shape2d
+                    report.modules.append(ModuleResult(piece.name, (rows, cols), src.rank or 0, min(rows, cols), 0.0,
+                                                       0.0, note=f"renamed from {src.module.name}"))
+                    continue
+                modules.append(_combined(cs, piece, p0, p1, fmt, layout, to_lora, dtype, store, report))
+            for c in o.contributions:
+                c.src.release()
+    return modules
+
+
+def _is_whole(c: Contribution, p0: int, p1: int) -> bool:
+    rows = c.src.shape2d[0]
+    return c.stack_rows == (p0, p1) and c.module_rows == (0, rows)
+
+
+def _as_renamed(cs, piece, p0, p1, fmt, layout, store) -> OutModule | None:
+    """One input module that is exactly the output module (transforms cancelling): its stored tensors
+    under the new name, alpha kept. None when the factors must be recut."""
+    if len(cs) != 1 or not _is_whole(cs[0], p0, p1):
+        return None
+    c = cs[0]
+    if _compose(c.transform, piece.transform) is not None:
+        return None
+    src, m = c.src, c.src.module
+    name = piece.name
+    if src.family == "lora" and not src.transposed:
+        keys = src.roles
+        extra = {}
+        for role, key in keys.items():
+            t = m.parts[role]
+            if role in ("magnitude", "dora_scale"):
+                if getattr(src.adapter.dora, "axis", "rows") != "rows":
+                    raise CkptError(f"{m.source}: module {m.name!r}: an input-axis DoRA magnitude has no form in "
+                                    f"the {fmt} naming")
+                if fmt in LYCORIS_FORMATS:
+                    extra[f"{name}.dora_scale"] = _reshaped(t, (t.shape[0], 1))
+                else:
+                    extra[f"{name}.lora_magnitude_vector"] = _reshaped(t, (t.shape[0],))
+            elif role == "up_bias":
+                if fmt in LYCORIS_FORMATS:
+                    raise CkptError(f"{m.source}: module {m.name!r} has a lora_B bias, which {fmt} LoRAs cannot "
+                                    "hold (use --format peft or diffusers)")
+                extra[f"{name}.lora_B.bias"] = t
+            elif role == "mid":
+                if fmt not in LYCORIS_FORMATS:
+                    return None  # a Tucker LoCon: fold the mid factor (recut below)
+                extra[f"{name}.lora_mid.weight"] = t
+        alpha = m.alpha()
+        scale = src.scale
+        a = alpha if (alpha is not None and not m.rslora and not layout.rslora) else layout.alpha_for(scale, src.rank)
+        if not layout.stores_alpha and abs(scale - 1.0) > 0:
+            return None  # the scale must be folded into up
+        return OutModule(name, m.parts["up"], m.parts["down"], a, {}, extra)
+    if src.family in ("loha", "lokr", "full", "ia3", "glora") and fmt in LYCORIS_FORMATS:
+        extra = {f"{name}.{key[len(m.name) + 1:]}": t for key, t in stored(m).items()}
+        return OutModule(name, extra=extra)
+    return None
+
+
+def _reshaped(t, shape):
+    from ckpt.io.tensors import Reshaped
+
+    return t if tuple(t.shape) == tuple(shape) else Reshaped(t, shape)
+
+
+def _compose(a: str | None, b: str | None) -> str | None:
+    """Two row transforms one after the other (each is its own inverse)."""
+    if a == b:
+        return None
+    if a is None:
+        return b
+    if b is None:
+        return a
+    raise CkptError(f"cannot combine the transforms {a} and {b}")
+
+
+def _apply(transform, up, down):
+    """The factors of T(up @ down) for a row transform T."""
+    if transform is None:
+        return up, down
+    if transform == "swap_halves":
+        h = up.shape[0] // 2
+        return torch.cat([up[h:], up[:h]]), down
+    if transform == "transpose":
+        return down.mT, up.mT
+    if transform == "squeeze":
+        return up, down
+    raise CkptError(f"unknown transform {transform!r}")
+
+
+def _factors(c: Contribution, fmt, to_lora, report):
+    """(up [rows, r], down [r, cols], scale) of one contribution's whole module, in row view."""
+    src, m = c.src, c.src.module
+    if src.plain_lora and not src.transposed:
+        up, down = src.factors()
+        return up, down, src.scale
+    if src.family == "lora":
+        kind = "a DoRA module" if not src.plain_lora else "a transposed (fan_in_fan_out / embedding) module"
+        raise CkptError(f"{m.source}: module {m.name!r} is {kind}; it converts only where it stays one module "
+                        f"of the same rows in the {fmt} naming")
+    if to_lora is None:
+        raise CkptError(f"{m.source}: module {m.name!r} is {src.family}, which the {fmt} naming has no form for "
+                        "here; pass --to-lora RANK to turn it into a plain LoRA by SVD")
+    d = src.delta()
+    U, sv, Vh = torch.linalg.svd(d, full_matrices=False)
+    k = max(1, min(to_lora, *d.shape))
+    up, down = S.truncate(U, sv, Vh, k)
+    err, norm = S.error_of_whole(d, up, down)
+    report.modules.append(ModuleResult(m.name, tuple(d.shape), k, min(d.shape), S.rel(err, norm), norm,
+                                       note=f"{src.family} -> lora"))
+    return up, down, 1.0
+
+
+def _combined(cs, piece, p0, p1, fmt, layout: Layout, to_lora, dtype, store, report) -> OutModule:
+    """The output module's factors from every contribution on its rows: pieces of a split module,
+    block-diagonal fusions, transforms; one scale kept where all share it, else folded into up."""
+    parts = []
+    for c in cs:
+        up, down, scale = _factors(c, fmt, to_lora, report)
+        up, down = _apply(c.transform, up, down)
+        a, b = c.module_rows
+        up = up[a:b]
+        s0, s1 = c.stack_rows
+        if s0 >= p0 and s1 <= p1:
+            block = torch.zeros((p1 - p0, up.shape[1]), dtype=up.dtype, device=up.device)
+            block[s0 - p0:s1 - p0] = up
+        elif s0 <= p0 and s1 >= p1:
+            block = up[p0 - s0:p1 - s0]
+        else:
+            raise CkptError(f"{c.src.module.source}: module {c.src.module.name!r} covers rows {s0}:{s1}, which cut "
+                            f"across {piece.name!r} ({p0}:{p1})")
+        parts.append((block, down, scale))
+    scales = {s for _, _, s in parts}
+    if len(scales) == 1 and layout.stores_alpha:
+        scale = scales.pop()
+    else:
+        parts = [(u * s, d, 1.0) for u, d, s in parts]
+        scale = 1.0
+    up = torch.cat([u for u, _, _ in parts], dim=1)
+    down = torch.cat([d for _, d, _ in parts], dim=0)
+    up, down = _apply(piece.transform, up, down)
+    k = up.shape[1]
+    up_s, down_s = up.to(dtype), down.to(dtype)
+    err, norm = S.error_of_product(up, down, up_s.float(), down_s.float())
+    tails = {c.src.weight_tail() for c in cs}
+    tail = tails.pop() if len(tails) == 1 and piece.transform != "transpose" else (down.shape[1],)
+    if math.prod(tail) != down.shape[1]:
+        tail = (down.shape[1],)
+    ushape, dshape = factor_shapes(up.shape[0], k, tail)
+    report.modules.append(ModuleResult(piece.name, (up.shape[0], down.shape[1]), k, min(up.shape[0], down.shape[1]),
+                                       S.rel(err, norm), norm, note=" + ".join(c.src.module.name for c in cs)))
+    return OutModule(piece.name, store.put(piece.name + ".up", up_s.reshape(ushape)),
+                     store.put(piece.name + ".down", down_s.reshape(dshape)), layout.alpha_for(scale, k))
+
