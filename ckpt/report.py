@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+_LOCK = threading.Lock()  # counts arrive from the write pipeline's reading and compute threads
 
 
 def plural(n: int, word: str) -> str:
@@ -18,8 +21,10 @@ class Report:
     counts: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
 
     def count(self, kind: str, name: str, n: int) -> None:
+        n = int(n)
         if n:
-            self.counts[kind][name] = self.counts[kind].get(name, 0) + int(n)
+            with _LOCK:
+                self.counts[kind][name] = self.counts[kind].get(name, 0) + n
 
     def note(self, text: str) -> None:
         self.notes.append(text)

@@ -34,10 +34,10 @@ def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype], *, c
     def make(t: Tensor) -> list[OutTensor]:
         src = source_of(t)
         if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, tuple(t.shape), src, lambda x, b: x)]
+            return [OutTensor(t.name, t.dtype, tuple(t.shape), src, lambda x, b: x, stateless=True)]
         dst = dtype_of(t)
         c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))
-        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b))]
+        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
 
     return make
 

@@ -86,3 +86,16 @@ def test_cuda_cast_nans_match_cpu(src, dst):
     cpu = Caster(dst, Report())(x, "w")
     gpu = Caster(dst, Report())(x.cuda(), "w").cpu()
     assert torch.equal(bits(gpu), bits(cpu))
+
+
+@pytest.mark.parametrize("dst", TARGETS, ids=str)
+@pytest.mark.parametrize("src", SOURCES, ids=str)
+def test_a_lone_nan_gets_the_rule_too(src, dst):
+    """One NaN in a band: assigning one float element goes through a C++ scalar that canonicalises NaNs
+    (0x7FC0 for bf16); the rule's bytes must survive it."""
+    if src == dst:
+        pytest.skip("no cast")
+    x = torch.randn(48, generator=torch.Generator().manual_seed(1)).to(src)
+    x[28] = nans(src, 1, seed=4)[0]
+    y = Caster(dst, Report())(x, "w")
+    assert torch.equal(bits(y[28:29]), bits(nan_bits(x[28:29], dst)))

@@ -99,7 +99,7 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views,
             return [OutTensor(t.name, t.dtype, tuple(t.shape), t, lambda x, b: x)]
         dst = t.natural_dtype
         c = casters.setdefault(dst, Caster(dst, report))
-        return [OutTensor(t.name, dst, tuple(t.shape), t, lambda x, b, n=t.name, c=c: c(x, n, b))]
+        return [OutTensor(t.name, dst, tuple(t.shape), t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
 
     def finish(plan: Plan) -> None:
         """List each file's quantized layers in its metadata; say what was quantized and what not."""

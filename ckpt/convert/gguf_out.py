@@ -315,11 +315,11 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
                 cast = (lambda x, b, n=name, k=caster: k(x, n, b))
             else:
                 cast = (lambda x, b: x)
-            outs.append(OutTensor(name, plain, c.shape, t, cast))
+            outs.append(OutTensor(name, plain, c.shape, t, cast, stateless=True))
         else:
             src = BlockRows(t, c.shape[-1])
             outs.append(OutTensor(name, torch.uint8, c.shape, src, _encoder(name, c.ggml_type, c.shape[-1], report),
-                                  gguf_type=c.ggml_type))
+                                  gguf_type=c.ggml_type, stateless=True))
     if ignored:
         notes.append(f"{len(ignored)} {fam.arch} tensors ComfyUI-GGUF ignores left out (e.g. {ignored[0]!r})")
 

@@ -14,20 +14,19 @@ import errno
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import torch
 
 from ckpt.errors import CkptError
-from ckpt.io.buffers import Buffers
+from ckpt.io.pipeline import BandPipeline
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.publish import Staging, missing_parents
 from ckpt.io.writer import SafetensorsWriter
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
-BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; two sets in flight)
+BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; ckpt.io.pipeline.DEPTH sets in flight)
 
 
 def _exists(out: Path) -> bool:
@@ -157,67 +156,27 @@ def _open_writer(path: Path, f, fd: int):
 
 def _write_file(path: Path, f, device, progress, fd: int) -> None:
     w = _open_writer(path, f, fd)
-    writer = _BandWriter(w)
+    pipe = BandPipeline(w, device, progress)
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
-            _stream_tensor(t, writer, device, progress)
-        writer.drain()
+            _stream_tensor(t, pipe, device)
+        pipe.finish()
         w.close()
     except BaseException:
-        writer.drain(raise_errors=False)
+        pipe.abort()
         w.abort()
         raise
 
 
-class _BandWriter:
-    """Double buffering: band i is written on a background thread while band i+1 is read and cast.
-
-    pread/pwrite and torch kernels release the GIL, so reading, casting and writing overlap on two cores
-    (measured: the write is the largest share of a conversion's time). At most one write is in flight;
-    bands alternate between two buffer sets, so a set is reused only after its write finished."""
-
-    def __init__(self, w):
-        self.w = w
-        self.sets = (Buffers(), Buffers())
-        self.turn = 0
-        self.pending: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def buffers(self) -> Buffers:
-        return self.sets[self.turn]
-
-    def submit(self, name: str, data: torch.Tensor) -> None:
-        self.drain()
-        self.pending = threading.Thread(target=self._write, args=(name, data), daemon=True)
-        self.pending.start()
-        self.turn ^= 1
-
-    def _write(self, name, data):
-        try:
-            self.w.write(name, data)
-        except BaseException as e:  # re-raised in the main thread by drain()
-            self.error = e
-
-    def drain(self, raise_errors: bool = True) -> None:
-        if self.pending is not None:
-            self.pending.join()
-            self.pending = None
-        if self.error is not None and raise_errors:
-            err, self.error = self.error, None
-            raise err
-
-
-def _stream_tensor(t: OutTensor, writer: _BandWriter, device, progress) -> None:
+def _stream_tensor(t: OutTensor, pipe: BandPipeline, device) -> None:
+    """Read `t`'s bands on this thread (see ckpt.io.pipeline for why reads stay here) and hand each to
+    the pipeline; a stateless cast runs on its compute stage, any other one here."""
     src = t.source
     for a, b in bands(src):
-        buffers = writer.buffers()
-        x = src.read(a, b, device, buffers)
-        y = t.cast(x, buffers)
-        if y.dtype != t.dtype:
-            raise RuntimeError(f"{t.name}: produced {y.dtype}, planned {t.dtype}")
-        if y.device.type != "cpu":
-            y = y.cpu()
-        writer.submit(t.name, y.contiguous())
-        if progress is not None:
-            progress.update(y.numel() * y.element_size())
+        slot = pipe.band()
+        with pipe.reading():
+            x = src.read(a, b, device, slot)
+            if not t.stateless:
+                x = t.cast(x, slot)
+        pipe.submit(slot, t.name, t.dtype, x, t.cast if t.stateless else None)

@@ -19,7 +19,11 @@ from ckpt.io.writer import Entry, file_size
 
 @dataclass
 class OutTensor:
-    """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`."""
+    """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`.
+
+    `stateless`: the cast depends on its band alone (it reads no tensor and keeps nothing across bands,
+    like `ckpt.cast.Caster`), so the write pipeline may run it on its compute thread while later bands are
+    read (ckpt.io.pipeline); any other cast runs on the reading thread, in band order."""
 
     name: str
     dtype: torch.dtype
@@ -27,6 +31,7 @@ class OutTensor:
     source: Tensor
     cast: Callable[[torch.Tensor, object], torch.Tensor]
     gguf_type: int | None = None  # GGUF block type: `cast` makes uint8 blocks (ckpt.quant.gguf.encode)
+    stateless: bool = False
 
     @property
     def entry(self) -> Entry:

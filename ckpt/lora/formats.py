@@ -187,7 +187,7 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
         if dt == t.dtype:
             outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b: x))
         else:
-            outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, d=dt: x.to(d)))
+            outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, d=dt: x.to(d), stateless=True))
 
     for m in modules:
         if m.down is not None:
