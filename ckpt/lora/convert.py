@@ -367,9 +367,9 @@ def _factors(c: Contribution, fmt, to_lora, report):
         raise CkptError(f"{m.source}: module {m.name!r} is {src.family}, which the {fmt} naming has no form for "
                         "here; pass --to-lora RANK to turn it into a plain LoRA by SVD")
     d = src.delta()
-    U, sv, Vh = torch.linalg.svd(d, full_matrices=False)
     k = max(1, min(to_lora, *d.shape))
-    up, down = S.truncate(U, sv, Vh, k)
+    U, sv, Vh = S.svd(d, k, S.SvdOptions())
+    up, down = S.factors(d, U, sv, Vh, k)
     err, norm = S.error_of_whole(d, up, down)
     report.modules.append(ModuleResult(m.name, tuple(d.shape), k, min(d.shape), S.rel(err, norm), norm,
                                        note=f"{src.family} -> lora"))

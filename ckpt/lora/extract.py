@@ -239,7 +239,7 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                 k = rule.choose(sv, cap, fro)
                 if rule.rank > cap and opts.dynamic is None:
                     report.capped.append(f"{p.name} ({cap})")
-                up, down = S.truncate(U, sv, Vh, k)
+                up, down = S.factors(d, U, sv, Vh, k)
                 del U, Vh
                 if opts.clamp_quantile is not None:
                     S.clamp_quantile(up, down, opts.clamp_quantile)

@@ -138,13 +138,15 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
                     err, norm = S.error_of_product(left, right, up.float(), down.float())
                 else:
                     U, sv, Vh = S.svd_product(left, right)
-                    k, up, down, err, norm = _cut(U, sv, Vh, opts, first, rows, cols, dtype, report, name,
+                    k, up, down, err, norm = _cut(sv, lambda k: S.truncate(U, sv, Vh, k), opts, first, rows, cols,
+                                                  dtype, report, name,
                                                   lambda u, d: S.error_of_product(left, right, u, d))
             else:
                 d = sum(s.delta() * ratio for s, ratio, _ in srcs)
                 total_rank = None
-                U, sv, Vh = torch.linalg.svd(d, full_matrices=False)
-                k, up, down, err, norm = _cut(U, sv, Vh, opts, first, rows, cols, dtype, report, name,
+                U, sv, Vh = S.svd(d, min(rows, cols), S.SvdOptions())
+                k, up, down, err, norm = _cut(sv, lambda k: S.factors(d, U, sv, Vh, k), opts, first, rows, cols,
+                                              dtype, report, name,
                                               lambda u, dn: S.error_of_whole(d, u, dn))
             upt, downt = to_layout(up, down, tail, first.transposed)
             keys = {role: first.roles[r] for role, r in (("down", "down"), ("up", "up"), ("down", "emb_A"),
@@ -177,13 +179,13 @@ def _check_combinable(name, srcs, mode) -> None:
             raise CkptError(f"{spec}: module {name!r} carries a bias delta (diff_b), which a LoRA cannot hold")
 
 
-def _cut(U, sv, Vh, opts, first, rows, cols, dtype, report, name, measure):
+def _cut(sv, cut, opts, first, rows, cols, dtype, report, name, measure):
     cap = min(rows, cols)
     rule = opts.rule(first.conv(), cap)
     k = rule.choose(sv, cap)
     if rule.method is None and rule.rank > cap:
         report.capped.append(f"{name} ({cap})")
-    up, down = S.truncate(U, sv, Vh, k)
+    up, down = cut(k)
     if opts.clamp_quantile is not None:
         S.clamp_quantile(up, down, opts.clamp_quantile)
     up, down = up.to(dtype), down.to(dtype)

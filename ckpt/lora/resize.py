@@ -109,9 +109,9 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
             else:  # LoHa / LoKr: the delta itself (scale included), then plain LoRA factors
                 d = src.delta()
                 r = None
-                U, sv, Vh = torch.linalg.svd(d, full_matrices=False)
+                U, sv, Vh = S.svd(d, cap, S.SvdOptions())
                 k = rule.choose(sv, cap)
-                up, down = S.truncate(U, sv, Vh, k)
+                up, down = S.factors(d, U, sv, Vh, k)
                 up, down = up.to(dtype), down.to(dtype)
                 err, norm = S.error_of_whole(d, up.float(), down.float())
                 scale = 1.0
