@@ -144,32 +144,37 @@ def flux1_converter(width: int):
     set to `width` (it is only used to split `linear1`); everything else is diffusers' own code."""
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers as fn
 
-    code = fn.__code__
-    assert code.co_consts.count(3072) == 1
-    consts = tuple(width if c == 3072 and type(c) is int else c for c in code.co_consts)
-    return types.FunctionType(code.replace(co_consts=consts), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
+    return with_constants(fn, {3072: width})
+
+
+def with_constants(fn, values: dict[int, int]):
+    """`fn` (a diffusers converter) with the integer constants of its code, nested functions included,
+    replaced by `values` ({3072: 16}: a release's width hard-coded to split fused rows, set to a tiny
+    model's; read the converter first: the constant must mean nothing else there); each must occur.
+    Everything else is diffusers' own code."""
+    seen: dict[int, int] = {}
+
+    def const(c):
+        if type(c) is int and c in values:
+            seen[c] = seen.get(c, 0) + 1
+            return values[c]
+        if type(c) is tuple:  # a literal list of ints is compiled to a tuple constant
+            return tuple(const(x) for x in c)
+        if isinstance(c, types.CodeType):
+            return patch(c)
+        return c
+
+    def patch(code):
+        return code.replace(co_consts=tuple(const(c) for c in code.co_consts))
+
+    code = patch(fn.__code__)
+    assert set(seen) == set(values), (fn.__name__, seen)
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def with_width(fn, width: int, constant: int = 3072):
-    """`fn` (a diffusers converter) with its hard-coded model width `constant` set to `width`, in nested
-    functions too; everything else is diffusers' own code. Tiny models cannot be 3072 wide."""
-    def patch(code):
-        consts = tuple(width if type(c) is int and c == constant else patch(c) if hasattr(c, "co_consts") else c
-                       for c in code.co_consts)
-        return code.replace(co_consts=consts)
-
-    found = []
-
-    def count(code):
-        found.extend(c for c in code.co_consts if type(c) is int and c == constant)
-        for c in code.co_consts:
-            if hasattr(c, "co_consts"):
-                count(c)
-
-    count(fn.__code__)
-    assert len(found) == 1, f"{fn.__name__}: expected one {constant}, found {len(found)}"
-    return types.FunctionType(patch(fn.__code__), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    """`fn` (a diffusers converter) with its hard-coded model width `constant` set to `width`."""
+    return with_constants(fn, {constant: width})
 
 
 def tiny_hunyuan_video(kind: str = "t2v"):
@@ -205,3 +210,47 @@ def tiny_ltx2(head: int = 8, audio_head: int = 4):
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=head, cross_attention_dim=16,
         num_layers=2, caption_channels=12, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
         audio_attention_head_dim=audio_head, audio_cross_attention_dim=8)
+
+
+def tiny_chroma():
+    from diffusers import ChromaTransformer2DModel
+
+    return ChromaTransformer2DModel(in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                                    num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+                                    approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=2)
+
+
+def tiny_z_image(siglip: bool = False):
+    from diffusers import ZImageTransformer2DModel
+
+    return ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+                                    siglip_feat_dim=12 if siglip else None, axes_dims=[4, 6, 6],
+                                    axes_lens=[32, 32, 32])
+
+
+def tiny_lumina2():
+    """Grouped-query attention (4 heads, 2 kv heads) as in the release; 2 refiner layers, the number
+    diffusers' converter spells out."""
+    from diffusers import Lumina2Transformer2DModel
+
+    return Lumina2Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, hidden_size=32, num_layers=2,
+                                     num_refiner_layers=2, num_attention_heads=4, num_kv_heads=2, multiple_of=16,
+                                     cap_feat_dim=16, axes_dim_rope=(4, 2, 2), axes_lens=(32, 32, 32))
+
+
+def tiny_hidream():
+    from diffusers import HiDreamImageTransformer2DModel
+
+    return HiDreamImageTransformer2DModel(patch_size=2, in_channels=4, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=8, num_attention_heads=2, caption_channels=[8, 12],
+                                          text_emb_dim=16, num_routed_experts=2, num_activated_experts=1,
+                                          axes_dims_rope=(4, 4), max_resolution=(16, 16), llama_layers=[0, 1])
+
+
+def tiny_qwen_image():
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                       axes_dims_rope=(2, 2, 4))

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families_util import (diffusers_from_pairs, flux1_converter, original_from_pairs, shapes, state_dict, tiny_clip,
-                           tiny_flux1, tiny_flux2, tiny_hunyuan_video, tiny_ltx2, tiny_ltx_video, tiny_sd3, tiny_unet,
-                           tiny_wan, unique_values, with_width)
+from families_util import (diffusers_from_pairs, flux1_converter, original_from_pairs, shapes, state_dict, tiny_chroma,
+                           tiny_clip, tiny_flux1, tiny_flux2, tiny_hidream, tiny_hunyuan_video, tiny_lumina2, tiny_ltx2,
+                           tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_unet, tiny_wan, tiny_z_image, unique_values,
+                           with_constants, with_width)
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
@@ -80,6 +81,13 @@ CASES = [
     ("hunyuan_video", "hunyuan-video-i2v", _hunyuan_video("i2v")),
     ("ltx_video", "ltx-video", lambda: (tiny_ltx_video(), _sfu().convert_ltx_transformer_checkpoint_to_diffusers)),
     ("ltx2", "ltx2", lambda: (tiny_ltx2(), _sfu().convert_ltx2_transformer_to_diffusers)),
+    ("chroma", "chroma", lambda: (tiny_chroma(), with_constants(
+        _sfu().convert_chroma_transformer_checkpoint_to_diffusers, {3072: 16}))),
+    ("z_image", "z_image", lambda: (tiny_z_image(), _sfu().convert_z_image_transformer_checkpoint_to_diffusers)),
+    ("z_image", "z_image-omni", lambda: (tiny_z_image(siglip=True),
+                                         _sfu().convert_z_image_transformer_checkpoint_to_diffusers)),
+    ("lumina2", "lumina2", lambda: (tiny_lumina2(), with_constants(_sfu().convert_lumina2_to_diffusers,
+                                                                   {2304: 32, 768: 16}))),
 ]
 
 
@@ -154,3 +162,71 @@ def test_high_precision_rule_is_per_family():
     assert flux2.keeps_high_precision("img_in.weight", (16, 4), ORIGINAL)
     assert not flux2.keeps_high_precision("single_blocks.0.linear1.weight", (144, 16), ORIGINAL)
     assert flux2.keeps_high_precision("x_embedder.weight", (16, 4), DIFFUSERS)
+
+
+# Families whose released files already use diffusers' names: one layout, "diffusers".
+ONE_NAMING = [
+    ("hidream", tiny_hidream, "convert_hidream_transformer_to_diffusers"),
+    ("qwen_image", tiny_qwen_image, None),  # diffusers loads Qwen-Image single files unconverted
+]
+
+
+@pytest.mark.parametrize("family_id,make,converter", ONE_NAMING, ids=[c[0] for c in ONE_NAMING])
+def test_one_naming_families(family_id, make, converter):
+    """diffusers' single-file loading keeps every name (a ComfyUI file loses only its prefix), and the
+    names, the ComfyUI-prefixed file's names without the prefix and kohya-flattened LoRA names all read
+    as the family in the diffusers layout."""
+    fam = families.get(family_id)
+    model = make()
+    sd = unique_values(state_dict(model))
+    if converter:
+        back = getattr(_sfu(), converter)({"model.diffusion_model." + k: v for k, v in sd.items()})
+        assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    keys = shapes(sd)
+    m = families.detect(keys, keys)
+    assert m is not None and m.family is fam and m.family_id == family_id and m.layout == DIFFUSERS, m
+    flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
+    m2 = families.detect(flat)
+    assert m2 is not None and m2.family is fam and m2.layout == DIFFUSERS, m2
+    assert fam.kohya_layout == DIFFUSERS and fam.pairs is None
+
+
+def test_new_families_config_classes():
+    for family_id, cls in (("chroma", "ChromaTransformer2DModel"), ("z_image", "ZImageTransformer2DModel"),
+                           ("lumina2", "Lumina2Transformer2DModel"), ("hidream", "HiDreamImageTransformer2DModel"),
+                           ("qwen_image", "QwenImageTransformer2DModel")):
+        assert families.from_config({"_class_name": cls}) is families.get(family_id), family_id
+    # Qwen-Image 2.1 is another architecture (gated MLP, no img_mod): not read as Qwen-Image
+    assert families.from_config({"_class_name": "QwenImage21Transformer2DModel"}) is None
+    q21 = ["transformer_blocks_0_attn_to_q", "transformer_blocks_0_img_mlp_proj", "transformer_blocks_0_img_mlp_out"]
+    m = families.detect(q21)
+    assert m is None or m.family_id != "qwen_image", m
+
+
+def test_z_image_and_lumina2_told_apart():
+    """The same original names; Z-Image by its block modulation `adaLN_modulation.0`, its pad tokens, or
+    (a LoRA's names alone) an ungrouped fused qkv; Lumina 2 when nothing says Z-Image."""
+    z = original_from_pairs(families.get("z_image"), unique_values(state_dict(tiny_z_image())))
+    lu = original_from_pairs(families.get("lumina2"), unique_values(state_dict(tiny_lumina2())))
+    for sd, want in ((z, "z_image"), (lu, "lumina2")):
+        qkv = {k.rsplit(".", 1)[0].replace(".", "_"): tuple(v.shape) for k, v in sd.items()
+               if k.endswith("attention.qkv.weight")}
+        assert families.detect(qkv, qkv).family_id == want  # shapes of a qkv-only LoRA tell
+        assert families.detect(shapes(sd), shapes(sd)).family_id == want
+    assert families.detect(["layers_0_attention_qkv", "layers_0_attention_out"]).family_id == "lumina2"
+
+
+def test_high_precision_of_new_families():
+    ch, z, lu, hd, qw = (families.get(i) for i in ("chroma", "z_image", "lumina2", "hidream", "qwen_image"))
+    assert ch.keeps_high_precision("distilled_guidance_layer.layers.0.in_layer.weight", (32, 32), ORIGINAL)
+    assert ch.keeps_high_precision("distilled_guidance_layer.layers.0.linear_1.weight", (32, 32), DIFFUSERS)
+    assert not ch.keeps_high_precision("double_blocks.0.img_attn.qkv.weight", (48, 16), ORIGINAL)
+    assert z.keeps_high_precision("x_pad_token", (1, 32), ORIGINAL) and z.keeps_high_precision(
+        "all_final_layer.2-1.linear.weight", (16, 32), DIFFUSERS)
+    assert not z.keeps_high_precision("layers.0.attention.qkv.weight", (96, 32), ORIGINAL)
+    assert lu.keeps_high_precision("time_caption_embed.caption_embedder.1.weight", (32, 16), DIFFUSERS)
+    assert not lu.keeps_high_precision("layers.0.feed_forward.w1.weight", (96, 32), ORIGINAL)
+    assert hd.keeps_high_precision("double_stream_blocks.0.block.ff_i.gate.weight", (2, 16), DIFFUSERS)
+    assert not hd.keeps_high_precision("double_stream_blocks.0.block.ff_i.experts.0.w1.weight", (64, 16), DIFFUSERS)
+    assert qw.keeps_high_precision("img_in.weight", (16, 64), DIFFUSERS)
+    assert not qw.keeps_high_precision("transformer_blocks.0.img_mod.1.weight", (96, 16), DIFFUSERS)

@@ -1,0 +1,136 @@
+"""Chroma (Chroma1-Base/HD, the Flux.1-schnell derivative by lodestones): original layout (BFL names, as in
+the released `chroma*.safetensors`, ComfyUI single files and kohya/ai-toolkit LoRAs) <-> diffusers
+ChromaTransformer2DModel.
+
+Chroma is Flux.1 with every modulation pruned: no `img_mod`/`txt_mod`/`modulation`, no `time_in`,
+`vector_in`, `guidance_in`, no `final_layer.adaLN_modulation`. The modulations come instead from one
+`distilled_guidance_layer` (an MLP "approximator": `in_proj`, `layers.N.in_layer/out_layer`,
+`norms.N.scale`, `out_proj`), which diffusers keeps under the same name (`in_layer/out_layer` ->
+`linear_1/linear_2`, `norms.N.scale` -> `.weight`). Everything else is Flux.1's correspondence: thirds of
+the fused `img_attn.qkv`/`txt_attn.qkv` are `to_q/k/v` and `add_*_proj`, single-block `linear1` rows are
+`to_q/k/v` + `proj_mlp`, `linear2` is `proj_out`. Widths come from the shapes, block by block.
+Reference: diffusers `convert_chroma_transformer_checkpoint_to_diffusers` (which hard-codes Chroma's
+width 3072 to split `linear1`; there is no reverse converter).
+
+Recognition: BFL names plus `distilled_guidance_layer` (a LoRA without it reads as Flux.1: both have the
+same block names, and Flux.1 LoRA module names are a superset of Chroma's).
+
+LoRAs: kohya/ai-toolkit and ComfyUI name the BFL modules (`lora_unet_double_blocks_0_img_attn_qkv`),
+diffusers/PEFT/SimpleTuner the diffusers ones; a LoRA on the fused `qkv`/`linear1` lands on the diffusers
+pieces and a LoRA on `to_q/k/v`/`proj_mlp` on rows of them, as for Flux.1.
+"""
+
+from __future__ import annotations
+
+from ckpt.families.flux1 import BFL, DIFFUSERS_SINGLE, DOUBLE_NORMS, SINGLE_NORMS, flux2_evidence
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, present,
+                                renames, thirds)
+
+BASIC = (
+    ("img_in", "x_embedder"),
+    ("txt_in", "context_embedder"),
+    ("final_layer.linear", "proj_out"),
+    ("distilled_guidance_layer.in_proj", "distilled_guidance_layer.in_proj"),
+    ("distilled_guidance_layer.out_proj", "distilled_guidance_layer.out_proj"),
+)
+DOUBLE = (
+    ("img_attn.proj", "attn.to_out.0"),
+    ("txt_attn.proj", "attn.to_add_out"),
+    ("img_mlp.0", "ff.net.0.proj"),
+    ("img_mlp.2", "ff.net.2"),
+    ("txt_mlp.0", "ff_context.net.0.proj"),
+    ("txt_mlp.2", "ff_context.net.2"),
+)
+APPROXIMATOR = "distilled_guidance_layer"
+CHROMA_NAMES = at(r"distilled_guidance_layer_.")
+
+
+def _not_flux2(keys, shapes) -> bool:
+    return not flux2_evidence(keys, shapes)
+
+
+def identify(keys, shapes, layout):
+    return "chroma", "Chroma transformer " + ("(original)" if layout == ORIGINAL
+                                              else "(diffusers ChromaTransformer2DModel)")
+
+
+def pairs_for(doubles: dict[int, int], singles: dict[int, tuple[int, int]], approximator: list[int]) -> list[Pair]:
+    """Original <-> diffusers tensors for double blocks {i: H}, single blocks {j: (H, M)} and approximator
+    layers [k]."""
+    out = renames(BASIC)
+    for k in approximator:
+        b = f"{APPROXIMATOR}.layers.{k}"
+        out += renames(((f"{b}.in_layer", f"{b}.linear_1"), (f"{b}.out_layer", f"{b}.linear_2")))
+        out.append(Pair(f"{APPROXIMATOR}.norms.{k}.scale", f"{APPROXIMATOR}.norms.{k}.weight"))
+    for i, h in doubles.items():
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        for e in ("weight", "bias"):
+            for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
+                out.append(Pair(f"{b}.img_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
+            for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
+                out.append(Pair(f"{b}.txt_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
+        out += renames(DOUBLE, b + ".", d + ".")
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+    for j, (h, m) in singles.items():
+        b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
+        for e in ("weight", "bias"):
+            for rows, name in zip(thirds(0, h), ("attn.to_q", "attn.to_k", "attn.to_v")):
+                out.append(Pair(f"{b}.linear1.{e}", f"{d}.{name}.{e}", rows))
+            out.append(Pair(f"{b}.linear1.{e}", f"{d}.proj_mlp.{e}", (3 * h, 3 * h + m)))
+        out += renames((("linear2", "proj_out"),), b + ".", d + ".")
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+    return out
+
+
+def widths(shapes: Shapes, layout: str):
+    """{double block: H}, {single block: (H, M)}, [approximator layer] from either layout's shapes."""
+    doubles, singles = {}, {}
+    if layout == ORIGINAL:
+        for i in block_indices(shapes, "double_blocks"):
+            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
+                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
+            if qkv:
+                doubles[i] = qkv[0] // 3
+        for j in block_indices(shapes, "single_blocks"):
+            lin1 = shapes.get(f"single_blocks.{j}.linear1.weight")
+            lin2 = shapes.get(f"single_blocks.{j}.linear2.weight")
+            if lin1 and lin2:
+                singles[j] = (lin2[0], lin1[0] - 3 * lin2[0])
+    else:
+        for i in block_indices(shapes, "transformer_blocks"):
+            q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
+                f"transformer_blocks.{i}.attn.add_q_proj.weight")
+            if q:
+                doubles[i] = q[0]
+        for j in block_indices(shapes, "single_transformer_blocks"):
+            q = shapes.get(f"single_transformer_blocks.{j}.attn.to_q.weight")
+            mlp = shapes.get(f"single_transformer_blocks.{j}.proj_mlp.weight")
+            if q and mlp:
+                singles[j] = (q[0], mlp[0])
+    layers = {*block_indices(shapes, f"{APPROXIMATOR}.layers"), *block_indices(shapes, f"{APPROXIMATOR}.norms")}
+    return doubles, singles, sorted(layers)
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    return present(pairs_for(*widths(shapes, layout)), shapes, layout)
+
+
+FAMILY = Family(
+    family_id="chroma",
+    label="Chroma",
+    layouts={
+        ORIGINAL: Signature(BFL, required=(CHROMA_NAMES,), check=_not_flux2),
+        DIFFUSERS: Signature(DIFFUSERS_SINGLE, required=(CHROMA_NAMES,), check=_not_flux2),
+    },
+    identify=identify,
+    diffusers_class="ChromaTransformer2DModel",
+    pairs=pairs,
+    kohya_layout=ORIGINAL,
+    lora_namings=("kohya/ai-toolkit (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
+                  "SimpleTuner LyCORIS"),
+    # ComfyUI-GGUF's Chroma rule (lcpp_chroma.patch): the approximator, the input/output layers in F32/F16.
+    high_precision={
+        ORIGINAL: (r"^(img_in|txt_in|final_layer|distilled_guidance_layer)\.",),
+        DIFFUSERS: (r"^(x_embedder|context_embedder|proj_out|distilled_guidance_layer)\.",),
+    },
+)

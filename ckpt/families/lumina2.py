@@ -1,0 +1,126 @@
+"""Lumina-Image 2.0 (Alpha-VLLM; also Neta Lumina and other fine-tunes): original layout (the `NextDiT` of
+Lumina-Image-2.0, as in ComfyUI single files and kohya sd-scripts' Lumina training) <-> diffusers
+Lumina2Transformer2DModel.
+
+Every block (`layers`, `noise_refiner`, `context_refiner`) fuses its attention projections in
+`attention.qkv`: grouped-query attention, so the rows are q (the width), then k and v (kv heads x head
+size each; 2304 + 768 + 768 in the release). The q width is read from `attention.out` (its columns), the
+kv width from the rest. Renames: `attention` -> `attn`, `out` -> `to_out.0`, `q_norm/k_norm` ->
+`norm_q/norm_k`, `feed_forward.w1/w2/w3` -> `feed_forward.linear_1/2/3`, `adaLN_modulation.1` ->
+`norm1.linear`, `attention_norm1` -> `norm1.norm` (`norm1` in the unmodulated context refiner),
+`attention_norm2` -> `norm2`; `t_embedder.mlp.0/.2` -> `time_caption_embed.timestep_embedder.linear_1/2`,
+`cap_embedder` -> `time_caption_embed.caption_embedder`, `final_layer.adaLN_modulation.1`/
+`final_layer.linear` -> `norm_out.linear_1`/`linear_2` (no halves to swap: it is a scale only). The
+original's unused `norm_final.weight` has no diffusers tensor. Reference: diffusers
+`convert_lumina2_to_diffusers` (which hard-codes the release's 2304/768 split; no reverse converter).
+
+Recognition: Z-Image shares the original names (`ckpt.families.z_image` tells them apart); names alone
+that could be either read as Lumina 2.
+
+LoRAs: kohya sd-scripts (`lora_unet_layers_0_attention_qkv`) and ComfyUI (`diffusion_model.`) name the
+original modules, diffusers/PEFT/SimpleTuner the diffusers ones; a LoRA on `qkv` lands on `to_q/k/v` and
+one on `to_q/k/v` on the q or kv rows of `qkv`.
+"""
+
+from __future__ import annotations
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, block_indices, present,
+                                renames, start)
+from ckpt.families.z_image import ORIGINAL_NAMES, z_image_evidence
+
+BLOCK_HEADS = ("layers", "noise_refiner", "context_refiner")
+TOP = (
+    ("x_embedder", "x_embedder"),
+    ("t_embedder.mlp.0", "time_caption_embed.timestep_embedder.linear_1"),
+    ("t_embedder.mlp.2", "time_caption_embed.timestep_embedder.linear_2"),
+    ("cap_embedder.1", "time_caption_embed.caption_embedder.1"),
+    ("final_layer.adaLN_modulation.1", "norm_out.linear_1"),
+    ("final_layer.linear", "norm_out.linear_2"),
+)
+BLOCK = (
+    ("attention.out", "attn.to_out.0"),
+    ("feed_forward.w1", "feed_forward.linear_1"),
+    ("feed_forward.w2", "feed_forward.linear_2"),
+    ("feed_forward.w3", "feed_forward.linear_3"),
+    ("adaLN_modulation.1", "norm1.linear"),
+)
+BLOCK_NORMS = (
+    ("attention.q_norm", "attn.norm_q"),
+    ("attention.k_norm", "attn.norm_k"),
+    ("attention_norm2", "norm2"),
+    ("ffn_norm1", "ffn_norm1"),
+    ("ffn_norm2", "ffn_norm2"),
+)
+
+DIFFUSERS_NAMES = start(r"((layers|noise_refiner|context_refiner)_.\d+_.(attn_.(to_q|to_k|to_v|to_out|norm_q|norm_k)"
+                        r"|feed_forward_.linear_[123])|time_caption_embed_.)")
+
+
+def _lumina(keys, shapes) -> bool:
+    return not z_image_evidence(keys, shapes)
+
+
+def identify(keys, shapes, layout):
+    return "lumina2", "Lumina-Image 2.0 transformer " + ("(original)" if layout == ORIGINAL
+                                                          else "(diffusers Lumina2Transformer2DModel)")
+
+
+def pairs_for(blocks: dict[str, dict[int, tuple[int, int]]]) -> list[Pair]:
+    """Original <-> diffusers tensors for blocks {head: {index: (q width, kv width)}}."""
+    out = renames(TOP)
+    out.append(Pair("cap_embedder.0.weight", "time_caption_embed.caption_embedder.0.weight"))
+    out.append(Pair("norm_final.weight", None))
+    for head, found in blocks.items():
+        for i, (q, kv) in found.items():
+            b = f"{head}.{i}."
+            if q:
+                spans = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+                out += [Pair(f"{b}attention.qkv.weight", f"{b}attn.{n}.weight", rows)
+                        for rows, n in zip(spans, ("to_q", "to_k", "to_v"))]
+            out += renames(BLOCK, b, b)
+            norm1 = "norm1" if head == "context_refiner" else "norm1.norm"
+            out += renames(BLOCK_NORMS + (("attention_norm1", norm1),), b, b, ends=("weight",))
+    return out
+
+
+def widths(shapes: Shapes, layout: str) -> dict[str, dict[int, tuple[int, int]]]:
+    """{block head: {index: (q width, kv width)}}; (0, 0) where a block's attention weights are missing."""
+    out = {}
+    for head in BLOCK_HEADS:
+        found = {}
+        for i in block_indices(shapes, head):
+            b = f"{head}.{i}."
+            if layout == ORIGINAL:
+                qkv, o = shapes.get(f"{b}attention.qkv.weight"), shapes.get(f"{b}attention.out.weight")
+                found[i] = (o[1], (qkv[0] - o[1]) // 2) if qkv and o and len(o) == 2 else (0, 0)
+            else:
+                q, k = shapes.get(f"{b}attn.to_q.weight"), shapes.get(f"{b}attn.to_k.weight")
+                found[i] = (q[0], k[0]) if q and k else (0, 0)
+        out[head] = found
+    return out
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    return present(pairs_for(widths(shapes, layout)), shapes, layout)
+
+
+FAMILY = Family(
+    family_id="lumina2",
+    label="Lumina-Image 2.0",
+    layouts={
+        ORIGINAL: Signature(ORIGINAL_NAMES, check=_lumina),
+        DIFFUSERS: Signature(DIFFUSERS_NAMES),
+    },
+    identify=identify,
+    diffusers_class="Lumina2Transformer2DModel",
+    pairs=pairs,
+    kohya_layout=ORIGINAL,
+    lora_namings=("kohya sd-scripts (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
+                  "SimpleTuner LyCORIS"),
+    # Input and output layers and the timestep/caption embedders (diffusers' Lumina2Transformer2DModel
+    # skips x_embedder and the norms in layerwise casting as precision sensitive).
+    high_precision={
+        ORIGINAL: (r"^(x_embedder|t_embedder|cap_embedder|final_layer)\.",),
+        DIFFUSERS: (r"^(x_embedder|time_caption_embed|norm_out)\.",),
+    },
+)
