@@ -136,3 +136,264 @@ def test_inspect_reports_family_id_and_layout(tmp_path, run_ckpt, family_id):
         seen[name] = (c["family_id"], c["layout"])
     assert seen["folder"] == (family_id, "diffusers")
     assert seen["single.safetensors"] == (family_id, "original" if fam.pairs else "diffusers")
+
+
+# ----------------------------------------------------------------------------------------- Z-Image
+
+def _z_convert():
+    return _sfu().convert_z_image_transformer_checkpoint_to_diffusers
+
+
+def test_diffusers_z_image_lora_onto_original_base(tmp_path, run_ckpt):
+    """to_q/k/v land on thirds of the fused `attention.qkv`, to_out.0 on `attention.out`, the patch-keyed
+    `all_final_layer.2-1.linear` on `final_layer.linear`; shared names (w1, adaLN_modulation.0) as they are."""
+    from families_util import tiny_z_image
+
+    torch.manual_seed(2)
+    model = tiny_z_image()
+    base_sd = state_dict(model)
+    original = _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
+    targets = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[13]|(layers|noise_refiner)\.\d+\."
+               r"adaLN_modulation\.0|all_final_layer\.2-1\.linear|all_x_embedder\.2-1|cap_embedder\.1)")
+    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.ZImagePipeline)
+    want = _fused(tiny_z_image, base_sd, lora, diffusers.ZImagePipeline, 0.8)
+
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", lora, "--ratio", "0.8", "-o", out)
+    assert code == 0, err
+    got = _merged_original(out, _z_convert(), original, stdout)
+    assert _compare(got, want, base_sd) == 4 * (4 + 2) + 3 + 3  # 4 blocks, 3 modulated, 3 top-level
+
+
+def test_musubi_z_image_lora_onto_original_base(tmp_path, run_ckpt):
+    """The common case: a musubi-tuner/ai-toolkit Z-Image LoRA (kohya names of the diffusers modules,
+    `lora_unet_layers_0_attention_to_q`) on ComfyUI's original-layout file (fused `attention.qkv`);
+    oracle: the pipeline's kohya converter, fused into the diffusers model."""
+    from families_util import tiny_z_image
+
+    torch.manual_seed(3)
+    model = tiny_z_image()
+    base_sd = state_dict(model)
+    original = _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
+    lora = {}
+    for head, n in (("layers", 2), ("noise_refiner", 1), ("context_refiner", 1)):
+        for i in range(n):
+            for mod in ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                        "feed_forward.w2") + (("adaLN_modulation.0",) if head != "context_refiner" else ()):
+                key = f"{head}.{i}.{mod}"
+                lora.update(_lora_pair("lora_unet_" + key.replace(".", "_"), base_sd[key + ".weight"], alpha=3))
+    save_file(lora, tmp_path / "musubi.safetensors")
+    want = _fused(tiny_z_image, base_sd, tmp_path / "musubi.safetensors", diffusers.ZImagePipeline, 1.0)
+
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", tmp_path / "musubi.safetensors", "-o", out)
+    assert code == 0, err
+    got = _merged_original(out, _z_convert(), original, stdout)
+    assert _compare(got, want, base_sd) == 4 * 5 + 3
+    assert "23 LoRA modules matched" in stdout
+
+
+def test_comfyui_z_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
+    """A ComfyUI-named LoRA (original names, `diffusion_model.`, kohya down/up) on a diffusers folder:
+    `attention.out` lands on `to_out.0`; oracle: diffusers. Its fused `attention.qkv` and `final_layer`
+    (diffusers' LoRA converter maps neither: it drops them) land on to_q/k/v and `all_final_layer.2-1`
+    exactly as merging the LoRA into the original file and converting that with diffusers' converter."""
+    from families_util import tiny_z_image
+
+    torch.manual_seed(4)
+    model = tiny_z_image()
+    base_sd = state_dict(model)
+    model.save_pretrained(tmp_path / "z")
+    original = _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
+    lora = {}
+    for mod in ("layers.0.attention.out", "layers.1.feed_forward.w1", "noise_refiner.0.adaLN_modulation.0",
+                "context_refiner.0.attention.out"):
+        lora.update(_lora_pair("diffusion_model." + mod, original[mod + ".weight"], alpha=2))
+    save_file(lora, tmp_path / "comfy.safetensors")
+    want = _fused(tiny_z_image, base_sd, tmp_path / "comfy.safetensors", diffusers.ZImagePipeline, 1.0)
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "z", tmp_path / "comfy.safetensors", "-o",
+                                 tmp_path / "out", "-q")
+    assert code == 0, err
+    assert _compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 4
+
+    qkv = {}
+    for mod in ("layers.0.attention.qkv", "noise_refiner.0.attention.qkv", "final_layer.linear"):
+        qkv.update(_lora_pair("diffusion_model." + mod, original[mod + ".weight"], alpha=2))
+    save_file(qkv, tmp_path / "qkv.safetensors")
+    for base, out in (("z", "out2"), ("z.safetensors", "out2.safetensors")):
+        code, stdout, err = run_ckpt("merge-lora", tmp_path / base, tmp_path / "qkv.safetensors", "-o",
+                                     tmp_path / out, "-q")
+        assert code == 0, err
+    via_original = _z_convert()({k[len(PREFIX):]: v for k, v in load_file(tmp_path / "out2.safetensors").items()})
+    got = load_file(tmp_path / "out2" / "diffusion_pytorch_model.safetensors")
+    assert _compare(got, via_original, base_sd) == 3 + 3 + 1
+
+
+# --------------------------------------------------------------------------------------- Lumina 2
+
+def _lumina_convert():
+    return with_constants(_sfu().convert_lumina2_to_diffusers, {2304: 32, 768: 16})
+
+
+def test_diffusers_lumina2_lora_onto_original_base(tmp_path, run_ckpt):
+    """Grouped-query attention: to_q on the first 32 rows of `attention.qkv`, to_k/to_v on 16 rows each;
+    feed_forward.linear_N on w_N, norm1.linear on adaLN_modulation.1, norm_out.linear_1/2 on final_layer."""
+    from families_util import tiny_lumina2
+
+    torch.manual_seed(5)
+    model = tiny_lumina2()
+    base_sd = state_dict(model)
+    original = _original_base("lumina2", base_sd, _lumina_convert(), tmp_path / "lu.safetensors")
+    targets = (r".*(attn\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.linear_[12]|norm1\.linear|norm_out\.linear_[12]"
+               r"|x_embedder|caption_embedder\.1|timestep_embedder\.linear_1)")
+    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.Lumina2Pipeline)
+    want = _fused(tiny_lumina2, base_sd, lora, diffusers.Lumina2Pipeline, 1.3)
+
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "lu.safetensors", lora, "--ratio", "1.3", "-o", out)
+    assert code == 0, err
+    got = _merged_original(out, _lumina_convert(), original, stdout)
+    assert _compare(got, want, base_sd) == 6 * (4 + 2) + 4 + 5  # 6 blocks, 4 modulated, 5 top-level
+
+
+def test_comfyui_lumina2_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch):
+    """A ComfyUI / sd-scripts Lumina 2 LoRA (original names: fused GQA `attention.qkv`, `w1..w3`,
+    `adaLN_modulation.1`) on a diffusers folder; oracle: diffusers' Lumina 2 LoRA converter (its
+    2304/768 qkv split set to the tiny model's 32/16), which needs every one of those modules."""
+    from diffusers.loaders import lora_conversion_utils, lora_pipeline
+
+    from families_util import tiny_lumina2
+
+    monkeypatch.setattr(lora_pipeline, "_convert_non_diffusers_lumina2_lora_to_diffusers", with_constants(
+        lora_conversion_utils._convert_non_diffusers_lumina2_lora_to_diffusers, {2304: 32, 768: 16}))
+    torch.manual_seed(6)
+    model = tiny_lumina2()
+    base_sd = state_dict(model)
+    model.save_pretrained(tmp_path / "lu")
+    original = original_from_pairs(families.get("lumina2"), base_sd)
+    lora = {}
+    for head, n in (("layers", 2), ("noise_refiner", 2), ("context_refiner", 2)):
+        for i in range(n):
+            mods = ["attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+            for mod in mods + (["adaLN_modulation.1"] if head != "context_refiner" else []):
+                key = f"{head}.{i}.{mod}"
+                lora.update(_lora_pair("diffusion_model." + key, original[key + ".weight"], kohya=False))
+    save_file(lora, tmp_path / "comfy.safetensors")
+    want = _fused(tiny_lumina2, base_sd, tmp_path / "comfy.safetensors", diffusers.Lumina2Pipeline, 1.0)
+
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "lu", tmp_path / "comfy.safetensors", "-o",
+                                 tmp_path / "out", "-q")
+    assert code == 0, err
+    got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
+    assert _compare(got, want, base_sd) == 6 * (3 + 1 + 3) + 4
+    assert "34 LoRA modules matched" in stdout
+
+
+# ------------------------------------------------------------------------- HiDream, Qwen-Image (one naming)
+
+def test_diffusers_hidream_lora_onto_comfyui_file(tmp_path, run_ckpt):
+    """A PEFT LoRA on attention, the mixture-of-experts feed-forwards (shared and routed experts) and
+    the embedders, onto a ComfyUI single file (diffusers names under `model.diffusion_model.`)."""
+    from families_util import tiny_hidream
+
+    torch.manual_seed(7)
+    model = tiny_hidream()
+    base_sd = state_dict(model)
+    save_file({PREFIX + k: v for k, v in base_sd.items()}, tmp_path / "hd.safetensors")
+    targets = (r".*(attn1\.(to_q|to_k|to_v|to_out|to_q_t|to_out_t)|ff_i\.(shared_experts|experts\.\d+)\.w[12]"
+               r"|ff_t\.w3|adaLN_modulation\.1|caption_projection\.\d+\.linear|x_embedder\.proj)")
+    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.HiDreamImagePipeline)
+    want = _fused(tiny_hidream, base_sd, lora, diffusers.HiDreamImagePipeline, 0.6)
+
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "hd.safetensors", lora, "--ratio", "0.6", "-o", out)
+    assert code == 0, err
+    got = {k[len(PREFIX):]: v for k, v in load_file(out).items()}
+    n = _compare(got, want, base_sd)
+    # double block 6 attn + 6 ff_i + ff_t + adaLN, single 4 + 6 + adaLN, 3 caption projections, x_embedder,
+    # final_layer's adaLN
+    assert n == 14 + 11 + 3 + 1 + 1 and f"base tensors changed: {n}" in stdout
+
+
+def test_comfyui_and_kohya_hidream_loras_onto_diffusers_folder(tmp_path, run_ckpt):
+    """ComfyUI/ai-toolkit `diffusion_model.` names (oracle: diffusers' HiDream converter) and the same
+    factors under kohya-flattened names (`lora_unet_double_stream_blocks_0_block_attn1_to_q`, which
+    diffusers does not read) give the same merge."""
+    from families_util import tiny_hidream
+
+    torch.manual_seed(8)
+    model = tiny_hidream()
+    base_sd = state_dict(model)
+    model.save_pretrained(tmp_path / "hd")
+    comfy, kohya = {}, {}
+    for mod in ("double_stream_blocks.0.block.attn1.to_q", "double_stream_blocks.0.block.attn1.to_v_t",
+                "double_stream_blocks.0.block.ff_i.experts.1.w3",
+                "single_stream_blocks.0.block.ff_i.shared_experts.w2",
+                "single_stream_blocks.0.block.adaLN_modulation.1", "final_layer.linear",
+                "t_embedder.timestep_embedder.linear_1"):
+        pair = _lora_pair(mod, base_sd[mod + ".weight"], kohya=False)
+        comfy.update({"diffusion_model." + k: v for k, v in pair.items()})
+        kohya.update({"lora_unet_" + mod.replace(".", "_") + k[len(mod):].replace("lora_A", "lora_down").replace(
+            "lora_B", "lora_up"): v for k, v in pair.items()})
+    save_file(comfy, tmp_path / "comfy.safetensors")
+    save_file(kohya, tmp_path / "kohya.safetensors")
+    want = _fused(tiny_hidream, base_sd, tmp_path / "comfy.safetensors", diffusers.HiDreamImagePipeline, 1.0)
+    for name in ("comfy", "kohya"):
+        code, stdout, err = run_ckpt("merge-lora", tmp_path / "hd", tmp_path / f"{name}.safetensors", "-o",
+                                     tmp_path / f"out_{name}", "-q")
+        assert code == 0, err
+        assert "7 LoRA modules matched" in stdout
+        assert _compare(load_file(tmp_path / f"out_{name}" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 7
+
+
+def test_diffsynth_qwen_image_lora_onto_comfyui_file(tmp_path, run_ckpt):
+    """A DiffSynth-Studio Qwen-Image LoRA (no prefix, `.lora_A.default.weight`) onto a ComfyUI single file;
+    oracle: the pipeline's Qwen LoRA converter."""
+    from families_util import tiny_qwen_image
+
+    torch.manual_seed(9)
+    model = tiny_qwen_image()
+    base_sd = state_dict(model)
+    save_file({PREFIX + k: v for k, v in base_sd.items()}, tmp_path / "q.safetensors")
+    lora = {}
+    for i in range(2):
+        for mod in ("attn.to_q", "attn.add_k_proj", "attn.to_add_out", "img_mlp.net.0.proj", "txt_mlp.net.2",
+                    "img_mod.1"):
+            key = f"transformer_blocks.{i}.{mod}"
+            pair = _lora_pair(key, base_sd[key + ".weight"], kohya=False)
+            lora.update({k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+                         for k, v in pair.items()})
+    save_file(lora, tmp_path / "diffsynth.safetensors")
+    want = _fused(tiny_qwen_image, base_sd, tmp_path / "diffsynth.safetensors", diffusers.QwenImagePipeline, 0.9)
+
+    out = tmp_path / "out.safetensors"
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "q.safetensors", tmp_path / "diffsynth.safetensors",
+                                 "--ratio", "0.9", "-o", out, "-q")
+    assert code == 0, err
+    assert _compare({k[len(PREFIX):]: v for k, v in load_file(out).items()}, want, base_sd) == 12
+
+
+def test_musubi_qwen_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
+    """musubi-tuner/kohya Qwen-Image names: the diffusers names flattened, underscores of `add_q_proj`,
+    `to_add_out`, `img_mlp`, `img_mod` and of the top-level modules included; alpha scaling; oracle: the
+    pipeline's Qwen converter (which un-flattens them by its own rules)."""
+    from families_util import tiny_qwen_image
+
+    torch.manual_seed(10)
+    model = tiny_qwen_image()
+    base_sd = state_dict(model)
+    model.save_pretrained(tmp_path / "q")
+    mods = [f"transformer_blocks.{i}.{m}" for i in range(2) for m in
+            ("attn.add_q_proj", "attn.to_add_out", "attn.to_out.0", "img_mlp.net.2", "txt_mod.1", "txt_mlp.net.0.proj")]
+    mods += ["img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1"]
+    lora = {}
+    for mod in mods:
+        lora.update(_lora_pair("lora_unet_" + mod.replace(".", "_"), base_sd[mod + ".weight"], alpha=8))
+    save_file(lora, tmp_path / "musubi.safetensors")
+    want = _fused(tiny_qwen_image, base_sd, tmp_path / "musubi.safetensors", diffusers.QwenImagePipeline, 1.0)
+
+    code, stdout, err = run_ckpt("merge-lora", tmp_path / "q", tmp_path / "musubi.safetensors", "-o",
+                                 tmp_path / "out", "-q")
+    assert code == 0, err
+    assert f"{len(mods)} LoRA modules matched" in stdout
+    assert _compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == len(mods)
