@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import flux1_converter, original_from_pairs, state_dict
+from families_util import flux1_converter, original_from_pairs, state_dict, with_constants
 from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
@@ -90,9 +90,33 @@ def _unet(kind):
     return make, converter
 
 
+def _chroma():
+    return (lambda: diffusers.ChromaTransformer2DModel(
+        in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=1,
+        joint_attention_dim=16, axes_dims_rope=(16, 56, 56), approximator_num_channels=8, approximator_hidden_dim=32,
+        approximator_layers=2),
+        lambda: with_constants(_sfu().convert_chroma_transformer_checkpoint_to_diffusers, {3072: 128}))
+
+
+def _z_image():
+    return (lambda: diffusers.ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=128, n_layers=1, n_refiner_layers=1, n_heads=1,
+        n_kv_heads=1, cap_feat_dim=16, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512]),
+        lambda: _sfu().convert_z_image_transformer_checkpoint_to_diffusers)
+
+
+def _lumina2():
+    return (lambda: diffusers.Lumina2Transformer2DModel(
+        sample_size=128, patch_size=2, in_channels=4, hidden_size=192, num_layers=1, num_refiner_layers=1,
+        num_attention_heads=2, num_kv_heads=1, multiple_of=256, cap_feat_dim=16, axes_dim_rope=(32, 32, 32),
+        axes_lens=(300, 512, 512)),
+        lambda: with_constants(_sfu().convert_lumina2_to_diffusers, {2304: 192, 768: 96}))
+
+
 CASES = {"sd1-unet": ("sd1", *_unet("sd1")), "sdxl-unet": ("sdxl", *_unet("sdxl")),
          "wan-t2v": ("wan", *_wan("t2v")), "wan-i2v": ("wan", *_wan("i2v")), "wan-vace": ("wan", *_wan("vace")),
-         "flux2": ("flux2", *_flux2()), "flux1": ("flux1", *_flux1()), "sd3": ("sd3", *_sd3())}
+         "flux2": ("flux2", *_flux2()), "flux1": ("flux1", *_flux1()), "sd3": ("sd3", *_sd3()),
+         "chroma": ("chroma", *_chroma()), "z_image": ("z_image", *_z_image()), "lumina2": ("lumina2", *_lumina2())}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

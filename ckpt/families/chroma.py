@@ -23,8 +23,8 @@ pieces and a LoRA on `to_q/k/v`/`proj_mlp` on rows of them, as for Flux.1.
 from __future__ import annotations
 
 from ckpt.families.flux1 import BFL, DIFFUSERS_SINGLE, DOUBLE_NORMS, SINGLE_NORMS, flux2_evidence
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at, block_indices, present,
-                                renames, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
+                                block_indices, blocks_count, present, renames, thirds)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -115,6 +115,38 @@ def pairs(shapes: Shapes, layout: str) -> list[Pair]:
     return present(pairs_for(*widths(shapes, layout)), shapes, layout)
 
 
+# What the weights do not say (the ChromaTransformer2DModel config of lodestones/Chroma1-Base and -HD):
+# the patch size (packed 2x2 latents enter as 64 channels through a Linear) and the rope axes.
+CONVENTIONS = {"patch_size": 1, "axes_dims_rope": {128: [16, 56, 56]}}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    head = s["transformer_blocks.0.attn.norm_q.weight"][0] if "transformer_blocks.0.attn.norm_q.weight" in s else \
+        s["single_transformer_blocks.0.attn.norm_q.weight"][0]
+    rope = CONVENTIONS["axes_dims_rope"].get(head)
+    if rope is None:
+        raise ConventionError(f"Chroma's rope axes are known for an attention head size of 128, not {head}")
+    width, in_ch = s["x_embedder.weight"]
+    patch = CONVENTIONS["patch_size"]
+    out_ch = s["proj_out.weight"][0] // (patch * patch)
+    approx = s[f"{APPROXIMATOR}.in_proj.weight"]
+    return {
+        "_class_name": "ChromaTransformer2DModel",
+        "patch_size": patch,
+        "in_channels": in_ch,
+        "out_channels": None if out_ch == in_ch else out_ch,
+        "num_layers": blocks_count(s, "transformer_blocks"),
+        "num_single_layers": blocks_count(s, "single_transformer_blocks"),
+        "attention_head_dim": head,
+        "num_attention_heads": width // head,
+        "joint_attention_dim": s["context_embedder.weight"][1],
+        "axes_dims_rope": rope,
+        "approximator_num_channels": approx[1],
+        "approximator_hidden_dim": approx[0],
+        "approximator_layers": blocks_count(s, f"{APPROXIMATOR}.layers"),
+    }
+
+
 FAMILY = Family(
     family_id="chroma",
     label="Chroma",
@@ -125,6 +157,7 @@ FAMILY = Family(
     identify=identify,
     diffusers_class="ChromaTransformer2DModel",
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("kohya/ai-toolkit (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
                   "SimpleTuner LyCORIS"),

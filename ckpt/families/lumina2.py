@@ -24,8 +24,8 @@ one on `to_q/k/v` on the q or kv rows of `qkv`.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, block_indices, present,
-                                renames, start)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature,
+                                block_indices, blocks_count, present, renames, start)
 from ckpt.families.z_image import ORIGINAL_NAMES, z_image_evidence
 
 BLOCK_HEADS = ("layers", "noise_refiner", "context_refiner")
@@ -104,6 +104,59 @@ def pairs(shapes: Shapes, layout: str) -> list[Pair]:
     return present(pairs_for(widths(shapes, layout)), shapes, layout)
 
 
+# What the weights do not say (the Lumina2Transformer2DModel config of Alpha-VLLM/Lumina-Image-2.0): patch
+# size, rope axes (they add up to the head size) and lengths, sample size, norm eps, scaling factor, and how
+# the feed-forward width was rounded (multiple_of / ffn_dim_multiplier: the release's 256 / None, else the
+# simplest pair that gives the width the weights have).
+CONVENTIONS = {"patch_size": 2, "axes_dim_rope": {96: [32, 32, 32]}, "axes_lens": [300, 512, 512],
+               "sample_size": 128, "norm_eps": 1e-05, "scaling_factor": 1.0, "multiple_of": 256}
+
+
+def _ffn_rounding(width: int, inner: int) -> tuple[int, float | None]:
+    """(multiple_of, ffn_dim_multiplier) for which LuminaFeedForward makes `inner` from 4 x `width`."""
+    base = 4 * width
+
+    def makes(multiple_of, mult):
+        n = int(mult * base) if mult is not None else base
+        return multiple_of * ((n + multiple_of - 1) // multiple_of) == inner
+
+    for multiple_of, mult in ((CONVENTIONS["multiple_of"], None), (CONVENTIONS["multiple_of"], inner / base),
+                              (1, inner / base)):
+        if makes(multiple_of, mult):
+            return multiple_of, mult
+    raise ConventionError(f"no multiple_of/ffn_dim_multiplier gives a feed-forward width of {inner} from {width}")
+
+
+def diffusers_config(s: Shapes) -> dict:
+    head = s["layers.0.attn.norm_q.weight"][0]
+    axes = CONVENTIONS["axes_dim_rope"].get(head)
+    if axes is None:
+        raise ConventionError(f"Lumina 2's rope axes are known for an attention head size of 96, not {head}")
+    width, cols = s["x_embedder.weight"]
+    p = CONVENTIONS["patch_size"]
+    in_ch, out_ch = cols // (p * p), s["norm_out.linear_2.weight"][0] // (p * p)
+    multiple_of, mult = _ffn_rounding(width, s["layers.0.feed_forward.linear_1.weight"][0])
+    return {
+        "_class_name": "Lumina2Transformer2DModel",
+        "sample_size": CONVENTIONS["sample_size"],
+        "patch_size": p,
+        "in_channels": in_ch,
+        "out_channels": None if out_ch == in_ch else out_ch,
+        "hidden_size": width,
+        "num_layers": blocks_count(s, "layers"),
+        "num_refiner_layers": blocks_count(s, "noise_refiner"),
+        "num_attention_heads": s["layers.0.attn.to_q.weight"][0] // head,
+        "num_kv_heads": s["layers.0.attn.to_k.weight"][0] // head,
+        "multiple_of": multiple_of,
+        "ffn_dim_multiplier": mult,
+        "norm_eps": CONVENTIONS["norm_eps"],
+        "scaling_factor": CONVENTIONS["scaling_factor"],
+        "axes_dim_rope": axes,
+        "axes_lens": CONVENTIONS["axes_lens"],
+        "cap_feat_dim": s["time_caption_embed.caption_embedder.1.weight"][1],
+    }
+
+
 FAMILY = Family(
     family_id="lumina2",
     label="Lumina-Image 2.0",
@@ -114,6 +167,7 @@ FAMILY = Family(
     identify=identify,
     diffusers_class="Lumina2Transformer2DModel",
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=ORIGINAL,
     lora_namings=("kohya sd-scripts (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
                   "SimpleTuner LyCORIS"),

@@ -24,8 +24,8 @@ on thirds of `attention.qkv`, a `qkv` LoRA on the three diffusers pieces.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, block_indices, has, present,
-                                renames, start, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature,
+                                block_indices, blocks_count, has, present, renames, start, thirds)
 
 BLOCK_HEADS = ("layers", "noise_refiner", "context_refiner", "siglip_refiner")
 # Same name in both layouts.
@@ -114,6 +114,46 @@ def pairs(shapes: Shapes, layout: str) -> list[Pair]:
     return present(pairs_for(widths(shapes, layout), _patch_key(shapes, layout)), shapes, layout)
 
 
+# What the weights do not say (the ZImageTransformer2DModel config of Tongyi-MAI/Z-Image-Turbo and
+# Z-Image): rope axes (they must add up to the head size), rope lengths and theta, time scale, norm eps.
+CONVENTIONS = {"axes_dims": {128: [32, 48, 48]}, "axes_lens": [1536, 512, 512], "rope_theta": 256.0,
+               "t_scale": 1000.0, "norm_eps": 1e-05}
+
+
+def diffusers_config(s: Shapes) -> dict:
+    head = s.get("layers.0.attention.norm_q.weight")
+    if head is None:
+        raise ConventionError("Z-Image without q/k norms has no head size in its weights")
+    head = head[0]
+    axes = CONVENTIONS["axes_dims"].get(head)
+    if axes is None:
+        raise ConventionError(f"Z-Image's rope axes are known for an attention head size of 128, not {head}")
+    patches = sorted({k.split(".")[1] for k in s if k.startswith("all_x_embedder.")})
+    sizes = [tuple(int(x) for x in p.split("-")) for p in patches]
+    width, cols = s[f"all_x_embedder.{patches[0]}.weight"]
+    p, f = sizes[0]
+    siglip = s.get("siglip_embedder.1.weight")
+    return {
+        "_class_name": "ZImageTransformer2DModel",
+        "all_patch_size": [p for p, _ in sizes],
+        "all_f_patch_size": [f for _, f in sizes],
+        "in_channels": cols // (f * p * p),
+        "dim": width,
+        "n_layers": blocks_count(s, "layers"),
+        "n_refiner_layers": blocks_count(s, "noise_refiner"),
+        "n_heads": width // head,
+        "n_kv_heads": s["layers.0.attention.to_k.weight"][0] // head,
+        "norm_eps": CONVENTIONS["norm_eps"],
+        "qk_norm": True,
+        "cap_feat_dim": s["cap_embedder.1.weight"][1],
+        "siglip_feat_dim": siglip[1] if siglip else None,
+        "rope_theta": CONVENTIONS["rope_theta"],
+        "t_scale": CONVENTIONS["t_scale"],
+        "axes_dims": axes,
+        "axes_lens": CONVENTIONS["axes_lens"],
+    }
+
+
 FAMILY = Family(
     family_id="z_image",
     label="Z-Image",
@@ -124,6 +164,7 @@ FAMILY = Family(
     identify=identify,
     diffusers_class="ZImageTransformer2DModel",
     pairs=pairs,
+    diffusers_config=diffusers_config,
     kohya_layout=DIFFUSERS,
     lora_namings=("musubi-tuner/ai-toolkit/kohya (diffusers names)", "ComfyUI (original names)", "diffusers/PEFT",
                   "DiffSynth", "OneTrainer", "SimpleTuner LyCORIS"),
