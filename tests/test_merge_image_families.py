@@ -397,3 +397,59 @@ def test_musubi_qwen_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
     assert code == 0, err
     assert f"{len(mods)} LoRA modules matched" in stdout
     assert _compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == len(mods)
+
+
+# ------------------------------------------------------------------------- namings, unmatched message
+
+def test_every_naming_of_one_z_image_lora_merges_the_same(tmp_path, run_ckpt):
+    """The same factors under each trainer's naming of the diffusers modules (PEFT `transformer.`,
+    DiffSynth `.default.`, `base_model.model.`, OneTrainer `lora_transformer_`, SimpleTuner `lycoris_`,
+    musubi `lora_unet_`) and ComfyUI's `diffusion_model.` (original `attention.out`; `to_k`, a row third of
+    `attention.qkv`, by the diffusers name ComfyUI's Z-Image key map also takes) give the same tensors on an
+    original-layout base."""
+    from families_util import tiny_z_image
+
+    torch.manual_seed(11)
+    base_sd = state_dict(tiny_z_image())
+    _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
+    factors = {m: _lora_pair("", base_sd[m + ".weight"], kohya=False) for m in
+               ("layers.0.attention.to_k", "layers.1.attention.to_out.0", "noise_refiner.0.feed_forward.w2")}
+    original_name = {"layers.0.attention.to_k": None, "layers.1.attention.to_out.0": "layers.1.attention.out",
+                     "noise_refiner.0.feed_forward.w2": "noise_refiner.0.feed_forward.w2"}
+    namings = {
+        "peft": lambda m, part: f"transformer.{m}.lora_{part}.weight",
+        "diffsynth": lambda m, part: f"{m}.lora_{part}.default.weight",
+        "base_model": lambda m, part: f"base_model.model.{m}.lora_{part}.weight",
+        "onetrainer": lambda m, part: f"lora_transformer_{m.replace('.', '_')}.lora_{part}.weight",
+        "lycoris": lambda m, part: f"lycoris_{m.replace('.', '_')}.lora_{'down' if part == 'A' else 'up'}.weight",
+        "musubi": lambda m, part: f"lora_unet_{m.replace('.', '_')}.lora_{'down' if part == 'A' else 'up'}.weight",
+        "comfyui": lambda m, part: f"diffusion_model.{original_name[m] or m}.lora_{part}.weight",
+    }
+    merged = {}
+    for naming, spell in namings.items():
+        lora = {spell(m, k.split("_")[-1][0]): v for m, pair in factors.items() for k, v in
+                ((k.replace(".weight", ""), v) for k, v in pair.items())}
+        save_file(lora, tmp_path / f"{naming}.safetensors")
+        out = tmp_path / f"{naming}_out.safetensors"
+        code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", tmp_path / f"{naming}.safetensors",
+                                     "-o", out)
+        assert code == 0, (naming, err)
+        assert "3 LoRA modules matched" in stdout and "base tensors changed: 3" in stdout, (naming, stdout)
+        merged[naming] = load_file(out)
+    first = merged.pop("peft")
+    for naming, got in merged.items():
+        assert set(got) == set(first) and all(torch.equal(got[k], first[k]) for k in first), naming
+
+
+def test_z_image_lora_on_lumina2_base_is_refused_naming_both(tmp_path, run_ckpt):
+    from families_util import tiny_lumina2
+
+    tiny_lumina2().save_pretrained(tmp_path / "lu")
+    lora = {}
+    for mod in ("layers.0.attention.to_q", "layers.0.attention.to_k", "layers.0.adaLN_modulation.0"):
+        lora.update(_lora_pair("lora_unet_" + mod.replace(".", "_"), torch.zeros(32, 32)))
+    save_file(lora, tmp_path / "z_lora.safetensors")
+    code, _, err = run_ckpt("merge-lora", tmp_path / "lu", tmp_path / "z_lora.safetensors", "-o", tmp_path / "o")
+    assert code == 2 and "Traceback" not in err
+    assert "kohya LoRA for z_image (diffusers layout); base is lumina2 (diffusers layout)" in err, err
+    assert not (tmp_path / "o").exists()
