@@ -18,9 +18,9 @@ choosing each tensor's type as those two steps would:
 
 Where the rules live: each family module's `gguf=GGUFStorage(arch, f32, reshape)` and its
 `high_precision[ORIGINAL]` (the layers kept unquantized; the comfy_quant writer reads the same list) in
-`ckpt/families/`; families ComfyUI-GGUF writes that have no module yet (AuraFlow, HiDream, Cosmos,
-Qwen-Image, LTX-Video, HunyuanVideo, Lumina 2 / Z-Image) are in `PENDING` below with ComfyUI-GGUF's own
-detection keys, until their modules carry the two fields. Rules from ComfyUI-GGUF's auto_convert branch
+`ckpt/families/` (`high_precision` of the only layout for families with one naming: HiDream, Qwen-Image);
+families ComfyUI-GGUF writes that have no module yet (AuraFlow, Cosmos, LTX-Video, HunyuanVideo) are in
+`PENDING` below with ComfyUI-GGUF's own detection keys, until their modules carry the two fields. Rules from ComfyUI-GGUF's auto_convert branch
 (Nov 2025).
 
 Values are quantized from their fp32 values by `gguf.quants.quantize` (ComfyUI-GGUF's route first rounds
@@ -86,18 +86,10 @@ PENDING = [
             Rules("aura", keep=_words("t_embedder.", "init_x_linear.", "=modF.1.weight", "=cond_seq_linear.weight",
                                       "=final_linear.weight", "=positional_encoding", "=register_tokens"), where=_TABLE),
             banned=("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
-    Pending((("caption_projection.0.linear.weight", "double_stream_blocks.0.block.ff_i.shared_experts.w3.weight"),),
-            Rules("hidream", f32=_words(".ff_i.gate.weight", "img_emb.emb_pos"),
-                  keep=_words("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight",
-                              "caption_projection."), where=_TABLE)),
     Pending((("blocks.0.mlp.layer1.weight", "blocks.0.adaln_modulation_cross_attn.1.weight"),),
             Rules("cosmos", f32=_words("pos_embedder"), ignore=_words("_extra_state", "accum_"),
                   keep=_words("p_embedder.", "t_embedder.", "t_embedding_norm.", "x_embedder.", "pos_embedder.",
                               "final_layer."), where=_TABLE)),
-    Pending((("time_text_embed.timestep_embedder.linear_2.weight", "transformer_blocks.0.attn.norm_added_q.weight",
-              "transformer_blocks.0.img_mlp.net.0.proj.weight"),),
-            Rules("qwen_image", keep=_words("img_in.", "txt_in.", "time_text_embed.", "proj_out.", "norm_out."),
-                  where=_TABLE)),
     Pending((("adaln_single.emb.timestep_embedder.linear_2.weight", "transformer_blocks.27.scale_shift_table",
               "caption_projection.linear_2.weight"),),
             Rules("ltxv", f32=_words("scale_shift_table"),
@@ -106,12 +98,8 @@ PENDING = [
     Pending((("double_blocks.0.img_attn_proj.weight", "txt_in.individual_token_refiner.blocks.1.self_attn_qkv.weight"),),
             Rules("hyvid", keep=_words("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."),
                   where=_TABLE)),
-    Pending((("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight"),),  # Lumina 2, Z-Image
-            Rules("lumina2", f32=_words("x_pad_token", "cap_pad_token"),
-                  keep=_words("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.",
-                              "noise_refiner.", "x_pad_token.", "cap_pad_token."), where=_TABLE)),
 ]
-ARCHS = "flux, sd3, wan, sd1, sdxl (ckpt/families), " + ", ".join(p.rules.arch for p in PENDING)
+ARCHS = "flux, sd3, wan, sd1, sdxl, lumina2, hidream, qwen_image (ckpt/families), " + ", ".join(p.rules.arch for p in PENDING)
 
 
 def _gguf():
@@ -143,13 +131,15 @@ def rules_for(names: list[str], shapes: dict) -> Rules:
 
     m = families.detect(names, shapes)
     if m is not None and m.family.gguf is not None:
-        if m.layout == families.DIFFUSERS:
+        # the original layout, or the only one (HiDream, Qwen-Image files use diffusers' names)
+        layout = families.ORIGINAL if families.ORIGINAL in m.family.layouts else m.layout
+        if m.layout != layout:
             raise CkptError(f"this is the diffusers layout of a {m.label}; ComfyUI-GGUF loads the original layout: "
                             "run `ckpt convert SRC --layout original` first")
         g = m.family.gguf
         arch = g.arch_for(m.family_id)
         if arch is not None:
-            return Rules(arch, f32=g.f32, keep=m.family.high_precision.get(families.ORIGINAL, ()), reshape=g.reshape,
+            return Rules(arch, f32=g.f32, keep=m.family.high_precision.get(layout, ()), reshape=g.reshape,
                          where=f"the {m.family.family_id} family module (ckpt/families)")
     keys = set(names)
     for p in PENDING:

@@ -23,8 +23,8 @@ pieces and a LoRA on `to_q/k/v`/`proj_mlp` on rows of them, as for Flux.1.
 from __future__ import annotations
 
 from ckpt.families.flux1 import BFL, DIFFUSERS_SINGLE, DOUBLE_NORMS, SINGLE_NORMS, flux2_evidence
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, present, renames, thirds)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
+                                at, block_indices, blocks_count, present, renames, thirds)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -166,4 +166,5 @@ FAMILY = Family(
         ORIGINAL: (r"^(img_in|txt_in|final_layer|distilled_guidance_layer)\.",),
         DIFFUSERS: (r"^(x_embedder|context_embedder|proj_out|distilled_guidance_layer)\.",),
     },
+    gguf=GGUFStorage("flux"),  # ComfyUI-GGUF stores Chroma as a Flux architecture
 )

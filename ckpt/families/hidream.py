@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ckpt.families.spec import DIFFUSERS, Family, Signature, start
+from ckpt.families.spec import DIFFUSERS, Family, GGUFStorage, Signature, start
 
 NAMES = start(r"(double|single)_stream_blocks_.\d+_.block_.")
 EXPERT = re.compile(r"ff_i[._]experts[._](\d+)[._]")
@@ -39,4 +39,5 @@ FAMILY = Family(
     high_precision={
         DIFFUSERS: (r"\.ff_i\.gate\.weight$", r"^(x_embedder|t_embedder|p_embedder|caption_projection|final_layer)\."),
     },
+    gguf=GGUFStorage("hidream", f32=(r"\.ff_i\.gate\.weight$", r"img_emb\.emb_pos")),
 )

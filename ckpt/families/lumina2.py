@@ -24,7 +24,7 @@ one on `to_q/k/v` on the q or kv rows of `qkv`.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature,
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
                                 block_indices, blocks_count, present, renames, start)
 from ckpt.families.z_image import ORIGINAL_NAMES, z_image_evidence
 
@@ -171,10 +171,11 @@ FAMILY = Family(
     kohya_layout=ORIGINAL,
     lora_namings=("kohya sd-scripts (original names)", "ComfyUI", "diffusers/PEFT", "OneTrainer",
                   "SimpleTuner LyCORIS"),
-    # Input and output layers and the timestep/caption embedders (diffusers' Lumina2Transformer2DModel
-    # skips x_embedder and the norms in layerwise casting as precision sensitive).
+    # ComfyUI-GGUF's rule: the input and output layers, the timestep and caption embedders and the two
+    # refiners (noise, context) stay unquantized.
     high_precision={
-        ORIGINAL: (r"^(x_embedder|t_embedder|cap_embedder|final_layer)\.",),
-        DIFFUSERS: (r"^(x_embedder|time_caption_embed|norm_out)\.",),
+        ORIGINAL: (r"^(x_embedder|t_embedder|cap_embedder|final_layer|noise_refiner|context_refiner)\.",),
+        DIFFUSERS: (r"^(x_embedder|time_caption_embed|norm_out|noise_refiner|context_refiner)\.",),
     },
+    gguf=GGUFStorage("lumina2", f32=(r"^(x|cap)_pad_token$",)),
 )

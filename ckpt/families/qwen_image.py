@@ -14,7 +14,7 @@ underscores, so the key map spells every base key the kohya way instead of parsi
 
 from __future__ import annotations
 
-from ckpt.families.spec import DIFFUSERS, Family, Signature, at, has, start
+from ckpt.families.spec import DIFFUSERS, Family, GGUFStorage, Signature, at, has, start
 
 NAMES = start(r"transformer_blocks_.\d+_.((img|txt)_mod_.1|(img|txt)_mlp_.net_.[02]|attn_.(add_[qkv]_proj|to_add_out))")
 # Flux.1/Chroma/SD3/HunyuanVideo diffusers classes share `transformer_blocks.N.attn.add_q_proj`.
@@ -36,8 +36,9 @@ FAMILY = Family(
     kohya_layout=DIFFUSERS,
     lora_namings=("musubi-tuner/kohya (diffusers names)", "ComfyUI/ai-toolkit", "diffusers/PEFT", "DiffSynth",
                   "OneTrainer", "SimpleTuner LyCORIS"),
-    # Input/output layers and the timestep embedder, as ComfyUI-GGUF keeps them for Flux-like models.
+    # ComfyUI-GGUF's rule: the input and output layers and the timestep embedder stay unquantized.
     high_precision={
         DIFFUSERS: (r"^(img_in|txt_in|txt_norm|time_text_embed|norm_out|proj_out)\.",),
     },
+    gguf=GGUFStorage("qwen_image"),
 )

@@ -24,7 +24,7 @@ on thirds of `attention.qkv`, a `qkv` LoRA on the three diffusers pieces.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature,
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
                                 block_indices, blocks_count, has, present, renames, start, thirds)
 
 BLOCK_HEADS = ("layers", "noise_refiner", "context_refiner", "siglip_refiner")
@@ -168,10 +168,13 @@ FAMILY = Family(
     kohya_layout=DIFFUSERS,
     lora_namings=("musubi-tuner/ai-toolkit/kohya (diffusers names)", "ComfyUI (original names)", "diffusers/PEFT",
                   "DiffSynth", "OneTrainer", "SimpleTuner LyCORIS"),
-    # Input and output layers, the timestep and caption embedders (diffusers' ZImageTransformer2DModel
-    # skips them in layerwise casting as precision sensitive) and the pad tokens (added to activations).
+    # ComfyUI-GGUF's rule for this architecture (which it shares with Lumina 2): the input and output layers,
+    # the timestep and caption embedders, the pad tokens and the two refiners (noise, context) stay unquantized.
     high_precision={
-        ORIGINAL: (r"^(x_embedder|final_layer|t_embedder|cap_embedder|siglip_embedder)\.", r"_pad_token$"),
-        DIFFUSERS: (r"^(all_x_embedder|all_final_layer|t_embedder|cap_embedder|siglip_embedder)\.", r"_pad_token$"),
+        ORIGINAL: (r"^(x_embedder|final_layer|t_embedder|cap_embedder|siglip_embedder|noise_refiner|context_refiner)"
+                   r"\.", r"_pad_token$"),
+        DIFFUSERS: (r"^(all_x_embedder|all_final_layer|t_embedder|cap_embedder|siglip_embedder|noise_refiner"
+                    r"|context_refiner)\.", r"_pad_token$"),
     },
+    gguf=GGUFStorage("lumina2", f32=(r"^(x|cap)_pad_token$",)),  # ComfyUI-GGUF: Lumina 2's architecture
 )
