@@ -37,6 +37,7 @@ import torch
 from ckpt.dtypes import is_float
 from ckpt.io.tensors import Tensor
 from ckpt.quant.fp8 import _natural, _refuse, _st
+from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.view import DecodeContext, Decoded
 
 QUANT_STATE = re.compile(r"^(.+)\.quant_state\.bitsandbytes__(nf4|fp4)$")
@@ -71,9 +72,15 @@ def _pair_table(quant_type: str, device) -> torch.Tensor:
     return _TABLE_CACHE[key]
 
 
+_NO_ENCODER = NoEncoder("bitsandbytes", "bitsandbytes is decoded only: ckpt has no encoder for NF4/FP4/LLM.int8 "
+                                        "(merge without --keep-format for a plain file)")
+
+
 class Bnb4bitWeight(Tensor):
     """A 4-bit weight: any band of rows is a range of the flattened codes, read with the absmax blocks
     covering it (and their nested codes)."""
+
+    encoding = _NO_ENCODER
 
     row_align = 1
 
@@ -132,6 +139,8 @@ class Bnb4bitWeight(Tensor):
 
 class Int8RowWeight(Tensor):
     """LLM.int8: W = weight * SCB[:, None] * (1 / 127) in float32, as `int8_vectorwise_dequant`."""
+
+    encoding = _NO_ENCODER
 
     row_align = 1
 

@@ -42,6 +42,7 @@ from ckpt.dtypes import FP8, is_float
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.quant import microscaling as mx
+from ckpt.quant.encoding import Encoding
 from ckpt.quant.fp8 import ScaledTensor, _activation_keys, _natural, _refuse, _scaled, _st, _weight_key
 from ckpt.quant.view import DecodeContext, Decoded
 from ckpt.report import Report
@@ -185,6 +186,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         else:
             t = _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed)
         if t is not None:
+            t.encoding = ComfyQuantEncoding(t.spec, wkey, _stored_values_shape(w, fmt), getattr(t, "col_scale", None))
             tensors[wkey] = t
         consumed.update(_activation_keys(ctx, layer))
     label = "comfy-quant-" + "+".join(sorted(formats))
@@ -273,6 +275,13 @@ def _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed):
     return BlockQuantWeight(wkey, QuantSpec(fmt), w, scales, shape, natural, g, col)
 
 
+def _stored_values_shape(w: Tensor, fmt: str) -> tuple[int, ...]:
+    """How many values the stored weight holds (nvfp4 packs two per byte), padding included."""
+    if fmt == "nvfp4":
+        return (w.shape[0], w.shape[1] * 2)
+    return tuple(w.shape)
+
+
 def _logical_shape(ctx, layer, conf, wkey, stored, block):
     """The layer config's `orig_shape`, else `--shapes-from`, else the stored (possibly padded) shape."""
     pad = block  # comfy-kitchen pads both dimensions to the block size
@@ -344,11 +353,12 @@ def unencodable(spec: QuantSpec, shape) -> str | None:
 CHUNK_ELEMS = 1 << 20  # the encoders work on row chunks of a band: their fp32 temporaries stay small
 
 
-def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) -> list[OutTensor]:
+def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, meter=None) -> list[OutTensor]:
     """The stored tensors of the logical weight `t` (`X.weight`, its scales) in the layout `spec`,
     each streamed from `t`'s bands. `X.comfy_quant` is not among them (see `config_tensor`).
 
-    The one call a re-encoding merge needs: give it the base layer's `spec` and the merged tensor."""
+    The one call a re-encoding merge needs: give it the base layer's `spec` and the merged tensor; `meter`
+    (a `ckpt.quant.encoding.ErrorMeter`) then gets each chunk's values and what its codes decode to."""
     name = name or t.name
     why = unencodable(spec, t.shape)
     if why:
@@ -360,8 +370,9 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
     def scalar(key, fn):
         return OutTensor(key, torch.float32, (), ComputedTensor(key, fn, torch.float32, (), home=t.home), lambda x, b: x)
 
-    def codes(dtype, out_cols, fn):
-        """The weight's OutTensor: each band converted to fp32 and encoded by `fn` in row chunks."""
+    def codes(dtype, out_cols, fn, decode):
+        """The weight's OutTensor: each band converted to fp32 and encoded by `fn` in row chunks
+        (`decode(chunk, codes)`: the fp32 values the codes stand for, for the meter)."""
         def cast(x, buffers):
             n = x.shape[0]
             out = (buffers.typed("comfy_quant", dtype, (n, out_cols)) if buffers is not None and x.device.type == "cpu"
@@ -371,7 +382,10 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
             for r in range(0, n, step):
                 chunk = x[r: r + step].to(torch.float32)
                 bad += count_nonfinite(chunk)
-                out[r: r + step] = fn(chunk)
+                c = fn(chunk)
+                out[r: r + step] = c
+                if meter is not None:
+                    meter.add(chunk, decode(chunk, c))
             report.count("nonfinite_quantized", name, bad)
             return out
 
@@ -382,7 +396,8 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
         top = torch.finfo(dt).max
         scale = _Lazy(lambda: _nonzero(finite_amax(t) / top))
         # comfy-kitchen's quantize_per_tensor_fp8: x * (1 / scale), clamped, cast
-        return [codes(dt, cols, lambda x: (x * (1.0 / scale().to(x.device))).clamp_(-top, top).to(dt)),
+        return [codes(dt, cols, lambda x: (x * (1.0 / scale().to(x.device))).clamp_(-top, top).to(dt),
+                      lambda x, c: c.to(torch.float32) * scale().to(x.device)),
                 scalar(f"{layer}.weight_scale", scale)]
     if fmt == "int8_tensorwise":
         if spec.rowwise:
@@ -390,10 +405,12 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
                 return _int8_scale(x.to(torch.float32).abs().amax(dim=-1, keepdim=True))
 
             srows = _Derived(f"{layer}.weight_scale", t, torch.float32, (rows, 1), row_scales)
-            return [codes(torch.int8, cols, lambda x: _int8_round(x / row_scales(x))),
+            return [codes(torch.int8, cols, lambda x: _int8_round(x / row_scales(x)),
+                          lambda x, c: c.to(torch.float32) * row_scales(x)),
                     OutTensor(srows.name, torch.float32, (rows, 1), srows, lambda x, b: x)]
         scale = _Lazy(lambda: _int8_scale(finite_amax(t)))
-        return [codes(torch.int8, cols, lambda x: _int8_round(x / scale().to(x.device))),
+        return [codes(torch.int8, cols, lambda x: _int8_round(x / scale().to(x.device)),
+                      lambda x, c: c.to(torch.float32) * scale().to(x.device)),
                 scalar(f"{layer}.weight_scale", scale)]
     grid = mx.scale_grid(rows, cols // BLOCK[fmt])
     if fmt == "nvfp4":
@@ -403,15 +420,20 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None) 
             g = gscale().to(x.device)
             return mx.nvfp4_codes(x, g, mx.nvfp4_block_scales(x, g))
 
+        def fp4_decoded(x, c):
+            g = gscale().to(x.device)
+            return mx.nvfp4_decode(c, g, mx.nvfp4_block_scales(x, g))
+
         def fp4_scales(x):
             return mx.nvfp4_block_scales(x.to(torch.float32), gscale().to(x.device)).view(torch.uint8)
 
         bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e4m3fn, grid, fp4_scales, blocked=True)
-        return [codes(torch.uint8, cols // 2, fp4), OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
+        return [codes(torch.uint8, cols // 2, fp4, fp4_decoded), OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
                 scalar(f"{layer}.weight_scale_2", gscale)]
     bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e8m0fnu, grid,
                   lambda x: mx.mxfp8_block_scales(x.to(torch.float32))[0], blocked=True)
-    return [codes(torch.float8_e4m3fn, cols, mx.mxfp8_codes),
+    return [codes(torch.float8_e4m3fn, cols, mx.mxfp8_codes,
+                  lambda x, c: mx.mxfp8_decode(c, mx.mxfp8_block_scales(x)[0])),
             OutTensor(bs.name, torch.float8_e8m0fnu, grid, bs, lambda x, b: x)]
 
 
@@ -469,3 +491,72 @@ class _Derived(Tensor):
         nat = mx.pad_grid(nat, stop - start, self.shape[1])
         return mx.swizzle(nat).view(self.dtype)
 
+class ComfyQuantEncoding(Encoding):
+    """A new value of a comfy_quant layer stored as the base layer is: same format (and int8 row-wise or
+    not), `X.weight` and its scales computed from the value's fp32 values by `encode` (comfy-kitchen's
+    arithmetic: a per-tensor scale amax / fp8 max, int8 scales amax / 127, nvfp4's global scale amax /
+    (448 * 6) and its block scales, mxfp8's e8m0 block exponents). Per-tensor and global scales read the
+    value twice (amax pass, then codes); block and row scales are band-local. A weight comfy-kitchen padded
+    to the block size is padded again with zeros; nvfp4's `pre_quant_scale` is kept and the value divided
+    by it before encoding (the decoder multiplies it back). `X.comfy_quant`, `X.input_scale` and the
+    file's `_quantization_metadata` are copied as stored."""
+
+    def __init__(self, spec: QuantSpec, wkey: str, stored_shape, col_scale: Tensor | None = None):
+        self.spec, self.wkey, self.stored_shape, self.col_scale = spec, wkey, tuple(stored_shape), col_scale
+        layer = wkey[: -len(".weight")] if wkey.endswith(".weight") else wkey
+        self.keys = (wkey, f"{layer}.weight_scale") + ((f"{layer}.weight_scale_2",) if spec.format == "nvfp4" else ())
+        self.label = f"comfy_quant {spec.format}" + (" row-wise" if spec.rowwise else "")
+
+    def why_not(self) -> str | None:
+        return unencodable(self.spec, self.stored_shape)
+
+    def encode(self, value: Tensor, report: Report, meter) -> list[OutTensor]:
+        v = value
+        if self.col_scale is not None:
+            v = _ColumnDivided(v, self.col_scale)
+            meter = _ColumnMeter(meter, self.col_scale)
+        if tuple(v.shape) != self.stored_shape:
+            v = _ZeroPadded(v, self.stored_shape)
+        return encode(self.spec, v, report, name=self.wkey, meter=meter)
+
+
+class _ColumnDivided(Tensor):
+    """value / pre_quant_scale per column (what the stored nvfp4 codes hold before ComfyUI's smoothing)."""
+
+    def __init__(self, base: Tensor, col: Tensor):
+        self.base, self.col, self.name, self.home = base, col, base.name, base.home
+        self.shape, self.dtype, self.row_align = tuple(base.shape), torch.float32, base.row_align
+
+    def read(self, start, stop, device, scratch=None):
+        c = self.col.read_all(device).to(torch.float32).reshape(1, -1)
+        return self.base.read(start, stop, device, scratch).to(torch.float32) / c
+
+
+class _ColumnMeter:
+    """Measures the error on the smoothed-back values: both sides times the column scales."""
+
+    def __init__(self, meter, col: Tensor):
+        self.meter, self.col = meter, col
+
+    def add(self, x, decoded):
+        c = self.col.read_all(x.device).to(torch.float32).reshape(1, -1)
+        n = c.shape[1]
+        self.meter.add(x[:, :n] * c, decoded[:, :n] * c)
+
+
+class _ZeroPadded(Tensor):
+    """A weight padded with zeros to the stored (block-multiple) shape, as comfy-kitchen pads it."""
+
+    def __init__(self, base: Tensor, shape):
+        self.base, self.name, self.home = base, base.name, base.home
+        self.shape, self.dtype = tuple(shape), torch.float32
+        self.row_align = None if base.row_align is None else 1
+
+    def read(self, start, stop, device, scratch=None):
+        from ckpt.io.tensors import read_rows
+
+        out = torch.zeros((stop - start, self.shape[1]), dtype=torch.float32, device=device)
+        r1 = min(stop, self.base.rows)
+        if start < r1:
+            out[: r1 - start, : self.base.shape[1]] = read_rows(self.base, start, r1, device).to(torch.float32)
+        return out

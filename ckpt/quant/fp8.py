@@ -23,6 +23,8 @@ from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8, TORCH_TO_ST, config_dtype, is_float
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
+from ckpt.quant.encoding import NoEncoder
+from ckpt.quant.fp8_encode import ComfyScaledFP8Encoding, KohyaFP8Encoding
 from ckpt.quant.view import DecodeContext, Decoded
 
 DEFAULT_BLOCK = (128, 128)  # HF fine-grained FP8 / DeepSeek-V3 default weight_block_size
@@ -245,6 +247,7 @@ def comfy_legacy(ctx: DecodeContext) -> Decoded | None:
             if w is None or not is_float(w.dtype):
                 raise _refuse(ctx, key, f"scale {key!r} has no floating weight {wkey!r} to pair with")
             tensors[wkey] = _scaled(ctx, wkey, w, key, ctx.remaining[key], natural if w.dtype in FP8 else w.dtype)
+            tensors[wkey].encoding = ComfyScaledFP8Encoding(wkey, w, key, ctx.remaining[key])
             consumed[key] = f"scale of {wkey}"
         elif key.endswith(".scale_input"):
             consumed[key] = "activation scale (inference only)"
@@ -267,6 +270,8 @@ def kohya_scaled(ctx: DecodeContext) -> Decoded | None:
         extra = ctx.remaining.get(tkey)
         natural = s.dtype if s.dtype in (torch.float16, torch.bfloat16, torch.float32) else _natural(ctx)
         tensors[wkey] = _scaled(ctx, wkey, w, key, s, natural, extra=extra)
+        tensors[wkey].encoding = KohyaFP8Encoding(wkey, w, key, s, tensors[wkey].layout,
+                                                  tkey if extra is not None else None, extra)
         consumed[key] = f"scale of {wkey}"
         if extra is not None:
             consumed[tkey] = f"tensor-level scale of {wkey}"
@@ -298,6 +303,8 @@ def hf_block_fp8(ctx: DecodeContext) -> Decoded | None:
         wkey = _weight_key(layer)
         w = _require_fp8_weight(ctx, wkey, key, "block FP8")
         tensors[wkey] = _scaled(ctx, wkey, w, key, ctx.remaining[key], natural, block)
+        tensors[wkey].encoding = NoEncoder("HF block FP8", "ckpt decodes HF fine-grained / DeepSeek block FP8 "
+                                                           "but has no encoder for it")
         consumed[key] = f"block scale of {wkey}"
         consumed.update(_activation_keys(ctx, layer))
     return Decoded("hf-block-fp8", tensors, consumed)
@@ -326,6 +333,8 @@ def weight_scale(ctx: DecodeContext) -> Decoded | None:
                 raise _refuse(ctx, zkey, f"{zkey!r} is a non-zero zero point (asymmetric FP8), which ckpt cannot decode")
             consumed[zkey] = f"zero point of {wkey} (all zero)"
         tensors[wkey] = _scaled(ctx, wkey, w, key, ctx.remaining[key], natural, block)
+        tensors[wkey].encoding = NoEncoder("FP8 weight_scale", "ckpt decodes compressed-tensors / FBGEMM / ModelOpt / "
+                                                               "AutoFP8 / Mistral FP8 but has no encoder for them")
         consumed[key] = f"scale of {wkey}"
         consumed.update(_activation_keys(ctx, layer))
     method = str(_quant_config(ctx).get("quant_method") or "")

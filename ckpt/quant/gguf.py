@@ -28,6 +28,7 @@ from ckpt.errors import CkptError, file_error
 from ckpt.io.gguf import GGUFStored, block_size, plain_types, type_name
 from ckpt.io.header import read_into
 from ckpt.io.tensors import Tensor
+from ckpt.quant.encoding import Encoding
 from ckpt.quant.view import DecodeContext, Decoded
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a reshaped tensor
@@ -68,6 +69,11 @@ class GGUFValues(Tensor):
     @property
     def type_name(self) -> str:
         return type_name(self.ggml_type)
+
+    @property
+    def encoding(self):
+        """A new value stored as this tensor is: same name, type and stored shape (`GGUFEncoding`)."""
+        return GGUFEncoding(self.stored)
 
     def read(self, start, stop, device, scratch=None):
         per_row = math.prod(self.shape[1:]) if self.shape else 1
@@ -125,6 +131,71 @@ def stored_output(stored: GGUFStored, name: str | None = None):
         return OutTensor(name or stored.name, torch.uint8, stored.stored_shape, stored, lambda x, b: x,
                          gguf_type=stored.ggml_type)
     return OutTensor(name or stored.name, stored.dtype, stored.stored_shape, stored, lambda x, b: x)
+
+
+WRITABLE_FALLBACKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # general-purpose types gguf can write
+
+
+def bits_per_weight(ggml_type: int) -> float:
+    blk, size = block_size(ggml_type)
+    return size * 8 / blk
+
+
+def nearest_writable(ggml_type: int) -> int:
+    """The type a tensor of a type gguf cannot write (K-quants, IQ-quants) is written in again: the
+    general-purpose writable type with the fewest bits per weight above the source's (a K-quant packs its
+    bits better than a legacy type, so equal bits would lose precision): Q2_K/Q3_K -> Q4_0, Q4_K -> Q4_1,
+    Q5_K -> Q5_1, Q6_K -> Q8_0; Q8_0 when none has more."""
+    T = _gguf().GGMLQuantizationType
+    bpw = bits_per_weight(ggml_type)
+    cands = sorted((bits_per_weight(T[n]), int(T[n])) for n in WRITABLE_FALLBACKS)
+    return next((t for b, t in cands if b > bpw), int(T.Q8_0))
+
+
+class GGUFEncoding(Encoding):
+    """A new value of a stored GGUF tensor: the same name and stored shape (rows of the stored row length,
+    also where ComfyUI-GGUF reshaped it), encoded by `gguf.quants.quantize` in the stored type, or, for a
+    type gguf's Python package cannot write (K-/IQ-quants), in `nearest_writable` of it, with a note. Block
+    types carry their scales inside each block, so every band is encoded on its own (one pass)."""
+
+    def __init__(self, stored: GGUFStored):
+        self.stored = stored
+        self.keys = (stored.name,)
+        t = stored.ggml_type
+        self.out_type = t if can_encode(t) else nearest_writable(t)
+        self.label = f"GGUF {type_name(t)}" if self.out_type == t else \
+            f"GGUF {type_name(t)} -> {type_name(self.out_type)}"
+        self.note = None if self.out_type == t else (
+            f"GGUF {type_name(t)} tensors changed by the LoRA are written as {type_name(self.out_type)} "
+            f"(gguf, the package ckpt encodes with, cannot write {type_name(t)}); unchanged ones keep "
+            f"{type_name(t)}")
+
+    def why_not(self) -> str | None:
+        row = self.stored.stored_shape[-1] if self.stored.stored_shape else 1
+        blk = block_size(self.out_type)[0]
+        if row % blk:
+            return f"rows of {row} values are not whole {type_name(self.out_type)} blocks"
+        return None
+
+    def encode(self, value: Tensor, report, meter):
+        from ckpt.convert.gguf_out import BlockRows
+        from ckpt.io.plan import OutTensor
+
+        s, t = self.stored, self.out_type
+        row_len = s.stored_shape[-1] if s.stored_shape else 1
+        plain = plain_types().get(t)
+
+        def cast(x, buffers):
+            v = x.to(torch.float32)
+            report.count("nonfinite_input", s.name, int((~torch.isfinite(v)).sum()) if v.numel() else 0)
+            q = encode(v.reshape(-1, row_len), t)
+            meter.add(v, q if plain is not None else dequantize(q, t, row_len))
+            return q
+
+        src = BlockRows(value, row_len)
+        if plain is not None:
+            return [OutTensor(s.name, plain, s.stored_shape, src, cast)]
+        return [OutTensor(s.name, torch.uint8, s.stored_shape, src, cast, gguf_type=t)]
 
 
 def can_encode(ggml_type: int) -> bool:

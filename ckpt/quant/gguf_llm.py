@@ -32,6 +32,7 @@ import torch
 from ckpt.errors import file_error
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
+from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.view import Decoded
 
 LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -115,6 +116,42 @@ class HeadRowsUnpermuted(Tensor):
         h = (stop - start) // self.head
         return x.reshape(h, self.head // 2, 2, *rest).transpose(1, 2).reshape(stop - start, *rest).contiguous()
 
+    @property
+    def encoding(self):
+        """A new value in HF order goes back through llama.cpp's permute, then the stored encoding."""
+        inner = encoding_of(self.base)
+        return None if inner is None else HeadRowsPermutedEncoding(inner, self.head)
+
+
+class HeadRowsPermuted(Tensor):
+    """The inverse of `HeadRowsUnpermuted`: HF rows (2, hd/2) per head -> llama.cpp's (hd/2, 2)."""
+
+    def __init__(self, base: Tensor, head: int):
+        self.base, self.head, self.name, self.home = base, head, base.name, base.home
+        self.dtype, self.shape = base.dtype, tuple(base.shape)
+        self.row_align = None if base.row_align is None else math.lcm(head, base.row_align)
+
+    def read(self, start, stop, device, scratch=None):
+        x = self.base.read(start, stop, device, scratch)
+        rest = x.shape[1:]
+        h = (stop - start) // self.head
+        return x.reshape(h, 2, self.head // 2, *rest).transpose(1, 2).reshape(stop - start, *rest).contiguous()
+
+
+class HeadRowsPermutedEncoding(Encoding):
+    """Storing a new q/k value of a llama GGUF: permuted back to llama.cpp's row order, then encoded as the
+    stored tensor is."""
+
+    def __init__(self, inner, head: int):
+        self.inner, self.head = inner, head
+        self.label, self.keys, self.note = inner.label, inner.keys, inner.note
+
+    def why_not(self):
+        return self.inner.why_not()
+
+    def encode(self, value, report, meter):
+        return self.inner.encode(HeadRowsPermuted(value, self.head), report, meter)
+
 
 class Renamed(Tensor):
     """A stored tensor under its HF name (plain GGUF types need no decoding, only the name)."""
@@ -133,6 +170,10 @@ class Renamed(Tensor):
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(start, stop, device, scratch)
+
+    @property
+    def encoding(self):
+        return encoding_of(self.base)
 
 
 def _f32(v) -> float:

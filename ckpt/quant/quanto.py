@@ -85,6 +85,12 @@ class QBytesWeight(Tensor):
     def source_bytes(self):
         return self.data.source_bytes
 
+    @property
+    def encoding(self):
+        from ckpt.quant.quanto_encode import QuantoBytesEncoding
+
+        return QuantoBytesEncoding(self)
+
     def read(self, start, stop, device, scratch=None):
         d = self.data.read(start, stop, device, scratch)
         s = _rows_of(self.scale, start, stop, self.rows, device)
@@ -127,6 +133,12 @@ class QBitsWeight(Tensor):
     @property
     def source_bytes(self):
         return self.packed.source_bytes
+
+    @property
+    def encoding(self):
+        from ckpt.quant.quanto_encode import QuantoBitsEncoding
+
+        return QuantoBitsEncoding(self)
 
     def read(self, start, stop, device, scratch=None):
         if self.q is None:
