@@ -125,12 +125,15 @@ def inspect(src, as_json, scan, quiet):
 @MERGE_TO
 @ALLOW_UNMATCHED
 @FORMAT
+@click.option("--keep-format", is_flag=True,
+              help="Write the base's own format: changed tensors re-encoded in its quantization (GGUF, ComfyUI "
+                   "scaled fp8 / comfy_quant, kohya fp8_scaled, optimum-quanto), everything else copied as stored.")
 @click.option("--dry-run", is_flag=True, help="Print the matching report only; write nothing.")
 @DEVICE
 @OVERWRITE
 @QUIET
 @REPORT
-def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, device, overwrite, quiet):
+def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, keep_format, dry_run, device, overwrite, quiet):
     """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
 
     A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
@@ -139,7 +142,7 @@ def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, dry_run, devi
     from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
 
     opts = MergeOptions(ratios=list(ratios), to=to, device=device, allow_unmatched=allow_unmatched,
-                        dry_run=dry_run, overwrite=overwrite, quiet=quiet, format=fmt)
+                        dry_run=dry_run, overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format)
     try:
         path, report = run(base, list(loras), out, opts)
     except MergeError as e:

@@ -44,6 +44,7 @@ class MergeOptions:
     overwrite: bool = False
     quiet: bool = False
     format: str | None = None  # "safetensors" | "torch"; None: from -o, else torch for LitGPT, else safetensors
+    keep_format: bool = False  # write the base's own encoding and container (ckpt.merge.keep_format)
 
 
 @dataclass
@@ -54,10 +55,14 @@ class MergeReport(Report):
     matched: dict[str, int] = field(default_factory=dict)  # LoRA -> modules matched
     changed: list[str] = field(default_factory=list)  # base tensors changed
     unmatched: dict[str, list[str]] = field(default_factory=dict)  # LoRA -> stored keys that matched nothing
+    meters: list = field(default_factory=list)  # --keep-format: one ErrorMeter per re-encoded tensor
+    requantization: dict = field(default_factory=dict)  # --keep-format: mean and per-tensor relative RMS
 
     def facts(self) -> dict:
-        """merge-lora's part of `--report FILE.json` (ckpt.cli_report): every unmatched key, not the first few."""
-        return {"summary": self.summary, "matched": self.matched, "changed": self.changed, "unmatched": self.unmatched}
+        """merge-lora's part of `--report FILE.json` (ckpt.cli_report): every unmatched key, not the first few;
+        with --keep-format, the requantization error of every re-encoded tensor."""
+        return {"summary": self.summary, "matched": self.matched, "changed": self.changed, "unmatched": self.unmatched,
+                "requantization": self.requantization or None}
 
 
 class MergeError(CkptError):
@@ -87,6 +92,9 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                         "(give one per LoRA, in order)")
     if opts.to is not None and opts.to not in MERGE_TARGETS:
         raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")
+    if opts.keep_format and opts.to is not None:
+        raise CkptError(f"--to {opts.to} and --keep-format: choose one (--keep-format writes every tensor in the "
+                        "base's own stored dtype or quantized format)")
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(open_checkpoint(base))
@@ -102,7 +110,10 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                 raise
             stack.callback(f.close)
             files.append(f)
-        fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
+        if opts.keep_format:
+            fmt = _keep_container(ckpt, opts, out)
+        else:
+            fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
         plan = _plan(ckpt, files, ratios, opts, report, fmt)
         if finetune_dir is not None and out and Path(out).suffix in WEIGHT_SUFFIXES:
             # `-o merged/lit_model.pth` is that one file (never a folder named lit_model.pth)
@@ -114,16 +125,43 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             litgpt.as_folder(plan, "lit_model" + file_ext(fmt), litgpt.sidecars(finetune_dir, base_dir))
             derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
         else:
-            derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file, ext=file_ext(fmt))
+            ext = ".gguf" if fmt == "gguf" else file_ext(fmt)
+            derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file, ext=ext)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
+    if opts.keep_format:
+        from ckpt.merge.keep_format import summarize
+
+        lines, facts = summarize(report.meters)
+        report.summary += lines[:1] if opts.dry_run else lines
+        report.requantization = {} if opts.dry_run else facts
     return out_path, report
+
+
+def _keep_container(ckpt, opts: MergeOptions, out) -> str:
+    """--keep-format writes the base's container: a .gguf stays GGUF; safetensors and torch pickles keep
+    theirs unless -o / --format name the other one."""
+    from ckpt.merge.keep_format import container
+
+    kind = container(ckpt)
+    if kind == "gguf":
+        suffix = Path(out).suffix if out else ""
+        if opts.format is not None:
+            raise CkptError(f"--format {opts.format} with --keep-format: the base is a GGUF file, and so is the output")
+        if suffix not in ("", ".gguf") and not Path(out).is_dir():
+            raise CkptError(f"-o {out}: --keep-format on a GGUF base writes a GGUF file; name it .gguf")
+        return "gguf"
+    return output_format(opts.format, out, kind)
 
 
 def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport,
           file_format: str = "safetensors"):
     views = [logical_view(c) for c in ckpt.components]
+    if opts.keep_format:
+        from ckpt.merge.keep_format import refuse_plain
+
+        refuse_plain(ckpt, views)
     # A LitGPT LoRA: older attn.attn bases read as attn.qkv, and without --to every floating tensor is
     # written in the LoRA's dtype, as litgpt writes it.
     lit = next((f for f in files if f.litgpt is not None), None)
@@ -149,6 +187,14 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     if not patches:
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
+    names = [Path(f.spec).name for f in files]
+    op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
+    if opts.keep_format:
+        from ckpt.merge.keep_format import plan_keep_format
+
+        plan, report.meters, notes = plan_keep_format(ckpt, views, patches, report, op + " --keep-format", file_format)
+        plan.notes += notes + lit_notes
+        return plan
 
     target = TARGETS[opts.to] if opts.to else None
     lit_note = None
@@ -166,8 +212,6 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     make = cast_outputs(report, out_dtype,
                         source_of=lambda t: MergedTensor(t, patches[id(t)]) if id(t) in patches else t)
 
-    names = [Path(f.spec).name for f in files]
-    op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
     cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
     plan = plan_checkpoint(ckpt, views, make, operation=op, file_format=file_format, output_dtype=lambda c: cfg_dtype)
     plan.notes += decoded_notes(ckpt, views) + lit_notes

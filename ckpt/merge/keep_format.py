@@ -1,0 +1,176 @@
+"""`ckpt merge-lora --keep-format`: the merged model in the base's own stored encoding and container.
+
+The plan is made over the base's stored keys, not its logical tensors: every stored key is written again in
+stored order, in its own file (shard) and dtype, with the file's metadata, GGUF key-values and sidecars
+(`quanto_qmap.json`, `config.json` with its `quantization_config`) unchanged. A stored key is either
+
+- copied as it is stored (codes, scales, markers, configs: byte for byte), when the LoRA does not change the
+  logical tensor it belongs to; or
+- written by the changed tensor's `Encoding` (`ckpt.quant.encoding`): the base value decoded, the patches
+  applied in fp32 (`MergedTensor`), and the result encoded into exactly the stored keys it came from, in the
+  same format and block layout, with scales computed from the merged values as that format's reference
+  encoder computes them (per format: the encodings' docstrings, README "merge-lora --keep-format").
+
+Each encoding measures its requantization error on the codes it writes (an `ErrorMeter` per changed tensor),
+which the command reports after writing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ckpt import __version__
+from ckpt.errors import CkptError
+from ckpt.io.layout import plan_checkpoint
+from ckpt.io.plan import OutFile, OutTensor, Plan
+from ckpt.io.tensors import Tensor
+from ckpt.merge.merged import MergedTensor
+from ckpt.quant.encoding import ErrorMeter, encoding_of
+from ckpt.quant.view import View
+from ckpt.report import Report, plural
+
+
+def container(ckpt) -> str:
+    """The base's own container: "gguf", "torch" (every weight file a torch pickle) or "safetensors"."""
+    kinds = {f.kind for c in ckpt.components for f in c.files}
+    if "gguf" in kinds:
+        return "gguf"
+    return "torch" if kinds == {"pickle"} else "safetensors"
+
+
+def refuse_plain(ckpt, views) -> None:
+    """--keep-format needs a stored encoding to keep."""
+    if not any(v.formats for v in views):
+        raise CkptError(f"--keep-format: {ckpt.spec} stores plain tensors (no quantized encoding to keep); "
+                        "merge without --keep-format (--to chooses the dtype)")
+
+
+def as_stored(t: Tensor) -> OutTensor:
+    """A stored key written again unchanged: its stored dtype, shape and bytes (GGUF: type and blocks)."""
+    from ckpt.io.gguf import GGUFStored
+
+    if isinstance(t, GGUFStored):
+        from ckpt.quant.gguf import stored_output
+
+        return stored_output(t)
+    return OutTensor(t.name, t.dtype, tuple(t.shape), t, lambda x, b: x)
+
+
+class _AtHome(Tensor):
+    """A re-encoded key's source placed in the file its stored key lives in (sharded bases)."""
+
+    def __init__(self, base: Tensor, home: str):
+        self.base, self.home = base, home
+        self.name, self.dtype, self.shape, self.row_align = base.name, base.dtype, tuple(base.shape), base.row_align
+
+    @property
+    def source_bytes(self):
+        return self.base.source_bytes
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch)
+
+
+def _conform(o: OutTensor, stored: Tensor, label: str) -> OutTensor:
+    """The re-encoded key as the stored key is: same dtype and shape (a byte-compatible view where the base
+    stored e.g. fp8 codes as U8 or scales flattened), in the stored key's file."""
+    want = as_stored(stored)
+    src = o.source if o.source.home == stored.home else _AtHome(o.source, stored.home)
+    if want.gguf_type is not None or o.gguf_type is not None:  # GGUF: same stored shape; the type may change
+        if tuple(o.shape) != tuple(want.shape):
+            raise CkptError(f"--keep-format: {o.name!r}: the {label} encoder writes shape {list(o.shape)}, "
+                            f"stored is {list(want.shape)}")
+        return replace(o, source=src)
+    if o.dtype == want.dtype and tuple(o.shape) == tuple(want.shape):
+        return replace(o, source=src)
+    if o.dtype.itemsize == want.dtype.itemsize and math.prod(o.shape) == math.prod(want.shape):
+        cast, dt = o.cast, want.dtype
+        return OutTensor(o.name, dt, tuple(want.shape), src, lambda x, b: cast(x, b).view(dt))
+    raise CkptError(f"--keep-format: {o.name!r} is stored as {want.dtype} {list(want.shape)}, but the {label} encoder "
+                    f"writes {o.dtype} {list(o.shape)}; this layout cannot be re-encoded; nothing was written")
+
+
+def plan_keep_format(ckpt, views, patches: dict[int, list], report: Report, operation: str,
+                     file_format: str) -> tuple[Plan, list[ErrorMeter], list[str]]:
+    """The plan (stored keys in stored order, changed tensors re-encoded), one ErrorMeter per changed tensor,
+    and the notes to print."""
+    refuse_plain(ckpt, views)
+    meters: list[ErrorMeter] = []
+    notes: list[str] = []
+    replaced: dict[int, OutTensor] = {}  # id(stored tensor) -> its re-encoded output
+    for comp, view in zip(ckpt.components, views):
+        where = f"{comp.subdir}/" if comp.subdir else ""
+        for t in view.tensors.values():
+            if id(t) not in patches:
+                continue
+            enc = encoding_of(t)
+            if enc is None:
+                raise CkptError(f"--keep-format: {where}{t.name} is decoded from {', '.join(view.formats)}, which "
+                                "ckpt cannot encode again; nothing was written (merge without --keep-format for "
+                                "a plain file)")
+            why = enc.why_not()
+            if why:
+                raise CkptError(f"--keep-format: {where}{t.name} ({enc.label}) cannot be re-encoded: {why}; "
+                                "nothing was written")
+            meter = ErrorMeter(f"{where}{t.name}", enc.label)
+            for o in enc.encode(MergedTensor(t, patches[id(t)]), report, meter):
+                stored = comp.tensors.get(o.name)
+                if stored is None or id(stored) in replaced:
+                    raise RuntimeError(f"{o.name}: the {enc.label} encoding writes a key the base does not store once")
+                replaced[id(stored)] = _conform(o, stored, enc.label)
+            meters.append(meter)
+            if enc.note and enc.note not in notes:
+                notes.append(enc.note)
+
+    def make(t: Tensor) -> list[OutTensor]:
+        return [replaced.get(id(t)) or as_stored(t)]
+
+    n_stored = sum(len(c.tensors) for c in ckpt.components)
+    formats = sorted({f for v in views for f in v.formats})
+    notes.append(f"kept the base's encoding ({', '.join(formats)}): {plural(len(meters), 'changed tensor')} "
+                 f"re-encoded into {plural(len(replaced), 'stored key')}, {n_stored - len(replaced)} of "
+                 f"{n_stored} stored keys copied unchanged")
+    if file_format == "gguf":
+        return _plan_gguf(ckpt, make, operation), meters, notes
+    stored_views = [View(dict(c.tensors), {}, [], set(), False, [], None) for c in ckpt.components]
+    plan = plan_checkpoint(ckpt, stored_views, make, operation=operation, file_format=file_format)
+    return plan, meters, notes
+
+
+def _plan_gguf(ckpt, make, operation: str) -> Plan:
+    """One GGUF file: the base's key-values (exact types, order) plus ckpt's provenance, tensors in order."""
+    from ckpt.io.gguf_writer import fields_from, string
+
+    comp = ckpt.components[0]
+    header = comp.files[0].gguf
+    fields = [f for f in fields_from(header) if f.key not in ("ckpt.version", "ckpt.operation")]
+    fields += [string("ckpt.version", __version__), string("ckpt.operation", operation)]
+    outs = [o for t in comp.tensors.values() for o in make(t)]
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)])
+
+
+def summarize(meters: list[ErrorMeter], worst: int = 3) -> tuple[list[str], dict]:
+    """Summary lines (mean and worst relative RMS) and the `--report` JSON part."""
+    if not meters:
+        return [], {}
+    errs = [(m.rel_rms, m) for m in meters]
+    finite = [e for e, _ in errs if math.isfinite(e)]
+    mean = sum(finite) / len(finite) if finite else 0.0
+    kinds: dict[str, int] = {}
+    for m in meters:
+        kinds[m.label] = kinds.get(m.label, 0) + 1
+    shown = sorted(errs, key=lambda em: -em[0])[:worst]
+    lines = [f"re-encoded {plural(len(meters), 'changed tensor')} in the base's format "
+             f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))})",
+             "requantization error (relative RMS of decode(encode(merged)) vs the fp32 merge): "
+             f"mean {_pct(mean)}, worst " + ", ".join(f"{m.name} {_pct(e)} ({m.label})" for e, m in shown)]
+    facts = {"mean_rel_rms": mean,
+             "tensors": {m.name: {"format": m.label, "rel_rms": e if math.isfinite(e) else None} for e, m in errs}}
+    return lines, facts
+
+
+def _pct(x: float) -> str:
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x * 100:.3g}%"
