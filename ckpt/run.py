@@ -113,15 +113,6 @@ def tagged(name: str, tag: str) -> str:
     return f"{tag}-{name}" if name.lower().startswith("checkpoint") else f"{name}-{tag}"
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CkptError("--device cuda: no CUDA device is available (this torch build: "
-                        f"{torch.__version__}); use --device cpu")
-    return torch.device(name)
-
-
 def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
     """-o as given, or the derived default. `-o folder` (an existing folder, or any path ending in "/")
     for a one-file output puts the file in that folder under the default name (a missing folder is

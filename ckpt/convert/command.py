@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import resolve_device
 from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
@@ -16,7 +17,7 @@ from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.report import Report
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
-                     resolve_device, write)
+                     write)
 
 
 @dataclass
@@ -33,6 +34,12 @@ class ConvertOptions:
     format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else safetensors
     layout: str | None = None  # "diffusers" | "original": rename to that layout (ckpt.convert.layout)
     config: str | None = None  # --config REF: the diffusers config.json for --layout diffusers
+
+
+def _encodes(to: str | None) -> bool:
+    from ckpt.convert.comfy_quant_out import TARGETS as QUANT_TARGETS
+
+    return to in QUANT_TARGETS
 
 
 def is_gguf_target(to: str | None) -> bool:
@@ -126,10 +133,14 @@ def _output_format(opts: ConvertOptions, out) -> str:
 def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None) -> tuple[Path, Report]:
     """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written)."""
     report = report or Report()
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, heavy=False)  # refuses --device cuda without one before reading
     fmt = _output_format(opts, out)
     with open_checkpoint(src) as ckpt:
-        plan, _ = plan_convert(ckpt, opts, report, fmt)
+        plan, views = plan_convert(ckpt, opts, report, fmt)
+        if opts.device == "auto":  # a GPU only where there is math: decoding or encoding quantized weights
+            # (GGUF quantization runs in the gguf package on the CPU whatever the device)
+            device = resolve_device("auto", heavy=fmt != "gguf" and (opts.scaled or any(v.formats for v in views)
+                                                                      or _encodes(opts.to)))
         if fmt == "gguf":
             from ckpt.convert.gguf_out import default_suffix
 

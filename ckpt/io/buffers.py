@@ -1,5 +1,11 @@
 """Reusable scratch buffers: allocating fresh pages costs about 1 GB/s in page faults here, so hot
-paths read and cast into buffers that are kept and only grow (bounded by the band size)."""
+paths read and cast into buffers that are kept and only grow (bounded by the band size).
+
+On CUDA the buffers that copies go through are pinned (page-locked: the copy engines read and write
+them directly, at full PCIe speed and asynchronously) and reused the same way, one per role: a run holds
+a fixed set of them however many bands it moves. A pinned buffer is handed out again only after the
+copy that last used it has finished (`fence` records where that copy was queued; `pinned` waits for it,
+which in the write pipeline's steady state has long happened, so the wait costs nothing)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import torch
 class Buffers:
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
+        self._fences: dict[str, torch.cuda.Event] = {}
 
     def get(self, role: str, nbytes: int) -> torch.Tensor:
         """A uint8 CPU tensor of at least `nbytes`, reused by the next call with the same role."""
@@ -23,3 +30,24 @@ class Buffers:
         for d in shape:
             n *= d
         return self.get(role, n * dtype.itemsize)[: n * dtype.itemsize].view(dtype).reshape(shape)
+
+    def pinned(self, role: str, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 host tensor of exactly `nbytes` for an asynchronous copy to or from a GPU, reused
+        by the next call with the same role once the copy `fence`d after this one has finished."""
+        fence = self._fences.pop(role, None)
+        if fence is not None:
+            fence.synchronize()
+        key = "pinned:" + role
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._bufs.pop(key, None)  # back to torch's pinned cache before a larger one is taken
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            self._bufs[key] = buf
+        return buf[:nbytes]
+
+    def fence(self, role: str, stream=None) -> None:
+        """Mark the copy just queued on `stream` (default: the current one) as the last user of the
+        pinned buffer of `role`."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._fences[role] = ev

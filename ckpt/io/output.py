@@ -156,15 +156,17 @@ def _open_writer(path: Path, f, fd: int):
 
 def _write_file(path: Path, f, device, progress, fd: int) -> None:
     w = _open_writer(path, f, fd)
-    pipe = BandPipeline(w, device, progress)
+    pipe = None
     try:
+        pipe = BandPipeline(w, device, progress)
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
             _stream_tensor(t, pipe, device)
         pipe.finish()
         w.close()
     except BaseException:
-        pipe.abort()
+        if pipe is not None:
+            pipe.abort()
         w.abort()
         raise
 

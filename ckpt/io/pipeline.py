@@ -31,6 +31,7 @@ import threading
 
 import torch
 
+from ckpt.devices import exact_fp32
 from ckpt.io.buffers import Buffers
 
 DEPTH = 3  # bands in flight: one being read, one cast, one written (tests vary it)
@@ -81,6 +82,10 @@ class BandPipeline:
         # Set before the stage threads start: torch gives each new thread the count current then.
         self.threads_before = torch.get_num_threads()
         torch.set_num_threads(stage_threads(self.threads_before))
+        # Merges' matmuls run in the reading stage: full fp32 on CUDA, the caller's TF32 setting back after.
+        self.exact = exact_fp32() if self.gpu else None
+        if self.exact is not None:
+            self.exact.__enter__()
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, depth or DEPTH)):
             self.free.put(Slot())
@@ -138,6 +143,16 @@ class BandPipeline:
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
             self.threads_before = 0
+        if self.exact is not None:
+            exact, self.exact = self.exact, None
+            exact.__exit__(None, None, None)
+        if self.gpu is not None:  # once per file: nothing of ours is still copying when the buffers go
+            try:
+                self.gpu.synchronize()
+            except Exception:  # a device error; finish() reports it, abort() is already unwinding one
+                if self.stopping:
+                    return
+                raise
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -229,10 +244,15 @@ class _CudaStreams:
             yield
 
     def to_host(self, b: _Band, y: torch.Tensor) -> torch.Tensor:
-        """Queue the device->host copy of `y` (and of the band's deferred values) on the copy stream."""
+        """Queue the device->host copy of `y` (and of the band's deferred values) on the copy stream,
+        into the slot's own pinned buffer (reused band after band: no fresh pinned memory per band)."""
         self.d2h.wait_stream(self.compute)
         with torch.cuda.stream(self.d2h):
-            host = _pinned_copy(y, self.d2h)
+            y.record_stream(self.d2h)
+            n = y.numel() * y.element_size()
+            host = b.slot.pinned("d2h", n).view(y.dtype).view(y.shape) if n else torch.empty(y.shape, dtype=y.dtype)
+            host.copy_(y, non_blocking=True)
+            b.slot.fence("d2h", self.d2h)
             b.host = [(fn, _pinned_copy(v, self.d2h)) for fn, v in b.slot.deferred]
             b.slot.deferred.clear()
             b.done = torch.cuda.Event(blocking=True)  # the writer sleeps on it, not spins
@@ -240,7 +260,13 @@ class _CudaStreams:
         return host
 
 
+    def synchronize(self) -> None:
+        for stream in (self.read, self.compute, self.d2h):
+            stream.synchronize()
+
+
 def _pinned_copy(t: torch.Tensor, stream) -> torch.Tensor:
+    """A few counts per band: torch's caching host allocator recycles these small pinned blocks."""
     t.record_stream(stream)
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)

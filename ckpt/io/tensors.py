@@ -102,13 +102,33 @@ class RawTensor(Tensor):
     def read(self, start, stop, device, scratch=None):
         row_bytes = self.info.nbytes // self.rows if self.rows else 0
         n = (stop - start) * row_bytes
-        buf = scratch.get("raw", n)[:n] if scratch is not None else torch.empty(n, dtype=torch.uint8)
+        gpu = device.type == "cuda"
+        if gpu:
+            # Pinned: the copy below is asynchronous (it overlaps the next pread) and runs at full PCIe
+            # speed. A scratch's pinned buffer is reused once that copy is done (Buffers.fence); without a
+            # scratch, torch's caching host allocator keeps the block until the copy is done.
+            buf = scratch.pinned("raw", n) if scratch is not None else torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        else:
+            buf = scratch.get("raw", n)[:n] if scratch is not None else torch.empty(n, dtype=torch.uint8)
         if n:
             read_into(self.handles.fd(self.info.path), memoryview(buf.numpy()), self.info.start + start * row_bytes,
                       self.info.path)
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         t = buf.view(self.dtype).reshape(shape)
-        return t if device.type == "cpu" else t.to(device)
+        if device.type == "cpu":
+            return t
+        return _to_device(t, device, scratch, "raw")
+
+
+def _to_device(host: torch.Tensor, device: torch.device, scratch, role: str) -> torch.Tensor:
+    """`host` (pinned when the device is CUDA) copied to `device`, asynchronously on CUDA: on the current
+    stream, fenced so that `scratch` hands the pinned buffer out again only after the copy."""
+    if device.type != "cuda":
+        return host.to(device)
+    out = host.to(device, non_blocking=True)
+    if scratch is not None:
+        scratch.fence(role)
+    return out
 
 
 class PickleTensor(Tensor):
@@ -128,7 +148,15 @@ class PickleTensor(Tensor):
         v = self.value if not self.shape else self.value[start:stop]
         if self.mapped:
             _MAPPED.read(v)
-        return v.contiguous() if device.type == "cpu" else v.to(device)
+        if device.type == "cpu":
+            return v.contiguous()
+        if device.type == "cuda" and scratch is not None:  # staged through pinned memory: an async copy
+            n = v.numel() * v.element_size()
+            host = scratch.pinned("pickle", n).view(v.dtype).view(v.shape) if n else v.contiguous()
+            if n:
+                host.copy_(v)
+            return _to_device(host, device, scratch, "pickle")
+        return v.to(device)
 
 
 class _MappedBands:

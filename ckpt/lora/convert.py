@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
 from ckpt.families.lora_namings import naming_of
 from ckpt.io.plan import Plan
@@ -45,7 +46,7 @@ from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
 from ckpt.progress import progress_bar
-from ckpt.run import default_output, output_path, resolve_device, write
+from ckpt.run import default_output, output_path, write
 
 FORMATS = ("kohya", "peft", "diffusers", "comfy")
 LYCORIS_FORMATS = ("kohya", "comfy")  # formats whose files carry LoHa/LoKr/full/IA3/GLoRA keys
@@ -78,7 +79,7 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
     if to_lora is not None and to_lora < 1:
         raise CkptError(f"--to-lora {to_lora}: a rank is at least 1")
     opts.check(rank_required=False)
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, heavy=to_lora is not None)  # renames, or SVDs for --to-lora
     with contextlib.ExitStack() as stack:
         f = open_lora(spec)
         stack.callback(f.close)
@@ -249,7 +250,7 @@ def _resolve(module, renamed, namings, comps):
 def _build(outs: list[_Out], fmt: str, layout: Layout, opts: LoraOptions, to_lora, store, report) -> list[OutModule]:
     modules: list[OutModule] = []
     dtype = opts.dtype
-    with progress_bar(len(outs), "lora convert", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+    with progress_bar(len(outs), "lora convert", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for o in outs:
             bar.update(1)
             total = o.total_rows

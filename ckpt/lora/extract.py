@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import exact_fp32, resolve_device
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
@@ -37,7 +38,7 @@ from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
-from ckpt.run import _human, default_output, output_path, resolve_device, write
+from ckpt.run import _human, default_output, output_path, write
 
 
 def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *, min_diff: float = 0.0,
@@ -219,7 +220,7 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
     buffers = Buffers()
     total = sum(j.source_bytes for j in jobs)
     dtype = opts.dtype
-    with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+    with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for job in jobs:
             delta = _read_delta(job, device, buffers)
             bar.update(job.source_bytes)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
@@ -29,7 +30,7 @@ from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, open_lora, stored, to_layout
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
-from ckpt.run import default_output, output_path, resolve_device, write
+from ckpt.run import default_output, output_path, write
 
 MODES = ("concat", "svd")
 
@@ -57,7 +58,7 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
     if opts.format is not None:
         raise CkptError("merge --format: converting the naming needs ckpt lora convert (not available yet); "
                         "merge keeps the inputs' naming")
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, heavy=mode == "svd")  # --concat stacks factors
     with contextlib.ExitStack() as stack:
         files = []
         for spec in specs:
@@ -113,7 +114,7 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
     out: list[OutModule] = []
     dtype = opts.dtype
     total = sum(t.source_bytes for g in groups.values() for m, _, _ in g for t in m.parts.values())
-    with progress_bar(total, f"lora merge ({mode})", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+    with progress_bar(total, f"lora merge ({mode})", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for name, group in groups.items():
             bar.update(sum(t.source_bytes for m, _, _ in group for t in m.parts.values()))
             if mode == "concat" and len(group) == 1 and group[0][1] == 1.0:

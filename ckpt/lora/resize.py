@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
@@ -27,7 +28,7 @@ from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, open_lora, stored, to_layout
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
-from ckpt.run import default_output, output_path, resolve_device, write
+from ckpt.run import default_output, output_path, write
 
 RESIZABLE = ("lora", "loha", "lokr")
 
@@ -79,7 +80,7 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
     out: list[OutModule] = []
     dtype = opts.dtype
     total = sum(t.source_bytes for m in f.modules.values() for t in m.parts.values())
-    with progress_bar(total, "lora resize (SVD)", opts.quiet) as bar, S.exact_fp32(), torch.no_grad():
+    with progress_bar(total, "lora resize (SVD)", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for m in f.modules.values():
             bar.update(sum(t.source_bytes for t in m.parts.values()))
             if m.family not in RESIZABLE:

@@ -16,7 +16,6 @@ written (after the clamp and the cast to the save dtype).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -25,20 +24,6 @@ import torch
 DYNAMIC = ("sv_ratio", "sv_fro", "sv_cumulative")
 MIN_SV = 1e-6  # kohya: a delta whose largest singular value is at most this is a zero delta (rank 1)
 ERROR_BAND = 1 << 22  # elements per row band when measuring the error of a whole delta
-
-
-@contextlib.contextmanager
-def exact_fp32():
-    """fp32 matmuls and SVDs in full fp32 on CUDA (no TF32), whatever the caller's global setting."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old[0], old[1]
-        torch.set_float32_matmul_precision(old[2])
 
 
 @dataclass(frozen=True)

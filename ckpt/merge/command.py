@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.devices import resolve_device
 from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
@@ -27,7 +28,7 @@ from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
 from ckpt.report import Report, plural
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
-                     resolve_device, write)
+                     write)
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to

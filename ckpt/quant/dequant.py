@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt.devices import resolve_device
 from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
@@ -23,7 +24,7 @@ from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report
-from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, resolve_device, write
+from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, write
 
 OUT_DTYPES = ("bf16", "fp16", "fp32")
 
