@@ -16,6 +16,8 @@ class _OneLine:
     def make_context(self, info_name, args, parent=None, **extra):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # `ckpt lora` alone: the help text, as `ckpt` alone prints it
         except click.UsageError as e:
             raise CkptError(f"{self._where(info_name, parent)}: {' '.join(e.format_message().split())}") from None
 
