@@ -15,6 +15,8 @@ converted and each output checked against it:
 SD1/SDXL UNets need `--base` wherever the names cross layouts (LDM `input_blocks.4.0` <->
 `down_blocks.1.resnets.0`) or are kohya-flattened: the block numbering follows from the UNet's whole
 structure, which the LoRA's modules alone do not show; without it the command refuses (checked).
+HiDream and Qwen-Image have one naming (no original <-> diffusers pairs), so kohya's flattened names
+cannot be dotted again from the registry: `--base` there too (refusal checked).
 
 fp32 throughout: atol 2e-5 on O(1) weights (summation order only).
 """
@@ -31,15 +33,16 @@ from safetensors.torch import load_file, save_file
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from families_util import (original_from_pairs, state_dict, tiny_flux2, tiny_hunyuan_video,  # noqa: E402
-                           tiny_hunyuan_video15, tiny_ltx2, tiny_ltx_video, tiny_sd3, tiny_unet, tiny_wan)
+from families_util import (original_from_pairs, state_dict, tiny_chroma, tiny_flux2, tiny_hidream,  # noqa: E402
+                           tiny_hunyuan_video, tiny_hunyuan_video15, tiny_ltx2, tiny_ltx_video, tiny_lumina2,
+                           tiny_qwen_image, tiny_sd3, tiny_unet, tiny_wan, tiny_z_image)
 
 from ckpt.families import get  # noqa: E402
 
 TOL = dict(rtol=0, atol=2e-5)
 
 # families whose original layout fuses q/k/v (kohya: rank 3r there, 4r for HunyuanVideo's q/k/v/mlp linear1)
-FUSED = ("flux2", "sd3", "hunyuan_video", "hunyuan_video15")
+FUSED = ("flux2", "sd3", "hunyuan_video", "hunyuan_video15", "chroma", "lumina2")
 
 CASES = {
     "flux2": tiny_flux2,
@@ -49,6 +52,11 @@ CASES = {
     "hunyuan_video15": tiny_hunyuan_video15,
     "ltx_video": tiny_ltx_video,
     "ltx2": tiny_ltx2,
+    "chroma": tiny_chroma,
+    "z_image": tiny_z_image,
+    "lumina2": tiny_lumina2,
+    "hidream": tiny_hidream,
+    "qwen_image": tiny_qwen_image,
     "sd1": tiny_unet,
     "sdxl": lambda: tiny_unet("sdxl"),
 }
@@ -99,8 +107,11 @@ def test_every_format_merges_like_diffusers_fuses(tmp_path, run_ckpt, family_id)
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     model.fuse_lora()
     want = _plain(model)
-    want_original = original_from_pairs(fam, want)
-    save_file(original_from_pairs(fam, base), tmp_path / "original.safetensors")
+    def original(sd):  # HiDream, Qwen-Image: one naming, the diffusers one
+        return original_from_pairs(fam, sd) if "original" in fam.layouts else sd
+
+    want_original = original(want)
+    save_file(original(base), tmp_path / "original.safetensors")
     save_file(base, tmp_path / "diffusers.safetensors")
 
     kohya = tmp_path / "kohya.safetensors"
@@ -125,11 +136,12 @@ def test_every_format_merges_like_diffusers_fuses(tmp_path, run_ckpt, family_id)
     _same(_merged(run_ckpt, tmp_path / "original.safetensors", comfy, tmp_path / "m2.safetensors"), want_original)
 
     back = tmp_path / "back.safetensors"
-    if unet:  # kohya's flattened UNet names: the block structure, again, only a base tells
+    flat_needs_base = unet or "original" not in fam.layouts
+    if flat_needs_base:  # kohya's flattened names: a UNet's blocks, a one-naming family's paths: only a base tells
         code, _, err = run_ckpt("lora", "convert", kohya, "--format", "diffusers", "-o", back)
         assert code == 2 and "--base" in err and not back.exists()
     code, _, err = run_ckpt("lora", "convert", kohya, "--format", "diffusers", "-o", back, "-q",  # else keys alone
-                            *(("--base", tmp_path / "original.safetensors") if unet else ()))
+                            *(("--base", tmp_path / "original.safetensors") if flat_needs_base else ()))
     assert code == 0, err
     assert not any(k.endswith(".alpha") for k in load_file(back))
     prefix = "unet" if unet else "transformer"
