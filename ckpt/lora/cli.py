@@ -61,6 +61,15 @@ CLAMP = click.option("--clamp-quantile", type=float, metavar="Q",
                           "given: clamping breaks the best-rank property.")
 
 
+def _reformat(f):
+    f = click.option("--base", help="With --format: the model the LoRA was made for, where its names alone "
+                                    "cannot say (as for lora convert).")(f)
+    f = click.option("--format", "fmt", type=click.Choice(["kohya", "peft", "diffusers", "comfy"]),
+                     help="Write this naming (inputs converted first, as lora convert does); default: the "
+                          "input's own.")(f)
+    return f
+
+
 def _common(f):
     from ckpt.cli_report import REPORT
 
@@ -130,15 +139,17 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
 @click.option("-o", "--output", "out", help="Output file or folder (default: LORA-resized beside LORA).")
 @click.option("--rank", "-r", type=int, help="New rank (the cap with --dynamic; default cap: each module's rank).")
 @_rank_options
+@_reformat
 @_common
-def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, dry_run, device, overwrite, quiet):
+def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt, base, dry_run, device, overwrite,
+           quiet):
     """Lower a LoRA's rank by SVD of each module's up @ down, keeping its effective scale."""
     from ckpt.cli import _print_report
     from ckpt.lora.resize import resize as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold, save_dtype=save_dtype,
-                    device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
-    path, report = run(lora_file, out, opts)
+                    format=fmt, device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+    path, report = run(lora_file, out, opts, base=base)
     _show(report, path, quiet, dry_run, _print_report)
 
 
@@ -153,17 +164,18 @@ def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, dry_
 @click.option("--rank", "-r", type=int, help="With --svd: the new rank (the cap with --dynamic).")
 @_rank_options
 @CLAMP
+@_reformat
 @_common
-def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, dry_run,
-          device, overwrite, quiet):
+def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, fmt, base,
+          dry_run, device, overwrite, quiet):
     """One LoRA equal to applying A, B, ... in order (with their ratios)."""
     from ckpt.cli import _print_report
     from ckpt.lora.merge import merge as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
-                    clamp_quantile=clamp_quantile, save_dtype=save_dtype, device=device, dry_run=dry_run,
-                    overwrite=overwrite, quiet=quiet)
-    path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode)
+                    clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, device=device,
+                    dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+    path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode, base=base)
     _show(report, path, quiet, dry_run, _print_report)
 
 

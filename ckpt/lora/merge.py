@@ -10,8 +10,8 @@ without forming the product, LoHa / LoKr / full modules through their delta. A m
 has, with ratio 1, is passed through unchanged in --concat mode. DoRA, (IA)^3, GLoRA and replacement
 modules cannot be combined with anything: refused by name.
 
-The output keeps the first input's naming and alpha placement; inputs in different namings need
---format (ckpt lora convert, when available).
+The output keeps the first input's naming and alpha placement; with --format F every input is
+converted to F first (`ckpt.lora.reformat`), which also merges inputs written in different namings.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MODES = ("concat", "svd")
 
 
 def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios: list[float] = (),
-          mode: str = "concat", report: LoraReport | None = None) -> tuple[Path, LoraReport]:
+          mode: str = "concat", report: LoraReport | None = None, base: str | None = None) -> tuple[Path, LoraReport]:
     report = report or LoraReport()
     if len(specs) < 2:
         raise CkptError("lora merge: give at least two LoRAs")
@@ -55,9 +55,11 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
     if len(ratios) != len(specs):
         raise CkptError(f"--ratio given {len(ratios)} time{'s' * (len(ratios) != 1)} for {len(specs)} LoRA"
                         f"{'s' * (len(specs) != 1)} (give one per LoRA, in order)")
-    if opts.format is not None:
-        raise CkptError("merge --format: converting the naming needs ckpt lora convert (not available yet); "
-                        "merge keeps the inputs' naming")
+    if opts.format is not None:  # every input converted first, then merged in that naming
+        from ckpt.lora.reformat import with_format
+
+        return with_format(list(specs), out, opts, "merge", "merged", base,
+                           lambda ss, o, op, r: merge(ss, o, op, ratios=ratios, mode=mode, report=r), report)
     device = resolve_device(opts.device, heavy=mode == "svd")  # --concat stacks factors
     with contextlib.ExitStack() as stack:
         files = []
@@ -100,8 +102,8 @@ def _common_layout(files) -> Layout:
     for f, lay in zip(files[1:], layouts[1:]):
         if (lay.container, lay.suffixes) != (first.container, first.suffixes):
             raise CkptError(f"{f.spec} is written in another naming than {files[0].spec} "
-                            f"({_describe(lay)} vs {_describe(first)}); merging them needs --format "
-                            "(ckpt lora convert, not available yet)")
+                            f"({_describe(lay)} vs {_describe(first)}); pass --format kohya|peft|diffusers|comfy "
+                            "to convert them to one naming first")
     return first
 
 

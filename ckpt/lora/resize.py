@@ -9,7 +9,8 @@ keys under the same module name); a DoRA module keeps its magnitude vector and h
 resized. (IA)^3, GLoRA, full-weight (`diff`) and replacement modules have no rank and pass through.
 
 The output keeps the input's naming, module names, alpha placement and container
-(`ckpt.lora.formats.Layout.like`).
+(`ckpt.lora.formats.Layout.like`), unless --format F is given: the input is then converted to F
+first (`ckpt.lora.reformat`) and F's modules are resized.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ from ckpt.run import default_output, output_path, write
 RESIZABLE = ("lora", "loha", "lokr")
 
 
-def resize(spec: str, out: str | Path | None, opts: LoraOptions,
-           report: LoraReport | None = None) -> tuple[Path, LoraReport]:
+def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraReport | None = None, *,
+           base: str | None = None) -> tuple[Path, LoraReport]:
     report = report or LoraReport()
     opts.check()
-    if opts.format is not None:
-        raise CkptError("resize --format: converting the naming needs ckpt lora convert (not available yet); "
-                        "resize keeps the input's naming")
     if opts.lowrank:
         raise CkptError("--lowrank: resize decomposes each module exactly from its r x r core; nothing to speed up")
+    if opts.format is not None:  # convert first, then resize the converted modules
+        from ckpt.lora.reformat import with_format
+
+        return with_format([spec], out, opts, "resize", "resized", base,
+                           lambda specs, o, op, r: resize(specs[0], o, op, r), report)
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
         f = open_lora(spec)

@@ -73,3 +73,36 @@ class FactorStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ScratchDir:
+    """A private folder beside the output for intermediate LoRAs (`resize`/`merge --format` convert
+    their inputs first): named and locked like the writer's temp outputs, so a later run's stale sweep
+    removes it after a SIGKILL; removed on success, error and Ctrl-C alike."""
+
+    def __init__(self, out: Path):
+        import shutil
+
+        self._rmtree = shutil.rmtree
+        out = Path(out).absolute()
+        missing = missing_parents(out)
+        home = missing[0].parent if missing else out.parent
+        self.path = home / temp_name(out.name)
+        try:
+            os.mkdir(self.path, 0o700)
+        except OSError as e:
+            raise CkptError(f"{out}: cannot create a scratch folder in {home} ({e.strerror or e})") from None
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
