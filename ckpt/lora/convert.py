@@ -215,7 +215,8 @@ def _place(sources, renames, namings, comps, spec, base) -> list[_Out]:
                                 "(a VAE or another model)")
             g, off, total = entry
             if g.pieces is None:
-                raise CkptError(f"{spec}: module {name!r}: {g.reason}")
+                hint = "" if base else "; pass --base BASE (the model the LoRA was made for): its own modules do not say"
+                raise CkptError(f"{spec}: module {name!r}: {g.reason}{hint}")
             shapes = comps[ci][1]
             key_rows = shapes[t.key][0]
             rows = t.rows or (0, key_rows)
