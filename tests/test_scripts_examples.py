@@ -134,3 +134,66 @@ def test_inspect_to_csv(tmp_path, sh):
         rep = inspect(str(models / rel))
         assert int(row["parameters"]) == rep["totals"]["parameters"] and int(row["bytes"]) == rep["totals"]["bytes"]
     assert rows["loras/l.safetensors"]["model_kind"] == "lora"
+
+
+# A stand-in for Slurm's sbatch: records its arguments, runs an --array job's script once per index (with
+# SLURM_ARRAY_TASK_ID set, a failing task does not stop the others) and any other job's script once, in
+# order, their output going to a log file as --output sends it, and answers a job id as `sbatch --parsable` does.
+FAKE_SBATCH = r'''#!/usr/bin/env bash
+echo "$*" >> "$SBATCH_LOG"
+array=""
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --array=*) array=${1#--array=}; shift ;;
+        --parsable|--*=*) shift ;;
+        -*) shift 2 ;;
+        *) break ;;
+    esac
+done
+if [[ -n $array ]]; then
+    for ((i = ${array%-*}; i <= ${array#*-}; i++)); do
+        SLURM_ARRAY_TASK_ID=$i bash "$@" >> "$SBATCH_LOG.jobs" 2>&1 || true
+    done
+else
+    bash "$@" >> "$SBATCH_LOG.jobs" 2>&1 || true
+fi
+echo $((RANDOM + 1000))
+'''
+
+
+def test_slurm_array_example(tmp_path, sh):
+    """The script plans, submits an array (one task per job, the largest job's memory) and a collecting job;
+    run through a stand-in sbatch, every output is torch's own cast and the manifest records each job
+    (test_batch_joblist proves that manifest equal to a local run's)."""
+    bindir = tmp_path / "bin"
+    (bindir / "sbatch").write_text(FAKE_SBATCH)
+    (bindir / "sbatch").chmod(0o755)
+    models, log = tmp_path / "models", tmp_path / "sbatch.log"
+    made = {rel: tiny(models / rel, i, w=(6, 5), b=(5,)) for i, rel in enumerate(["a.safetensors", "sub/b.safetensors"])}
+    (models / "sub" / "broken.safetensors").write_bytes(b"")
+    r = sh("slurm-convert-fp16.sh", models, tmp_path / "out", SBATCH_LOG=str(log), SBATCH_OPTS="-p cpu")
+    assert r.returncode == 0, r.stderr
+    assert "submitted 3 conversions as array job" in r.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and "-p cpu" in calls[0] and "--array=0-2" in calls[0] and "--mem=" in calls[0]
+    assert "--dependency=afterany:" in calls[1] and "--collect" in calls[1]
+    jobs = [json.loads(line) for line in (tmp_path / "out" / "jobs.jsonl").read_text().splitlines()]
+    assert f"--mem={max(j['memory'] for j in jobs) // 2**20 + 1}M" in calls[0]
+    for rel, tensors in made.items():
+        got = load_file(tmp_path / "out" / rel)
+        assert all(same_bits(got[k], v.half()) for k, v in tensors.items())
+    recs = {Path(x["input"]).name: x for x in map(json.loads, (tmp_path / "out" / "ckpt-batch.jsonl").read_text().splitlines())}
+    assert {k: v["status"] for k, v in recs.items()} == {"a.safetensors": "ok", "b.safetensors": "ok",
+                                                          "broken.safetensors": "failed"}
+    assert "empty file" in recs["broken.safetensors"]["error"]
+
+    # fixed, submitted again: only that one runs; then nothing is left to do
+    tiny(models / "sub" / "broken.safetensors", 7, w=(2, 2))
+    log.unlink()
+    r = sh("slurm-convert-fp16.sh", models, tmp_path / "out", SBATCH_LOG=str(log))
+    assert r.returncode == 0 and "submitted 1 conversions" in r.stdout and "--array=0-0" in log.read_text()
+    r = sh("slurm-convert-fp16.sh", models, tmp_path / "out", SBATCH_LOG=str(log))
+    assert r.returncode == 0 and r.stdout.startswith("nothing to do")
+    # the per-task body outside an array job: one clear line
+    r = sh("slurm-convert-fp16.sh", "--task", tmp_path / "out" / "jobs.jsonl")
+    assert r.returncode != 0 and "not inside a Slurm array job" in r.stderr

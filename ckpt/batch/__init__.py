@@ -2,6 +2,8 @@
 
 `discover` finds the checkpoints, `manifest` remembers what is done, `operations` calls each single
 command's Python API, `runner` runs the jobs (in parallel processes with `--jobs N`) and summarises,
-`worker` is one job's process, `cli` the click commands. Nothing is imported here, so that loading the
+`worker` is one job's process, `ray_pool` runs jobs as Ray tasks (`--executor ray`), `joblist` lists
+them for other schedulers and collects their results (`--plan-only`, `run-job`, `--collect`), `cli`
+the click commands. Nothing is imported here, so that loading the
 CLI stays cheap.
 """

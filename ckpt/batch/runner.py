@@ -1,9 +1,11 @@
 """Running one operation over every checkpoint of a folder: plan the jobs, run them, summarise.
 
-Jobs run one at a time in this process (`--jobs 1`), or in N long-lived worker processes
-(`ckpt.batch.worker`, which import only the package this process runs, never one from the cwd). Each
-job goes through the operation's Python API, whose writer is atomic: a failing or interrupted job leaves no
-partial output, and every finished one is recorded in the manifest at once, so Ctrl-C keeps all
+Jobs run one at a time in this process (`--jobs 1`), in N long-lived worker processes
+(`ckpt.batch.worker`, which import only the package this process runs, never one from the cwd), or as
+Ray tasks (`--executor ray`, `ckpt.batch.ray_pool`); or they are only listed for another scheduler
+(`--plan-only`) whose results `--collect` folds in (`ckpt.batch.joblist`). Each job goes through the
+operation's Python API, whose writer is atomic: a failing or interrupted job leaves no partial output,
+and every finished one is recorded in the manifest at once (by this process only), so Ctrl-C keeps all
 finished work and a second run resumes.
 """
 
@@ -71,6 +73,8 @@ class BatchResult:
     manifest: Path | None = None
     interrupted: bool = False
     dry_run: bool = False
+    job_lines: list[dict] | None = None  # --plan-only: one per job (ckpt.batch.joblist.job_line)
+    missing: list[Job] | None = None  # --collect: jobs that have not reported a result yet
 
     def of(self, status: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.status == status]
@@ -307,8 +311,7 @@ class _Workers:
 
     def start(self, job: Job) -> None:
         p = self.idle.pop() if self.idle else self._spawn()
-        spec = {"op": self.op.name, "params": self.op.params, "src": str(job.item.path),
-                "out": str(job.output) if job.output else None, "overwrite": job.overwrite}
+        spec = job_spec(self.op, job)
         self.busy[p] = job
         try:
             p.stdin.write(json.dumps(spec) + "\n")
@@ -343,9 +346,10 @@ class _Workers:
         return {"status": "failed", "output": None, "seconds": 0.0, "messages": [], "row": None,
                 "error": f"worker process died, {why}" + (f": {tail[0]}" if tail else "")}
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list:
         """Ctrl-C: each worker removes its temp output on SIGTERM (or on the SIGINT the terminal sent it);
-        one that hangs is killed and its temp output (hidden, beside the output) removed here."""
+        one that hangs is killed and its temp output (hidden, beside the output) removed here. A job that
+        finished meanwhile is recognised by the next run (its "started" line): nothing to return."""
         procs = list(self.busy) + self.idle
         for p in procs:
             if p.poll() is None:
@@ -361,6 +365,7 @@ class _Workers:
                 remove_stale_temps(job.output)
         self.busy.clear()
         self.idle.clear()
+        return []
 
     def close(self) -> None:
         """Normal end: idle workers exit when their stdin closes."""
@@ -379,15 +384,47 @@ class _Workers:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def job_spec(op: Operation, job: Job, absolute: bool = False) -> dict:
+    """What a worker, a Ray task or `ckpt batch run-job` runs (ckpt.batch.worker.run_spec). `absolute`:
+    for a process with another current folder (another node)."""
+    src, out = job.item.path, job.output
+    if absolute:  # not resolve(): a symlinked input (the HF cache's) keeps its name and suffix
+        src, out = Path(os.path.abspath(src)), Path(os.path.abspath(out)) if out is not None else None
+    return {"op": op.name, "params": op.params, "src": str(src), "out": str(out) if out is not None else None,
+            "overwrite": job.overwrite}
+
+
+EXECUTORS = ("local", "ray")
+
+
 def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = None, *, pattern: str | None = None,
-              jobs: int = 1, dry_run: bool = False, overwrite: bool = False, quiet: bool = False,
-              log=None) -> BatchResult:
+              jobs: int | None = None, dry_run: bool = False, overwrite: bool = False, quiet: bool = False,
+              log=None, executor: str = "local", ray_address: str | None = None, plan_only: bool = False,
+              collect: bool = False) -> BatchResult:
     """Plan and run; `log(line)` hears each finished job. Raises CkptError for a bad command line
-    (nothing run); job failures are in the result."""
+    (nothing run); job failures are in the result. `jobs`: worker processes (local, default 1), or at
+    most that many Ray tasks at once (default: as many as the cluster holds). `plan_only`: record the
+    jobs as started and return them as `job_lines`; `collect`: fold in the results they reported."""
     from tqdm import tqdm
 
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise CkptError(f"--jobs {jobs}: must be at least 1")
+    if executor not in EXECUTORS:
+        raise CkptError(f"--executor {executor}: choose {' or '.join(EXECUTORS)}")
+    if ray_address is not None and executor != "ray":
+        raise CkptError("--ray-address: only with --executor ray")
+    if plan_only and collect:
+        raise CkptError("--plan-only lists the jobs, --collect gathers their results: give one of them")
+    if (plan_only or collect) and (executor != "local" or dry_run):
+        raise CkptError(f"--{'plan-only' if plan_only else 'collect'}: the jobs run elsewhere; "
+                        "not with --executor ray or --dry-run")
+    if (plan_only or collect) and not op.writes:
+        raise CkptError(f"batch {op.name}: --plan-only and --collect are for operations that write outputs "
+                        f"(nothing to collect: run `ckpt batch {op.name}` where the files are)")
+    if executor == "ray":
+        from ckpt.batch.ray_pool import require
+
+        require()
     op.check_available()
     root = Path(folder).expanduser()
     if not root.exists():
@@ -401,12 +438,21 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
             raise CkptError(f"-o {out_root}: exists and is not a folder")
     manifest = Manifest(manifest_path(root, out_root)) if op.writes else None
     todo, done, ignored = plan_jobs(op, root, out_root, pattern, overwrite, manifest)
+    if collect:
+        from ckpt.batch.joblist import reported_first, results_dir
+
+        todo, done = reported_first(results_dir(manifest.path), op, todo, done)
     result = BatchResult(op.title, list(done), todo, ignored, manifest.path if manifest else None, dry_run=dry_run)
     log = log or (lambda line: None)
-    if jobs > 1 and len(todo) > 1:
+    if executor == "local" and (jobs or 1) > 1 and len(todo) > 1:
         log(check_memory(op, todo, jobs))
     if dry_run:
         return result
+    pool = None
+    if executor == "ray" and todo:  # connected before anything is recorded: an unreachable cluster writes nothing
+        from ckpt.batch.ray_pool import RayPool
+
+        pool = RayPool(op, todo, ray_address, jobs, lambda job: job_spec(op, job, absolute=True), log)
 
     if manifest is not None:
         try:
@@ -416,17 +462,66 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
         except OSError as e:
             where = "choose another -o" if out_root is not None else \
                 "pass -o OUTDIR to write the outputs and the manifest there"
+            if pool is not None:
+                pool.close()
             raise CkptError(f"{manifest.path}: cannot write the batch manifest ({e.strerror or e}); {where}") from None
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         for o in done:  # finished in a killed run: recorded now, so the next run needs no second look
             if o.recognised:
                 manifest.append(Record(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
                                        o.output, "ok"))
+    if plan_only or collect:
+        try:
+            return _list_or_collect(op, result, manifest, plan_only, quiet)
+        finally:
+            manifest.close()
     remove_stale_scratch()
     for job in [*todo, *(o.job for o in done)]:
         if job.output is not None:
             remove_stale_temps(job.output)
     bar = tqdm(total=sum(j.size for j in todo), desc=f"batch {op.name}", unit="B", unit_scale=True,
                unit_divisor=1024, file=sys.stderr, disable=quiet or None, leave=False, dynamic_ncols=True)
+    finish, started = _recorders(op, result, manifest, bar, quiet)
+
+    if pool is None and (jobs or 1) > 1 and len(todo) > 1:
+        pool = _Workers(op, jobs)
+    queue = list(todo)
+    try:
+        if pool is None:
+            for job in queue:
+                bar.set_postfix_str(f"{len(result.outcomes) - len(done)}/{len(todo)} jobs, {job.item.rel}",
+                                    refresh=True)
+                started(job)
+                finish(job, run_job(op, job.item.path, job.output, job.overwrite))
+        else:
+            while queue or pool.running:
+                while queue and pool.free():
+                    job = queue.pop(0)
+                    started(job)
+                    pool.start(job)
+                job, res = pool.wait_one()
+                finish(job, res)
+                bar.set_postfix_str(f"{len(result.outcomes) - len(done)}/{len(todo)} jobs", refresh=False)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        if pool is not None:
+            for job, res in pool.stop_all():  # finished while the others were being stopped
+                finish(job, res)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+        if manifest is not None:
+            manifest.close()
+    return result
+
+
+def _recorders(op: Operation, result: BatchResult, manifest: Manifest | None, bar, quiet: bool):
+    """finish(job, res): one job's result into the outcomes, the manifest and the log lines; started(job):
+    its "started" line. Shared by every executor and by --collect, so their manifests are the same."""
 
     def finish(job: Job, res: dict) -> None:
         written = str(Path(res["output"]).resolve()) if res.get("output") else None
@@ -436,6 +531,8 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
         if manifest is not None:
             manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
                                    written, oc.status, oc.error, round(oc.seconds, 3)))
+        if bar is None:  # --collect: the summary lists every job
+            return
         bar.update(job.size)
         line = (f"ok      {job.item.rel}" + (f" -> {res['output']}" if res.get("output") else "")
                 + f" ({oc.seconds:.1f} s)") if oc.status == "ok" else f"FAILED  {job.item.rel}: {oc.error}"
@@ -451,32 +548,33 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
             manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
                                    str(job.output.resolve()), "started", started_ns=time.time_ns()))
 
-    workers = _Workers(op, jobs) if jobs > 1 and len(todo) > 1 else None
-    queue = list(todo)
-    try:
-        if workers is None:
-            for job in queue:
-                bar.set_postfix_str(job.item.rel, refresh=True)
-                started(job)
-                finish(job, run_job(op, job.item.path, job.output, job.overwrite))
-        else:
-            while queue or workers.running:
-                while queue and workers.free():
-                    job = queue.pop(0)
-                    started(job)
-                    workers.start(job)
-                job, res = workers.wait_one()
-                finish(job, res)
-    except KeyboardInterrupt:
-        result.interrupted = True
-        if workers is not None:
-            workers.stop_all()
-    finally:
-        bar.close()
-        if workers is not None:
-            workers.close()
-        if manifest is not None:
-            manifest.close()
+    return finish, started
+
+
+def _list_or_collect(op: Operation, result: BatchResult, manifest: Manifest, plan_only: bool,
+                     quiet: bool) -> BatchResult:
+    """--plan-only: each job recorded as started and listed; --collect: each reported result recorded."""
+    from ckpt.batch import joblist
+
+    folder = joblist.results_dir(manifest.path)
+    finish, started = _recorders(op, result, manifest, None, quiet)
+    if plan_only:
+        result.job_lines = []
+        for job in result.todo:
+            job.estimate = op.estimate(job.item)
+            started(job)
+            result.job_lines.append(joblist.job_line(job_spec(op, job, absolute=True), job, op, folder))
+        return result
+    result.missing = []
+    for o in result.outcomes:  # done (now or earlier): a result file left behind is no longer needed
+        joblist.drop_result(folder, o.job, op)
+    for job in result.todo:
+        res = joblist.take_result(folder, job, op)
+        if res is None:
+            result.missing.append(job)
+            continue
+        finish(job, res)
+        joblist.drop_result(folder, job, op)
     return result
 
 
@@ -509,6 +607,8 @@ def summary_lines(result: BatchResult, quiet: bool = False) -> list[str]:
         if result.interrupted:
             ran = {id(o.job) for o in result.outcomes}
             head += f", {sum(id(j) not in ran for j in result.todo)} not run (interrupted)"
+        if result.missing is not None:
+            head += f", {len(result.missing)} not reported yet"
         lines.append(head)
         if not quiet:
             for o in ok:
@@ -517,6 +617,8 @@ def summary_lines(result: BatchResult, quiet: bool = False) -> list[str]:
                 lines.append(f"  skipped  {o.job.item.rel} ({o.job.reason})")
     for o in failed:
         lines.append(f"  failed   {o.job.item.rel}: {o.error}")
+    for j in result.missing or []:
+        lines.append(f"  missing  {j.item.rel} (no result from its job yet)")
     if not quiet:
         for rel, why in result.ignored:
             lines.append(f"  ignored  {rel} ({why})")

@@ -41,6 +41,16 @@ def command() -> list[str]:
     return [sys.executable, *safe, "-c", BOOT, str(Path(ckpt.__file__).resolve())]
 
 
+def run_spec(spec: dict) -> dict:
+    """One job from its JSON spec ({op, params, src, out, overwrite}): what every executor runs, a local
+    worker process, a Ray task (`ckpt.batch.ray_pool`) and `ckpt batch run-job` (`ckpt.batch.joblist`)."""
+    from ckpt.batch.operations import make_operation
+    from ckpt.batch.runner import run_job
+
+    op = make_operation(spec["op"], spec["params"])
+    return run_job(op, Path(spec["src"]), Path(spec["out"]) if spec["out"] else None, spec["overwrite"])
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
@@ -51,13 +61,8 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     try:
-        from ckpt.batch.operations import make_operation
-        from ckpt.batch.runner import run_job
-
         for line in sys.stdin:
-            spec = json.loads(line)
-            op = make_operation(spec["op"], spec["params"])
-            res = run_job(op, Path(spec["src"]), Path(spec["out"]) if spec["out"] else None, spec["overwrite"])
+            res = run_spec(json.loads(line))
             answer.write(json.dumps(res) + "\n")
             answer.flush()
     except KeyboardInterrupt:
