@@ -16,9 +16,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from ckpt.dtypes import FP8, is_float
+from ckpt.dtypes import FP8, LazyTable, is_float
+from ckpt.lazy import torch
 from ckpt.io.buffers import Buffers
 from ckpt.report import Report
 
@@ -62,10 +61,10 @@ def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None, role:
 # fp16 -> fp32 and fp64 -> bf16). Every NaN a cast makes is therefore rewritten with one rule, computed with
 # integer operations on whatever device holds it: the bytes torch 2.13 writes on x86 CPUs (the vector body
 # where the two disagree), measured in tests/test_cast_nan.py for random payloads of every source/target pair.
-_BITS = {torch.float64: (torch.int64, 52, 11), torch.float32: (torch.int32, 23, 8),
-         torch.float16: (torch.int16, 10, 5), torch.bfloat16: (torch.int16, 7, 8)}
-_NAN_CONSTANT = {(torch.float32, torch.bfloat16): 0xFFFF, (torch.float64, torch.bfloat16): 0xFFFF,
-                 (torch.float16, torch.bfloat16): 0x7FC0}
+_BITS = LazyTable(lambda: {torch.float64: (torch.int64, 52, 11), torch.float32: (torch.int32, 23, 8),
+                           torch.float16: (torch.int16, 10, 5), torch.bfloat16: (torch.int16, 7, 8)})
+_NAN_CONSTANT = LazyTable(lambda: {(torch.float32, torch.bfloat16): 0xFFFF, (torch.float64, torch.bfloat16): 0xFFFF,
+                                   (torch.float16, torch.bfloat16): 0x7FC0})
 
 
 def nan_bits(x: torch.Tensor, dst: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ import click
 from ckpt import __version__
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
+from ckpt.io.hub import check_lora, check_source
 from ckpt.report import Report
 
 from ckpt.cli_report import REPORT, finish as finish_report, record, reset as reset_report
@@ -57,6 +58,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8, to
     ComfyUI's nvfp4/mxfp8/int8 or to a ComfyUI-GGUF file, and/or rename it to its family's diffusers or
     original layout."""
+    check_source(src)  # before torch: a mistyped path is refused in milliseconds
     load("ckpt.convert")
     from ckpt.convert import ConvertOptions, convert as run
 
@@ -84,6 +86,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
 def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, overwrite, quiet):
     """optimum-quanto, bitsandbytes, ComfyUI comfy_quant and FP8-scaled checkpoints back to plain X.weight
     tensors."""
+    check_source(src)
     load("ckpt.quant.dequant")
     from ckpt.quant.dequant import DequantOptions, dequant as run
 
@@ -108,6 +111,7 @@ def inspect(src, as_json, scan, quiet):
     """Format, model/LoRA family, dtypes, sizes, metadata, and warnings that predict trainer failures."""
     import json
 
+    check_source(src)
     load("ckpt.inspect")
     from ckpt.inspect import inspect as run, render_text
 
@@ -138,6 +142,9 @@ def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, keep_format, 
 
     A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
     its hyperparameters.yaml names and writes a LitGPT checkpoint folder."""
+    check_source(base)
+    for spec in loras:
+        check_lora(spec)
     load("ckpt.merge.command")
     from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
 

@@ -1,61 +1,86 @@
-"""safetensors dtype names, torch dtypes and the facts about them the planner needs."""
+"""safetensors dtype names, torch dtypes and the facts about them the planner needs.
+
+What reading and inspecting headers needs (sizes, which names are floating or FP8, short names) is plain
+data keyed by the safetensors name, so that it never imports torch. The tables of torch dtypes are built on
+first use (`LazyTable`), by code that does tensor math and imports torch anyway."""
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
-# safetensors header name -> torch dtype (the names safetensors itself accepts).
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
+# safetensors header name -> torch.<attribute> (the names safetensors itself accepts) and element size.
+ST_TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
 }
-TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
+ST_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F16": 2, "BF16": 2,
+    "F32": 4, "F64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
+}
+ST_FP8 = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+# the names `is_float` is true for (floating point, fp8 included; e8m0 is a scale format)
+ST_FLOAT = frozenset({"F16", "BF16", "F32", "F64", *ST_FP8})
+
+
+class LazyTable:
+    """A table of torch dtypes built on first use: `in`, iteration, `[]`, `.get`/`.items`... of the dict or
+    tuple `build()` returns. Importing this module (or reading headers) therefore never imports torch."""
+
+    def __init__(self, build):
+        self._build, self._value = build, None
+
+    def _table(self):
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+    def __contains__(self, x):
+        return x in self._table()
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
+
+    def __getitem__(self, k):
+        return self._table()[k]
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(self._table(), attr)
+
+
+ST_TO_TORCH: dict[str, torch.dtype] = LazyTable(lambda: {k: getattr(torch, v) for k, v in ST_TORCH_NAMES.items()})
+TORCH_TO_ST: dict[torch.dtype, str] = LazyTable(lambda: {v: k for k, v in ST_TO_TORCH.items()})
 
 # Valid safetensors names whose packed sub-byte layouts ckpt does not decode.
 ST_UNSUPPORTED = {"F4": "packed fp4", "F6_E2M3": "packed fp6", "F6_E3M2": "packed fp6"}
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+FP8: tuple[torch.dtype, ...] = LazyTable(lambda: tuple(ST_TO_TORCH[n] for n in ST_FP8))
 
 # Names accepted on the command line for --to.
-TARGETS: dict[str, torch.dtype] = {
+TARGETS: dict[str, torch.dtype] = LazyTable(lambda: {
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp8_e4m3fn": torch.float8_e4m3fn,
-}
+})
 
-SHORT: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "fp8_e4m3fn",
-    torch.float8_e5m2: "fp8_e5m2",
-    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
-    torch.float8_e8m0fnu: "fp8_e8m0",
+# short names of the floating dtypes, by safetensors name; any other dtype is its safetensors name, lowercase
+ST_SHORT: dict[str, str] = {
+    "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3fn", "F8_E5M2": "fp8_e5m2",
+    "F8_E4M3FNUZ": "fp8_e4m3fnuz", "F8_E5M2FNUZ": "fp8_e5m2fnuz", "F8_E8M0": "fp8_e8m0",
 }
+SHORT: dict[torch.dtype, str] = LazyTable(lambda: {ST_TO_TORCH[k]: v for k, v in ST_SHORT.items()})
 
 
 # config.json `torch_dtype` / `dtype` values (transformers and diffusers spell them this way).
-CONFIG_NAMES: dict[torch.dtype, str] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+CONFIG_NAMES: dict[torch.dtype, str] = LazyTable(lambda: {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                                                        torch.float32: "float32"})
 CONFIG_KEYS = ("torch_dtype", "dtype")
 
 
@@ -76,6 +101,11 @@ def is_float(dtype: torch.dtype) -> bool:
 
 def short_name(dtype: torch.dtype) -> str:
     return SHORT.get(dtype) or TORCH_TO_ST.get(dtype, str(dtype)).lower()
+
+
+def st_short_name(name: str) -> str:
+    """`short_name` of the dtype a safetensors name stands for (without torch)."""
+    return ST_SHORT.get(name) or name.lower()
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ckpt.dtypes import FP8, short_name
+from ckpt.dtypes import FP8, ST_FP8, short_name, st_short_name
 
 QUANTO_ACTIVATION = re.compile(r"\.(input_scale|output_scale)$")
 BNB_4BIT = re.compile(r"^(.*)\.quant_state\.bitsandbytes__(nf4|fp4)$")
@@ -52,8 +52,8 @@ def detect_encodings(tensors: dict, view, view_error: str | None, config, metada
     if view is not None:
         enc.aux_keys |= set(view.consumed)
     for name, t in tensors.items():  # fp8 codes of a quantized layout (quanto qfloat8) are not fp8 weights
-        if t.dtype in FP8 and name not in enc.aux_keys:
-            k = short_name(t.dtype)
+        if t.dtype_name in ST_FP8 and name not in enc.aux_keys:
+            k = st_short_name(t.dtype_name)
             enc.fp8[k] = enc.fp8.get(k, 0) + 1
     decoded = [f for f in (view.formats if view is not None else []) if not any(n.startswith(f) for n in enc.names)]
     if view is not None and not any(r.startswith("activation scale") for r in view.consumed.values()):

@@ -40,20 +40,17 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
-from ckpt.dtypes import FP8, is_float, short_name
+from ckpt.dtypes import FP8, ST_FLOAT, ST_FP8, ST_ITEMSIZE, is_float, short_name, st_short_name
 from ckpt.errors import CkptError
 from ckpt import families
 from ckpt.inspect.detect import family_from_config, lora_modules, split_parts
 from ckpt.inspect.encodings import detect_encodings
-from ckpt.io.buffers import Buffers
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
 from ckpt.io.gguf import GGUFStored
-from ckpt.io.output import bands
 from ckpt.io.tensors import PickleTensor
 from ckpt.report import plural
 
@@ -81,8 +78,8 @@ def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
         lora = any(c["kind"] == "lora" for c in comps)
         notes.append(("nothing here is quantized" + (" (LoRA-only training checkpoint)" if lora else "")
                       + ": there is nothing to dequantize; " + QUANTO_KEYERROR))
-    installed = _installed_quanto()
-    if quanto and installed and _older(installed, QUANTO_FIX):
+    installed = _installed_quanto() if quanto else None  # reading installed metadata costs ~20 ms: only when asked
+    if installed and _older(installed, QUANTO_FIX):
         notes.append(f"installed optimum-quanto {installed} is older than {QUANTO_FIX}: " + QUANTO_KEYERROR)
     report = {
         "source": ckpt.spec,
@@ -144,9 +141,10 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     dtypes: dict[str, dict[str, int]] = {}
     for t in (comp.tensors if gguf else tensors).values():
         if isinstance(t, GGUFStored):  # stored blocks: the GGUF type, the values they hold, their bytes
-            kind, n, size = t.type_name if t.quantized else short_name(t.dtype), t.logical_numel, t.info.nbytes
+            kind, n, size = t.type_name if t.quantized else _dtype(t)[0], t.logical_numel, t.info.nbytes
         else:
-            kind, n, size = short_name(t.dtype), t.numel, t.numel * t.dtype.itemsize
+            kind, itemsize = _dtype(t)
+            n, size = t.numel, t.numel * itemsize
         d = dtypes.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
         d["tensors"] += 1
         d["parameters"] += n
@@ -196,6 +194,15 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "notes": notes,
         "scan": scan_result,
     }
+
+
+def _dtype(t) -> tuple[str, int]:
+    """(short name, element size) of a tensor's dtype: from its safetensors name, so that a report of
+    headers needs no torch (a dtype safetensors has no name for is asked of torch)."""
+    name = t.dtype_name
+    if name in ST_ITEMSIZE:
+        return st_short_name(name), ST_ITEMSIZE[name]
+    return short_name(t.dtype), t.dtype.itemsize
 
 
 def _model_parts(tensors, shapes) -> list[dict]:
@@ -281,9 +288,9 @@ def _warnings(tensors, enc, src: str) -> list[str]:
     skip = enc.aux_keys
     floats: dict[str, list[str]] = {}
     for n, t in tensors.items():
-        if n in skip or t.numel <= 1 or t.dtype in FP8 or not is_float(t.dtype):
+        if n in skip or t.numel <= 1 or t.dtype_name in ST_FP8 or t.dtype_name not in ST_FLOAT:
             continue
-        floats.setdefault(short_name(t.dtype), []).append(n)
+        floats.setdefault(st_short_name(t.dtype_name), []).append(n)
     if len(floats) > 1:
         major = max(floats, key=lambda k: len(floats[k]))
         minor = {k: v for k, v in floats.items() if k != major}
@@ -294,7 +301,8 @@ def _warnings(tensors, enc, src: str) -> list[str]:
                    f"`ckpt convert {src} --to {major}` makes them one dtype")
     for kind, n in enc.fp8.items():
         # the dtype table counts every stored tensor; scale and marker tensors (`scaled_fp8`) are named apart
-        aux = [k for k, t in tensors.items() if k in enc.aux_keys and t.dtype in FP8 and short_name(t.dtype) == kind]
+        aux = [k for k, t in tensors.items()
+               if k in enc.aux_keys and t.dtype_name in ST_FP8 and st_short_name(t.dtype_name) == kind]
         also = (f" (the dtype table's {n + len(aux)} also count{'s' * (n + len(aux) == 1)} "
                 f"{plural(len(aux), 'scale/marker tensor')}: {', '.join(aux[:3])}{', ...' if len(aux) > 3 else ''})"
                 if aux else "")
@@ -340,6 +348,9 @@ def prefix_message(parts) -> tuple[str, str] | None:
 
 def scan_tensors(tensors: dict) -> dict:
     """Count NaN and Inf per floating tensor, reading row bands (memory bounded by the band size)."""
+    from ckpt.io.buffers import Buffers
+    from ckpt.io.output import bands  # the band planner lives with the writer (which imports torch)
+
     bufs = Buffers()
     nan: dict[str, int] = {}
     inf: dict[str, int] = {}
@@ -378,6 +389,8 @@ def _pipeline_class(path: Path) -> str | None:
 
 
 def _installed_quanto() -> str | None:
+    from importlib import metadata as importlib_metadata
+
     try:
         return importlib_metadata.version("optimum-quanto")
     except importlib_metadata.PackageNotFoundError:

@@ -9,7 +9,7 @@ which in the write pipeline's steady state has long happened, so the wait costs 
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
 
 class Buffers:

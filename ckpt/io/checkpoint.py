@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.errors import CkptError, file_error
+from ckpt.errors import file_error
 from ckpt.io.header import read_header
 from ckpt.io.pickles import load_pickle_state_dict
 from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
@@ -108,10 +108,9 @@ def open_checkpoint(spec: str) -> Checkpoint:
     """Open SRC: a local file, a local folder, or a hub id `owner/name[@rev][/subfolder]`."""
     path = Path(spec).expanduser()
     if not path.exists():
-        from ckpt.io.hub import looks_like_repo_id, resolve_repo
+        from ckpt.io.hub import check_source, resolve_repo
 
-        if not looks_like_repo_id(spec):
-            raise CkptError(f"{spec}: no such file or directory")
+        check_source(spec)
         path = resolve_repo(spec)
     handles = FileHandles()
     try:

@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
+from ckpt.dtypes import ST_TO_TORCH
 from ckpt.errors import file_error
 from ckpt.io.header import TensorInfo
 from ckpt.io.tensors import FileHandles, RawTensor
@@ -34,11 +35,16 @@ def _gguf():
     return gguf
 
 
+def plain_names() -> dict[int, str]:
+    """GGML types that are plain arrays of one dtype, by its safetensors name (reading headers needs no torch)."""
+    T = _gguf().GGMLQuantizationType
+    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.F64: "F64", T.I8: "I8", T.I16: "I16", T.I32: "I32",
+            T.I64: "I64"}
+
+
 def plain_types() -> dict[int, torch.dtype]:
     """GGML types that are plain arrays of one torch dtype."""
-    T = _gguf().GGMLQuantizationType
-    return {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16, T.F64: torch.float64,
-            T.I8: torch.int8, T.I16: torch.int16, T.I32: torch.int32, T.I64: torch.int64}
+    return {k: ST_TO_TORCH[v] for k, v in plain_names().items()}
 
 
 def type_name(ggml_type: int) -> str:
@@ -70,7 +76,7 @@ class GGUFStored(RawTensor):
 
     @property
     def quantized(self) -> bool:
-        return self.ggml_type not in plain_types()
+        return self.ggml_type not in plain_names()
 
     @property
     def type_name(self) -> str:
@@ -151,7 +157,7 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
         raise file_error(path, "big-endian GGUF files are not supported")
     version = int(reader.fields["GGUF.version"].parts[0][0])
     tensors: dict[str, GGUFStored] = {}
-    plain = plain_types()
+    plain = plain_names()
     for t in reader.tensors:
         ggml_type = int(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -159,7 +165,7 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
         if start + nbytes > size:  # the reader's view is short then; say it plainly
             raise file_error(path, f"truncated: tensor {t.name!r} data ends at byte {start + nbytes} but the file "
                                    f"has {size} bytes")
-        dtype = plain.get(ggml_type, torch.uint8)
+        dtype = plain.get(ggml_type, "U8")
         read_shape = shape if ggml_type in plain else tuple(int(d) for d in t.data.shape)
         info = TensorInfo(t.name, dtype, read_shape, path, start, start + nbytes)
         tensors[t.name] = GGUFStored(info, handles, relpath, ggml_type, shape)

@@ -14,9 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from ckpt.dtypes import ST_TO_TORCH, ST_UNSUPPORTED, nbytes
+from ckpt.dtypes import ST_ITEMSIZE, ST_TO_TORCH, ST_UNSUPPORTED
 from ckpt.errors import file_error
 
 MAX_HEADER = 100_000_000  # safetensors' own cap
@@ -27,14 +25,19 @@ I64 = (1 << 63) - 1  # torch sizes and strides are int64
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one stored tensor's bytes are: `path` from absolute byte `start` to `end`."""
+    """Where one stored tensor's bytes are: `path` from absolute byte `start` to `end`. `st_dtype` is the
+    safetensors dtype name (plain data: reading headers needs no torch); `dtype` the torch dtype."""
 
     name: str
-    dtype: torch.dtype
+    st_dtype: str
     shape: tuple[int, ...]
     path: Path
     start: int
     end: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return ST_TO_TORCH[self.st_dtype]
 
     @property
     def nbytes(self) -> int:
@@ -202,7 +205,7 @@ def _entry(path: Path, name: str, entry, data_start: int) -> TensorInfo:
         raise file_error(path, f"tensor {name!r}: dtype {st!r} is not a dtype name")
     if st in ST_UNSUPPORTED:
         raise file_error(path, f"tensor {name!r}: dtype {st} ({ST_UNSUPPORTED[st]}) is not supported")
-    if st not in ST_TO_TORCH:
+    if st not in ST_ITEMSIZE:
         hint = " (the safetensors name is F8_E4M3)" if st == "F8_E4M3FN" else ""
         raise file_error(path, f"tensor {name!r}: unknown dtype {st!r}{hint}")
     shape, offs = entry["shape"], entry["data_offsets"]
@@ -210,13 +213,13 @@ def _entry(path: Path, name: str, entry, data_start: int) -> TensorInfo:
         raise file_error(path, f"tensor {name!r}: invalid shape {_short(shape)}")
     if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and 0 <= o <= U64 for o in offs)):
         raise file_error(path, f"tensor {name!r}: invalid data_offsets {_short(offs)}")
-    dtype = ST_TO_TORCH[st]
+    itemsize = ST_ITEMSIZE[st]
     n = 1
     for d in shape:  # safetensors: the element count folded left to right in u64, then times the bit size
         n *= d
         if n > U64:
             raise file_error(path, f"tensor {name!r}: shape {_short(shape)} overflows (more than 2**64 elements)")
-    if n * dtype.itemsize * 8 > U64:
+    if n * itemsize * 8 > U64:
         raise file_error(path, f"tensor {name!r}: shape {_short(shape)} overflows (more than 2**64 bits)")
     stride = 1
     for d in shape:  # torch's sizes and contiguous strides are int64 (an empty tensor's too)
@@ -224,13 +227,13 @@ def _entry(path: Path, name: str, entry, data_start: int) -> TensorInfo:
         if d > I64 or stride > I64:
             raise file_error(path, f"tensor {name!r}: shape {_short(shape)} is valid for safetensors but too large "
                              "for torch (a dimension or stride beyond int64)")
-    want = n * dtype.itemsize
+    want = n * itemsize
     if offs[1] - offs[0] != want:
         raise file_error(
             path, f"tensor {name!r}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
             f"{st}{_short(shape)} needs {want} (invalid offsets)"
         )
-    return TensorInfo(name, dtype, tuple(shape), path, data_start + offs[0], data_start + offs[1])
+    return TensorInfo(name, st, tuple(shape), path, data_start + offs[0], data_start + offs[1])
 
 
 def _short(v) -> str:

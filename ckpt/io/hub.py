@@ -31,6 +31,21 @@ def looks_like_repo_id(spec: str) -> bool:
     return not Path(spec.split("/", 1)[0]).is_dir()
 
 
+def check_source(spec: str) -> None:
+    """Refuse SRC when it is neither an existing local path nor a hub id: the first check of
+    `ckpt.io.checkpoint.open_checkpoint`, also made by the CLI before a command imports torch, so that a
+    mistyped path costs milliseconds rather than torch's start-up."""
+    if not Path(spec).expanduser().exists() and not looks_like_repo_id(spec):
+        raise CkptError(f"{spec}: no such file or directory")
+
+
+def check_lora(spec: str) -> None:
+    """Refuse a LoRA that does not exist (LoRAs are local files or folders): the first check of
+    `ckpt.merge.loading.load_lora`, made by the CLI before torch is imported, as `check_source` is."""
+    if not Path(spec).expanduser().exists():
+        raise CkptError(f"{spec}: no such LoRA file or folder")
+
+
 def parse_repo_spec(spec: str) -> tuple[str, str | None, str | None]:
     m = REPO.match(spec)
     if not m:

@@ -21,7 +21,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import file_error
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor

@@ -12,8 +12,9 @@ import math
 import os
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
+from ckpt.dtypes import TORCH_TO_ST
 from ckpt.io.buffers import Buffers
 from ckpt.io.header import TensorInfo, read_into
 
@@ -29,6 +30,12 @@ class Tensor:
     def natural_dtype(self) -> torch.dtype:
         """The dtype the model had before any storage encoding; default output dtype."""
         return self.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """`dtype`'s safetensors name ("F16", "F8_E4M3"...): stored tensors know it from their header, so
+        planning and inspect can use it without importing torch."""
+        return TORCH_TO_ST.get(self.dtype, str(self.dtype))
 
     @property
     def rows(self) -> int:
@@ -97,7 +104,15 @@ class RawTensor(Tensor):
 
     def __init__(self, info: TensorInfo, handles: FileHandles, home: str):
         self.info, self.handles, self.home = info, handles, home
-        self.name, self.dtype, self.shape = info.name, info.dtype, info.shape
+        self.name, self.shape = info.name, info.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.info.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return self.info.st_dtype
 
     def read(self, start, stop, device, scratch=None):
         row_bytes = self.info.nbytes // self.rows if self.rows else 0

@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import TORCH_TO_ST, nbytes
 

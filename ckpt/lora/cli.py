@@ -8,6 +8,7 @@ import click
 
 from ckpt.cli_options import DEVICE, DRY_RUN, OVERWRITE, QUIET
 from ckpt.errors import CkptError
+from ckpt.io.hub import check_lora, check_source
 
 
 class _OneLine:
@@ -124,6 +125,8 @@ def lora():
 def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, min_diff, fmt,
             exclude, lowrank, niter, dry_run, device, overwrite, quiet):
     """A LoRA approximating TUNED - BASE (truncated SVD of each weight's delta, one weight at a time)."""
+    for spec in (base, tuned):  # refused before torch is imported
+        check_source(spec)
     from ckpt.cli import _print_report
     from ckpt.lora.extract import extract as run
 
@@ -144,6 +147,7 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
 def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt, base, dry_run, device, overwrite,
            quiet):
     """Lower a LoRA's rank by SVD of each module's up @ down, keeping its effective scale."""
+    check_lora(lora_file)
     from ckpt.cli import _print_report
     from ckpt.lora.resize import resize as run
 
@@ -169,6 +173,8 @@ def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt,
 def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, fmt, base,
           dry_run, device, overwrite, quiet):
     """One LoRA equal to applying A, B, ... in order (with their ratios)."""
+    for spec in loras:
+        check_lora(spec)
     from ckpt.cli import _print_report
     from ckpt.lora.merge import merge as run
 
@@ -194,6 +200,7 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
 @_common
 def convert(lora_file, fmt, base, out, to_lora, save_dtype, dry_run, device, overwrite, quiet):
     """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI): fused <-> split q/k/v, alpha placed."""
+    check_lora(lora_file)
     from ckpt.cli import _print_report
     from ckpt.lora.convert import convert as run
 

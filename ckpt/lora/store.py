@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.dtypes import TORCH_TO_ST
 from ckpt.errors import CkptError
 from ckpt.io.header import TensorInfo
 from ckpt.io.publish import missing_parents, temp_name
@@ -52,7 +53,7 @@ class FactorStore:
         except OSError as e:
             raise CkptError(f"{self.path.parent}: cannot hold the factors being computed "
                             f"({e.strerror or e}); nothing written") from None
-        info = TensorInfo(name, data.dtype, tuple(data.shape), self.path, self.size, pos)
+        info = TensorInfo(name, TORCH_TO_ST[data.dtype], tuple(data.shape), self.path, self.size, pos)
         self.size = pos
         return RawTensor(info, self.handles, "")
 

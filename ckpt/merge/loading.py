@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.hub import check_lora
 from ckpt.io.tensors import Tensor
 from ckpt.merge import litgpt
 from ckpt.merge.adapter_files import LoraFile, LoraModule
@@ -105,9 +106,8 @@ class PeftSettings:
 def load_lora(spec: str, base_hint: Path | None = None) -> LoraFile:
     """`base_hint`: the base model's folder, where a LitGPT LoRA may find its model_config.yaml."""
 
+    check_lora(spec)
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise CkptError(f"{spec}: no such LoRA file or folder")
     if litgpt.is_lora(path):
         return litgpt.load(spec, base_hint)
     settings_by_prefix: dict[str, PeftSettings] = {}

@@ -32,7 +32,7 @@ import json
 import math
 import re
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import is_float
 from ckpt.io.tensors import Tensor
@@ -54,7 +54,7 @@ INT8_RECIPROCAL = 7.874015718698502e-3  # 1 / 127 as bitsandbytes writes it
 _TABLE_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def code_table(quant_type: str, device=torch.device("cpu")) -> torch.Tensor:
+def code_table(quant_type: str, device="cpu") -> torch.Tensor:
     key = (quant_type, str(device))
     if key not in _TABLE_CACHE:
         t = torch.tensor(_TABLES[quant_type], dtype=torch.float32)

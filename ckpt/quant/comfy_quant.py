@@ -36,9 +36,9 @@ import json
 import math
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
-from ckpt.dtypes import FP8, is_float
+from ckpt.dtypes import FP8, ST_TO_TORCH, is_float
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.quant import microscaling as mx
@@ -47,7 +47,7 @@ from ckpt.quant.fp8 import ScaledTensor, _activation_keys, _natural, _refuse, _s
 from ckpt.quant.view import DecodeContext, Decoded
 from ckpt.report import Report
 
-FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+FP8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # comfy_quant format -> safetensors dtype
 BLOCK = {"nvfp4": 16, "mxfp8": 32}
 DECODABLE = (*FP8_FORMATS, "int8_tensorwise", "nvfp4", "mxfp8")
 META_KEY = "_quantization_metadata"
@@ -304,8 +304,9 @@ DECODERS = [decode]
 # encoding
 
 
-def finite_amax(source: Tensor, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+def finite_amax(source: Tensor, device: torch.device | None = None) -> torch.Tensor:
     """amax(|x|) over the finite values of `source`, streamed band by band (fp32 scalar, on CPU)."""
+    device = torch.device("cpu") if device is None else device
     from ckpt.io.output import bands
 
     amax = torch.zeros((), dtype=torch.float32)
@@ -392,7 +393,7 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
         return OutTensor(name, dtype, (rows, out_cols), t, cast)
 
     if fmt in FP8_FORMATS:
-        dt = FP8_FORMATS[fmt]
+        dt = ST_TO_TORCH[FP8_FORMATS[fmt]]
         top = torch.finfo(dt).max
         scale = _Lazy(lambda: _nonzero(finite_amax(t) / top))
         # comfy-kitchen's quantize_per_tensor_fp8: x * (1 / scale), clamped, cast

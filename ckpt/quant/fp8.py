@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.cast import fp8_upcast
-from ckpt.dtypes import FP8, TORCH_TO_ST, config_dtype, is_float
+from ckpt.dtypes import FP8, ST_FP8, TORCH_TO_ST, config_dtype, is_float
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.quant.encoding import NoEncoder
@@ -86,12 +86,12 @@ class ScaledTensor(Tensor):
     want bands that start on a block boundary (`row_align` = block rows) but any start is handled.
     """
 
-    def __init__(self, weight: Tensor, scale: Tensor, natural=torch.bfloat16, layout: ScaleLayout | None = None,
-                 extra: Tensor | None = None):
+    def __init__(self, weight: Tensor, scale: Tensor, natural: torch.dtype | None = None,
+                 layout: ScaleLayout | None = None, extra: Tensor | None = None):
         self.weight, self.scale, self.extra = weight, scale, extra
         self.name, self.shape, self.home = weight.name, weight.shape, weight.home
         self.dtype = torch.float32
-        self._natural = natural
+        self._natural = torch.bfloat16 if natural is None else natural
         self.layout = layout or infer_layout(weight.shape, scale.shape)
         if self.layout is None:
             raise ValueError(f"{scale.name}: shape {list(scale.shape)} does not fit {weight.name} {list(weight.shape)}")
@@ -354,7 +354,7 @@ def activation_scales(ctx: DecodeContext) -> Decoded | None:
     Also marks a folder whose config names an FP8 method as dequantized, scales or not."""
     fp8_config = str(_quant_config(ctx).get("quant_method", "")).lower() in _FP8_METHODS
     fp8_model = fp8_config or any(
-        t.dtype in FP8 and (k == "weight" or k.endswith(".weight")) for k, t in ctx.component.tensors.items())
+        t.dtype_name in ST_FP8 and (k == "weight" or k.endswith(".weight")) for k, t in ctx.component.tensors.items())
     if not fp8_model:
         return None
     consumed = {k: "activation scale (inference only)" for k in ctx.remaining

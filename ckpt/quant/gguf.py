@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import numpy as np
-import torch
+from ckpt.lazy import numpy as np, torch
 
 from ckpt.errors import CkptError, file_error
-from ckpt.io.gguf import GGUFStored, block_size, plain_types, type_name
+from ckpt.dtypes import ST_TO_TORCH
+from ckpt.io.gguf import GGUFStored, block_size, plain_names, plain_types, type_name
 from ckpt.io.header import read_into
 from ckpt.io.tensors import Tensor
 from ckpt.quant.encoding import Encoding
@@ -44,13 +44,15 @@ class GGUFValues(Tensor):
     """The values of one stored GGUF tensor, seen with `shape` (its stored shape, or the original shape
     ComfyUI-GGUF recorded): plain types as they are stored, block types dequantized by gguf in float32."""
 
-    def __init__(self, stored: GGUFStored, shape=None, natural: torch.dtype = torch.bfloat16, name: str | None = None):
+    def __init__(self, stored: GGUFStored, shape=None, natural: str = "BF16", name: str | None = None):
+        """`natural`: the safetensors dtype name block types are written as by default (dtypes by name
+        here, so that planning and inspect need no torch)."""
         self.stored, self.ggml_type = stored, stored.ggml_type
         self.name, self.home = name or stored.name, stored.home
         self.shape = tuple(stored.stored_shape if shape is None else shape)
-        plain = plain_types().get(self.ggml_type)
-        self.dtype = plain if plain is not None else torch.float32
-        self._natural = plain if plain is not None else natural
+        plain = plain_names().get(self.ggml_type)
+        self._dtype_name = plain or "F32"  # block types dequantize to float32
+        self._natural = plain or natural
         self.row_len = stored.stored_shape[-1] if stored.stored_shape else 1  # elements per stored row
         if not self.shape or self.numel == 0:
             self.row_align = None
@@ -59,8 +61,16 @@ class GGUFValues(Tensor):
             self.row_align = self.row_len // math.gcd(per_row, self.row_len)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return ST_TO_TORCH[self._dtype_name]
+
+    @property
+    def dtype_name(self) -> str:
+        return self._dtype_name
+
+    @property
     def natural_dtype(self):
-        return self._natural
+        return ST_TO_TORCH[self._natural]
 
     @property
     def source_bytes(self):
@@ -213,15 +223,14 @@ def can_encode(ggml_type: int) -> bool:
     return True
 
 
-def natural_dtype(stored: dict[str, GGUFStored]) -> torch.dtype:
-    """What a dequantized weight is written as by default: the float type most of the file's unquantized
-    matrices use (the model's own dtype before quantization, as ComfyUI-GGUF's first step keeps it), else
-    bf16."""
-    plain = plain_types()
+def natural_dtype(stored: dict[str, GGUFStored]) -> str:
+    """What a dequantized weight is written as by default (a safetensors dtype name): the float type most of
+    the file's unquantized matrices use (the model's own dtype before quantization, as ComfyUI-GGUF's first
+    step keeps it), else bf16."""
+    plain = plain_names()
     kinds = Counter(plain[t.ggml_type] for t in stored.values()
-                    if t.ggml_type in plain and len(t.stored_shape) >= 2
-                    and plain[t.ggml_type] in (torch.float16, torch.bfloat16))
-    return kinds.most_common(1)[0][0] if kinds else torch.bfloat16
+                    if t.ggml_type in plain and len(t.stored_shape) >= 2 and plain[t.ggml_type] in ("F16", "BF16"))
+    return kinds.most_common(1)[0][0] if kinds else "BF16"
 
 
 def orig_shape(header, name: str, stored: GGUFStored):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import file_error
 from ckpt.io.gguf import GGUFStored
@@ -98,9 +98,12 @@ class HeadRowsUnpermuted(Tensor):
 
     def __init__(self, base: Tensor, n_heads: int, name: str):
         self.base, self.name, self.home = base, name, base.home
-        self.dtype, self.shape = base.dtype, tuple(base.shape)
+        self.shape = tuple(base.shape)
         self.head = base.rows // n_heads
         self.row_align = None if base.row_align is None else math.lcm(self.head, base.row_align)
+
+    dtype = property(lambda self: self.base.dtype)  # the base's, asked when needed (planning needs no torch)
+    dtype_name = property(lambda self: self.base.dtype_name)
 
     @property
     def natural_dtype(self):
@@ -158,7 +161,10 @@ class Renamed(Tensor):
 
     def __init__(self, base: Tensor, name: str):
         self.base, self.name, self.home = base, name, base.home
-        self.dtype, self.shape, self.row_align = base.dtype, tuple(base.shape), base.row_align
+        self.shape, self.row_align = tuple(base.shape), base.row_align
+
+    dtype = property(lambda self: self.base.dtype)  # the base's, asked when needed (planning needs no torch)
+    dtype_name = property(lambda self: self.base.dtype_name)
 
     @property
     def natural_dtype(self):
@@ -250,7 +256,7 @@ def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple
     return cfg, notes
 
 
-def decode(header, stored: dict[str, GGUFStored], natural: torch.dtype) -> Decoded:
+def decode(header, stored: dict[str, GGUFStored], natural: str) -> Decoded:
     from ckpt.quant.gguf import GGUFValues, type_summary
 
     arch_name = header.architecture

@@ -16,7 +16,7 @@ tests compare both ways. Everything is computed in float32.
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8
@@ -36,10 +36,10 @@ from ckpt.io.tensors import Tensor
 from ckpt.quant.view import DecodeContext, Decoded
 
 QMAP_NAME = "quanto_qmap.json"
-FLOAT8_QTYPES = {
-    "qfloat8_e4m3fn": torch.float8_e4m3fn,
-    "qfloat8_e5m2": torch.float8_e5m2,
-    "qfloat8_e4m3fnuz": torch.float8_e4m3fnuz,
+FLOAT8_QTYPES = {  # qtype -> the safetensors name of its data's dtype
+    "qfloat8_e4m3fn": "F8_E4M3",
+    "qfloat8_e5m2": "F8_E5M2",
+    "qfloat8_e4m3fnuz": "F8_E4M3FNUZ",
 }
 BITS = {"qint8": 8, "qint4": 4, "qint2": 2, **{k: 8 for k in FLOAT8_QTYPES}}
 # Spellings used by diffusers (`weights_dtype`), transformers (`weights`) and optimum-quanto itself.
@@ -392,7 +392,7 @@ def _bytes_qtype(e: _Entry, declared: str | None, where: str) -> str:
     if d == torch.int8:
         qtype = "qint8"
     else:
-        qtype = next((q for q, fd in FLOAT8_QTYPES.items() if fd == d), None)
+        qtype = next((q for q, fd in FLOAT8_QTYPES.items() if fd == e.data.dtype_name), None)
         if qtype is None:
             raise CkptError(f"{where}: {e.data_key!r} is {d}, not an optimum-quanto 8-bit data type "
                             "(int8 or float8); nothing was written")
