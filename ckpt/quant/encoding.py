@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import is_float
 from ckpt.io.plan import OutTensor

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import FP8, short_name
 from ckpt.io.plan import OutTensor

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import short_name
 from ckpt.io.plan import OutTensor
