@@ -22,9 +22,10 @@ pieces and a LoRA on `to_q/k/v`/`proj_mlp` on rows of them, as for Flux.1.
 
 from __future__ import annotations
 
-from ckpt.families.flux1 import BFL, DIFFUSERS_SINGLE, DOUBLE_NORMS, SINGLE_NORMS, flux2_evidence
+from ckpt.families.flux1 import BFL, DIFFUSERS_SINGLE, flux2_evidence
+from ckpt.families.flux_blocks import bfl_double, bfl_double_widths, bfl_single, bfl_single_widths
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
-                                at, block_indices, blocks_count, present, renames, thirds)
+                                at, block_indices, blocks_count, present, renames)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -41,6 +42,7 @@ DOUBLE = (
     ("txt_mlp.0", "ff_context.net.0.proj"),
     ("txt_mlp.2", "ff_context.net.2"),
 )
+SINGLE = (("linear2", "proj_out"),)
 APPROXIMATOR = "distilled_guidance_layer"
 CHROMA_NAMES = at(r"distilled_guidance_layer_.")
 
@@ -63,52 +65,16 @@ def pairs_for(doubles: dict[int, int], singles: dict[int, tuple[int, int]], appr
         out += renames(((f"{b}.in_layer", f"{b}.linear_1"), (f"{b}.out_layer", f"{b}.linear_2")))
         out.append(Pair(f"{APPROXIMATOR}.norms.{k}.scale", f"{APPROXIMATOR}.norms.{k}.weight"))
     for i, h in doubles.items():
-        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        for e in ("weight", "bias"):
-            for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
-                out.append(Pair(f"{b}.img_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
-            for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
-                out.append(Pair(f"{b}.txt_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
-        out += renames(DOUBLE, b + ".", d + ".")
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+        out += bfl_double(i, h, DOUBLE)
     for j, (h, m) in singles.items():
-        b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
-        for e in ("weight", "bias"):
-            for rows, name in zip(thirds(0, h), ("attn.to_q", "attn.to_k", "attn.to_v")):
-                out.append(Pair(f"{b}.linear1.{e}", f"{d}.{name}.{e}", rows))
-            out.append(Pair(f"{b}.linear1.{e}", f"{d}.proj_mlp.{e}", (3 * h, 3 * h + m)))
-        out += renames((("linear2", "proj_out"),), b + ".", d + ".")
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+        out += bfl_single(j, h, m, SINGLE)
     return out
 
 
 def widths(shapes: Shapes, layout: str):
     """{double block: H}, {single block: (H, M)}, [approximator layer] from either layout's shapes."""
-    doubles, singles = {}, {}
-    if layout == ORIGINAL:
-        for i in block_indices(shapes, "double_blocks"):
-            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
-                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
-            if qkv:
-                doubles[i] = qkv[0] // 3
-        for j in block_indices(shapes, "single_blocks"):
-            lin1 = shapes.get(f"single_blocks.{j}.linear1.weight")
-            lin2 = shapes.get(f"single_blocks.{j}.linear2.weight")
-            if lin1 and lin2:
-                singles[j] = (lin2[0], lin1[0] - 3 * lin2[0])
-    else:
-        for i in block_indices(shapes, "transformer_blocks"):
-            q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
-                f"transformer_blocks.{i}.attn.add_q_proj.weight")
-            if q:
-                doubles[i] = q[0]
-        for j in block_indices(shapes, "single_transformer_blocks"):
-            q = shapes.get(f"single_transformer_blocks.{j}.attn.to_q.weight")
-            mlp = shapes.get(f"single_transformer_blocks.{j}.proj_mlp.weight")
-            if q and mlp:
-                singles[j] = (q[0], mlp[0])
     layers = {*block_indices(shapes, f"{APPROXIMATOR}.layers"), *block_indices(shapes, f"{APPROXIMATOR}.norms")}
-    return doubles, singles, sorted(layers)
+    return bfl_double_widths(shapes, layout), bfl_single_widths(shapes, layout), sorted(layers)
 
 
 def pairs(shapes: Shapes, layout: str) -> list[Pair]:

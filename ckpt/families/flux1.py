@@ -14,8 +14,9 @@ ComfyUI `single_blocks.N.linear1_qkv` for the attention rows of `linear1`.
 
 from __future__ import annotations
 
+from ckpt.families.flux_blocks import bfl_double, bfl_double_widths, bfl_single, bfl_single_widths, final_adaln
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, GGUFStorage, Pair, Shapes,
-                                Signature, at, block_indices, blocks_count, dim, has, present, renames, thirds)
+                                Signature, at, block_indices, blocks_count, dim, has, present, renames)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -38,13 +39,7 @@ DOUBLE = (
     ("txt_mlp.0", "ff_context.net.0.proj"),
     ("txt_mlp.2", "ff_context.net.2"),
 )
-DOUBLE_NORMS = (
-    ("img_attn.norm.query_norm", "attn.norm_q"),
-    ("img_attn.norm.key_norm", "attn.norm_k"),
-    ("txt_attn.norm.query_norm", "attn.norm_added_q"),
-    ("txt_attn.norm.key_norm", "attn.norm_added_k"),
-)
-SINGLE_NORMS = (("norm.query_norm", "attn.norm_q"), ("norm.key_norm", "attn.norm_k"))
+SINGLE = (("linear2", "proj_out"), ("modulation.lin", "norm.linear"))
 # LyCORIS names the gated feed-forwards as Flux.2's diffusers class does.
 FF_LINEAR = (
     ("img_mlp.0", "ff.linear_in"),
@@ -94,54 +89,17 @@ def identify(keys, shapes, layout):
 
 def pairs_for(doubles: dict[int, int], singles: dict[int, tuple[int, int]]) -> list[Pair]:
     """BFL <-> diffusers tensors for double blocks {i: H} and single blocks {j: (H, M)}."""
-    out = renames(BASIC)
-    out += [Pair(f"final_layer.adaLN_modulation.1.{e}", f"norm_out.linear.{e}", transform="swap_halves")
-            for e in ("weight", "bias")]
+    out = renames(BASIC) + final_adaln()
     for i, h in doubles.items():
-        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        for e in ("weight", "bias"):
-            for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
-                out.append(Pair(f"{b}.img_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
-            for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
-                out.append(Pair(f"{b}.txt_attn.qkv.{e}", f"{d}.attn.{name}.{e}", rows))
-        out += renames(DOUBLE, b + ".", d + ".")
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+        out += bfl_double(i, h, DOUBLE)
     for j, (h, m) in singles.items():
-        b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
-        for e in ("weight", "bias"):
-            for rows, name in zip(thirds(0, h), ("attn.to_q", "attn.to_k", "attn.to_v")):
-                out.append(Pair(f"{b}.linear1.{e}", f"{d}.{name}.{e}", rows))
-            out.append(Pair(f"{b}.linear1.{e}", f"{d}.proj_mlp.{e}", (3 * h, 3 * h + m)))
-        out += renames((("linear2", "proj_out"), ("modulation.lin", "norm.linear")), b + ".", d + ".")
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+        out += bfl_single(j, h, m, SINGLE)
     return out
 
 
 def widths(shapes: Shapes, layout: str):
     """{double block: H}, {single block: (H, M)} from either layout's shapes."""
-    doubles, singles = {}, {}
-    if layout == ORIGINAL:
-        for i in block_indices(shapes, "double_blocks"):
-            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
-                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
-            if qkv:
-                doubles[i] = qkv[0] // 3
-        for j in block_indices(shapes, "single_blocks"):
-            lin1, lin2 = shapes.get(f"single_blocks.{j}.linear1.weight"), shapes.get(f"single_blocks.{j}.linear2.weight")
-            if lin1 and lin2:
-                singles[j] = (lin2[0], lin1[0] - 3 * lin2[0])
-    else:
-        for i in block_indices(shapes, "transformer_blocks"):
-            q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
-                f"transformer_blocks.{i}.attn.add_q_proj.weight")
-            if q:
-                doubles[i] = q[0]
-        for j in block_indices(shapes, "single_transformer_blocks"):
-            q = shapes.get(f"single_transformer_blocks.{j}.attn.to_q.weight")
-            mlp = shapes.get(f"single_transformer_blocks.{j}.proj_mlp.weight")
-            if q and mlp:
-                singles[j] = (q[0], mlp[0])
-    return doubles, singles
+    return bfl_double_widths(shapes, layout), bfl_single_widths(shapes, layout)
 
 
 def pairs(shapes: Shapes, layout: str) -> list[Pair]:

@@ -16,8 +16,9 @@ LoRA on `to_q/k/v` on rows of `qkv`.
 from __future__ import annotations
 
 from ckpt.families.flux1 import BFL, flux2_evidence
+from ckpt.families.flux_blocks import BFL_SINGLE_NORMS, bfl_double, bfl_double_widths, final_adaln
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, present, thirds)
+                                block_indices, blocks_count, present, renames)
 
 BASIC = (
     ("img_in", "x_embedder"),
@@ -39,14 +40,7 @@ DOUBLE = (
     ("txt_mlp.0", "ff_context.linear_in"),
     ("txt_mlp.2", "ff_context.linear_out"),
 )
-DOUBLE_NORMS = (
-    ("img_attn.norm.query_norm", "attn.norm_q"),
-    ("img_attn.norm.key_norm", "attn.norm_k"),
-    ("txt_attn.norm.query_norm", "attn.norm_added_q"),
-    ("txt_attn.norm.key_norm", "attn.norm_added_k"),
-)
 SINGLE = (("linear1", "attn.to_qkv_mlp_proj"), ("linear2", "attn.to_out"))
-SINGLE_NORMS = (("norm.query_norm", "attn.norm_q"), ("norm.key_norm", "attn.norm_k"))
 
 DIFFUSERS_NAMES = at(r"(single_transformer_blocks_.\d+_.|transformer_blocks_.\d+_.ff(_context)?_.linear_(in|out))")
 
@@ -57,38 +51,20 @@ def identify(keys, shapes, layout):
 
 def pairs_for(doubles: dict[int, int], singles: list[int]) -> list[Pair]:
     """BFL <-> diffusers tensors for double blocks {i: H} and single blocks [j]. Flux.2 has no biases."""
-    out = [Pair(f"{o}.weight", f"{d}.weight") for o, d in BASIC]
-    out.append(Pair("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight", transform="swap_halves"))
+    out = renames(BASIC, ends=("weight",)) + final_adaln(ends=("weight",))
     for i, h in doubles.items():
-        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        for rows, name in zip(thirds(0, h), ("to_q", "to_k", "to_v")):
-            out.append(Pair(f"{b}.img_attn.qkv.weight", f"{d}.attn.{name}.weight", rows))
-        for rows, name in zip(thirds(0, h), ("add_q_proj", "add_k_proj", "add_v_proj")):
-            out.append(Pair(f"{b}.txt_attn.qkv.weight", f"{d}.attn.{name}.weight", rows))
-        out += [Pair(f"{b}.{o}.weight", f"{d}.{n}.weight") for o, n in DOUBLE]
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in DOUBLE_NORMS]
+        out += bfl_double(i, h, DOUBLE, ends=("weight",))
     for j in singles:
         b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
-        out += [Pair(f"{b}.{o}.weight", f"{d}.{n}.weight") for o, n in SINGLE]
-        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in SINGLE_NORMS]
+        out += renames(SINGLE, b + ".", d + ".", ends=("weight",))
+        out += [Pair(f"{b}.{o}.scale", f"{d}.{n}.weight") for o, n in BFL_SINGLE_NORMS]
     return out
 
 
 def widths(shapes: Shapes, layout: str):
-    doubles = {}
-    if layout == ORIGINAL:
-        for i in block_indices(shapes, "double_blocks"):
-            qkv = (shapes.get(f"double_blocks.{i}.img_attn.qkv.weight")
-                   or shapes.get(f"double_blocks.{i}.txt_attn.qkv.weight"))
-            if qkv:
-                doubles[i] = qkv[0] // 3
-        return doubles, block_indices(shapes, "single_blocks")
-    for i in block_indices(shapes, "transformer_blocks"):
-        q = shapes.get(f"transformer_blocks.{i}.attn.to_q.weight") or shapes.get(
-            f"transformer_blocks.{i}.attn.add_q_proj.weight")
-        if q:
-            doubles[i] = q[0]
-    return doubles, block_indices(shapes, "single_transformer_blocks")
+    """{double block: H}, [single block] from either layout's shapes (single blocks are kept whole)."""
+    singles = block_indices(shapes, "single_blocks" if layout == ORIGINAL else "single_transformer_blocks")
+    return bfl_double_widths(shapes, layout), singles
 
 
 def pairs(shapes: Shapes, layout: str) -> list[Pair]:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 
+from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln, fused_qkv, single_linear1
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, dim, has, present, renames, thirds)
+                                block_indices, blocks_count, dim, has, present, renames)
 
 TOP = (
     ("img_in.proj", "x_embedder.proj"),
@@ -68,8 +69,6 @@ DOUBLE_NORMS = (
 )
 SINGLE = (("linear2", "proj_out"), ("modulation.linear", "norm.linear"))
 SINGLE_NORMS = (("q_norm", "attn.norm_q"), ("k_norm", "attn.norm_k"))
-QKV = ("to_q", "to_k", "to_v")
-ADD_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
 REFINER_HEAD = "txt_in.individual_token_refiner.blocks"
 DIFFUSERS_REFINER = "context_embedder.token_refiner.refiner_blocks"
 
@@ -102,31 +101,30 @@ V15 = at(r"((img|txt)_attn_[qkv](\.|$)|byt5_in|vision_in|cond_type_embed|context
          r"|time_embed_.timestep_embedder)")
 
 
-def pairs_for(h: int, mlp: int, doubles: list[int], singles: list[int], refiners: list[int]) -> list[Pair]:
-    """Tencent <-> diffusers tensors for width h and single-block MLP width mlp (HunyuanVideo's blocks
-    share both)."""
-    out = renames(TOP)
-    out += [Pair(f"final_layer.adaLN_modulation.1.{e}", f"norm_out.linear.{e}", transform="swap_halves")
-            for e in ("weight", "bias")]
+def refiner_pairs(h: int, refiners: list[int]) -> list[Pair]:
+    """The text token refiner's blocks (1.x and 1.5 alike): renames and the thirds of `self_attn_qkv`."""
+    out = []
     for i in refiners:
         b, d = f"{REFINER_HEAD}.{i}", f"{DIFFUSERS_REFINER}.{i}"
         out += renames(REFINER, b + ".", d + ".")
-        for e in ("weight", "bias"):
-            out += [Pair(f"{b}.self_attn_qkv.{e}", f"{d}.attn.{n}.{e}", r) for r, n in zip(thirds(0, h), QKV)]
+        out += fused_qkv(b, d, h, (("self_attn_qkv", QKV),))
+    return out
+
+
+def pairs_for(h: int, mlp: int, doubles: list[int], singles: list[int], refiners: list[int]) -> list[Pair]:
+    """Tencent <-> diffusers tensors for width h and single-block MLP width mlp (HunyuanVideo's blocks
+    share both)."""
+    out = renames(TOP) + final_adaln() + refiner_pairs(h, refiners)
     for i in doubles:
         b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         out += renames(DOUBLE, b + ".", d + ".")
         out += renames(DOUBLE_NORMS, b + ".", d + ".", ends=("weight",))
-        for e in ("weight", "bias"):
-            out += [Pair(f"{b}.img_attn_qkv.{e}", f"{d}.attn.{n}.{e}", r) for r, n in zip(thirds(0, h), QKV)]
-            out += [Pair(f"{b}.txt_attn_qkv.{e}", f"{d}.attn.{n}.{e}", r) for r, n in zip(thirds(0, h), ADD_QKV)]
+        out += fused_qkv(b, d, h, (("img_attn_qkv", QKV), ("txt_attn_qkv", ADD_QKV)))
     for j in singles:
         b, d = f"single_blocks.{j}", f"single_transformer_blocks.{j}"
         out += renames(SINGLE, b + ".", d + ".")
         out += renames(SINGLE_NORMS, b + ".", d + ".", ends=("weight",))
-        for e in ("weight", "bias"):
-            out += [Pair(f"{b}.linear1.{e}", f"{d}.attn.{n}.{e}", r) for r, n in zip(thirds(0, h), QKV)]
-            out.append(Pair(f"{b}.linear1.{e}", f"{d}.proj_mlp.{e}", (3 * h, 3 * h + mlp)))
+        out += single_linear1(b, d, h, mlp)
     return out
 
 
@@ -183,14 +181,21 @@ CONVENTIONS = {"qk_norm": "rms_norm", "rope_theta": 256.0, "rope_axes_dim": {128
                "image_condition_type": {33: "latent_concat"}}
 
 
-def diffusers_config(s: Shapes) -> dict:
-    pe = s["x_embedder.proj.weight"]  # [H, in, pt, ph, pw]
+def patch_and_head(s: Shapes, conventions: dict, label: str):
+    """(patch embedding shape [H, in, pt, ph, pw], H, head size, rope axes) of a diffusers-layout model,
+    1.x and 1.5 alike; ConventionError where the head size or a non-square patch is not theirs."""
+    pe = s["x_embedder.proj.weight"]
     width, head = pe[0], s["transformer_blocks.0.attn.norm_q.weight"][0]
-    rope = CONVENTIONS["rope_axes_dim"].get(head)
+    rope = conventions["rope_axes_dim"].get(head)
     if rope is None:
-        raise ConventionError(f"HunyuanVideo's rope axes are known for an attention head size of 128, not {head}")
+        raise ConventionError(f"{label}'s rope axes are known for an attention head size of 128, not {head}")
     if pe[3] != pe[4]:
-        raise ConventionError(f"the patch is {pe[3]}x{pe[4]}; HunyuanVideo's patches are square")
+        raise ConventionError(f"the patch is {pe[3]}x{pe[4]}; {label}'s patches are square")
+    return pe, width, head, rope
+
+
+def diffusers_config(s: Shapes) -> dict:
+    pe, width, head, rope = patch_and_head(s, CONVENTIONS, "HunyuanVideo")
     return {
         "_class_name": "HunyuanVideoTransformer3DModel",
         "in_channels": pe[1],

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 
-from ckpt.families.hunyuan_video import (DIFFUSERS_REFINER, DOUBLE, DOUBLE_NORMS, QKV, ADD_QKV, REFINER,
-                                         REFINER_HEAD, TOP as V1_TOP)
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, dim, present, renames, start, thirds)
+from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln
+from ckpt.families.hunyuan_video import (DIFFUSERS_REFINER, DOUBLE, DOUBLE_NORMS, REFINER_HEAD, TOP as V1_TOP,
+                                         patch_and_head, refiner_pairs)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Family, Pair, Shapes, Signature, at,
+                                block_indices, blocks_count, dim, present, renames, start)
 
 TOP = tuple(p for p in V1_TOP if p[0].startswith(("img_in", "txt_in", "final_layer"))) + (
     ("time_in.mlp.0", "time_embed.timestep_embedder.linear_1"),
@@ -60,13 +61,7 @@ DIFFUSERS_ONLY = start(r"(context_embedder_2|image_embedder|cond_type_embed_.|ti
 def pairs_for(h: int, doubles: list[int], refiners: list[int]) -> list[Pair]:
     out = renames(TOP)
     out.append(Pair("cond_type_embedding.weight", "cond_type_embed.weight"))
-    out += [Pair(f"final_layer.adaLN_modulation.1.{e}", f"norm_out.linear.{e}", transform="swap_halves")
-            for e in ("weight", "bias")]
-    for i in refiners:
-        b, d = f"{REFINER_HEAD}.{i}", f"{DIFFUSERS_REFINER}.{i}"
-        out += renames(REFINER, b + ".", d + ".")
-        for e in ("weight", "bias"):
-            out += [Pair(f"{b}.self_attn_qkv.{e}", f"{d}.attn.{n}.{e}", r) for r, n in zip(thirds(0, h), QKV)]
+    out += final_adaln() + refiner_pairs(h, refiners)
     for i in doubles:
         b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         out += renames(DOUBLE + SPLIT, b + ".", d + ".")
@@ -92,13 +87,7 @@ CONVENTIONS = {"qk_norm": "rms_norm", "rope_theta": 256.0, "rope_axes_dim": {128
 
 
 def diffusers_config(s: Shapes) -> dict:
-    pe = s["x_embedder.proj.weight"]  # [H, in, pt, ph, pw]
-    width, head = pe[0], s["transformer_blocks.0.attn.norm_q.weight"][0]
-    rope = CONVENTIONS["rope_axes_dim"].get(head)
-    if rope is None:
-        raise ConventionError(f"HunyuanVideo 1.5's rope axes are known for an attention head size of 128, not {head}")
-    if pe[3] != pe[4]:
-        raise ConventionError(f"the patch is {pe[3]}x{pe[4]}; HunyuanVideo 1.5's patches are square")
+    pe, width, head, rope = patch_and_head(s, CONVENTIONS, "HunyuanVideo 1.5")
     return {
         "_class_name": "HunyuanVideo15Transformer3DModel",
         "in_channels": pe[1],
