@@ -12,11 +12,10 @@ without holding every tensor in memory as it must.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 
-from ckpt.io.writer import Entry, RegionWriter, _pwrite_all
+from ckpt.io.writer import Entry, RegionWriter
 
 ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
 VERSION = 3
@@ -139,17 +138,4 @@ class GGUFFileWriter(RegionWriter):
     def __init__(self, path, entries: list[Entry], fields: list[Field]):
         head, regions, size = layout(entries, fields)
         self._open(path, entries, regions)
-        try:
-            _pwrite_all(self.fd, memoryview(head), 0)
-            # Sized up front (sparse): alignment padding reads as zeros, as GGUFWriter writes it.
-            os.ftruncate(self.fd, size)
-        except BaseException:
-            self.abort()
-            raise
-
-    def close(self) -> None:
-        try:
-            self._check_full()
-            os.fsync(self.fd)
-        finally:
-            self.abort()
+        self._start([(0, head)], size)  # sparse: alignment padding reads as zeros, as GGUFWriter writes it

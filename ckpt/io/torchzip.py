@@ -171,15 +171,10 @@ class TorchZipWriter(RegionWriter):
         names = [e.name for e in entries]
         self.records = dict(zip(names, lay.records[4:]))
         self.crc = {n: 0 for n in names}
-        try:
-            for r in lay.records:
-                tail = b"" if r.data is None else r.data + r.descriptor(zlib.crc32(r.data))
-                _pwrite_all(self.fd, memoryview(r.head + tail), r.offset)
-            # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.
-            os.ftruncate(self.fd, lay.size)
-        except BaseException:
-            self.abort()
-            raise
+        # The records whose data is known now (everything but the tensors), whole; the tensors' local headers.
+        pieces = ((r.offset, r.head if r.data is None else r.head + r.data + r.descriptor(zlib.crc32(r.data)))
+                  for r in lay.records)
+        self._start(pieces, lay.size)
 
     def _wrote(self, name: str, b) -> None:
         self.crc[name] = zlib.crc32(b, self.crc[name])

@@ -148,10 +148,29 @@ class RegionWriter:
     def _wrote(self, name: str, b) -> None:
         """Hook: a band of `name` is on disk (the torch zip keeps its CRC32 running)."""
 
+    def _start(self, pieces, size: int) -> None:
+        """Write what is known before any data (header, records: `pieces` of (offset, bytes)) and size the
+        file up front (sparse): a reader of a half-written file sees zeros, never a short file."""
+        try:
+            for offset, data in pieces:
+                _pwrite_all(self.fd, memoryview(data), offset)
+            os.ftruncate(self.fd, size)
+        except BaseException:
+            self.abort()
+            raise
+
     def _check_full(self) -> None:
         short = [n for n, w in self.written.items() if w != self.regions[n][1] - self.regions[n][0]]
         if short:
             raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
+
+    def close(self) -> None:
+        """Every region full, then fsync and close."""
+        try:
+            self._check_full()
+            os.fsync(self.fd)
+        finally:
+            self.abort()
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -167,17 +186,4 @@ class SafetensorsWriter(RegionWriter):
             _close(fd)
             raise
         self._open(path, entries, regions, fd)
-        try:
-            _pwrite_all(self.fd, memoryview(head), 0)
-            # Sized up front (sparse): a reader of a half-written file sees zeros, never a short file.
-            os.ftruncate(self.fd, len(head) + sum(e.nbytes for e in entries))
-        except BaseException:
-            self.abort()
-            raise
-
-    def close(self) -> None:
-        try:
-            self._check_full()
-            os.fsync(self.fd)
-        finally:
-            self.abort()
+        self._start([(0, head)], len(head) + sum(e.nbytes for e in entries))
