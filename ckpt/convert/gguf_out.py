@@ -30,7 +30,6 @@ a row). K-quants and IQ-quants have no encoder in gguf's Python package: refused
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -42,7 +41,8 @@ from ckpt.dtypes import FP8, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.io.tensors import Tensor
-from ckpt.report import Report
+from ckpt.quant.gguf import BlockRows
+from ckpt.report import Report, plural
 
 TARGETS = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0", "gguf-q4_1": "Q4_1", "gguf-q5_0": "Q5_0", "gguf-q5_1": "Q5_1",
            "gguf-bf16": "BF16", "gguf-f16": "F16"}
@@ -223,28 +223,6 @@ def _plain_type(name: str, dtype: torch.dtype) -> int:
     raise CkptError(f"tensor {name!r} is {short_name(dtype)}, which GGUF has no type for")
 
 
-class BlockRows(Tensor):
-    """A tensor read in bands that hold whole rows of `row_len` values (its GGUF stored rows)."""
-
-    def __init__(self, base: Tensor, row_len: int):
-        self.base, self.name, self.home = base, base.name, base.home
-        self.dtype, self.shape = base.dtype, tuple(base.shape)
-        per_row = math.prod(self.shape[1:]) if self.shape else 1
-        align = row_len // math.gcd(per_row, row_len)
-        self.row_align = None if base.row_align is None or not self.shape else math.lcm(base.row_align, align)
-
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
-
-    @property
-    def source_bytes(self):
-        return self.base.source_bytes
-
-    def read(self, start, stop, device, scratch=None):
-        return self.base.read(start, stop, device, scratch)
-
-
 def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
     from ckpt.quant.gguf import encode
 
@@ -279,8 +257,8 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
         raise CkptError(f"{comp.where}: {e}") from None
     notes = []
     if dropped:
-        notes.append(f"{len(dropped)} tensors outside {prefix!r} left out (e.g. {dropped[0]!r}): a ComfyUI-GGUF file "
-                     "holds the diffusion model only")
+        notes.append(f"{plural(len(dropped), 'tensor')} outside {prefix!r} left out (e.g. {dropped[0]!r}): "
+                     "a ComfyUI-GGUF file holds the diffusion model only")
     casters: dict = {}
     outs, orig_shapes, summary = [], [], {}
     ignored = []
@@ -311,7 +289,8 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
             outs.append(OutTensor(name, torch.uint8, c.shape, src, _encoder(name, c.ggml_type, c.shape[-1], report),
                                   gguf_type=c.ggml_type, stateless=True))
     if ignored:
-        notes.append(f"{len(ignored)} {fam.arch} tensors ComfyUI-GGUF ignores left out (e.g. {ignored[0]!r})")
+        notes.append(f"{plural(len(ignored), fam.arch + ' tensor')} ComfyUI-GGUF ignores left out "
+                     f"(e.g. {ignored[0]!r})")
 
     ftype = {T.F16: "MOSTLY_F16", T.BF16: "MOSTLY_BF16"}.get(target, f"MOSTLY_{T(target).name}")
     fields = [string("general.architecture", fam.arch),

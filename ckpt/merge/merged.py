@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Patch:
         return self.transform is None and (self.bias or self.adapter.row_local)
 
 
-class MergedTensor(Tensor):
+class MergedTensor(Wrapper):
     dtype = torch.float32
 
     def __init__(self, base: Tensor, patches: list[Patch]):
@@ -40,14 +41,6 @@ class MergedTensor(Tensor):
         self.name, self.shape, self.home = base.name, tuple(base.shape), base.home
         local = all(p.row_local for p in patches) and bool(self.shape)
         self.row_align = base.row_align if local else None
-
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
-
-    @property
-    def source_bytes(self):
-        return self.base.source_bytes
 
     def read(self, start, stop, device, scratch=None):
         x = self.base.read(start, stop, device, scratch)

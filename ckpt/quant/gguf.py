@@ -28,6 +28,7 @@ from ckpt.dtypes import ST_TO_TORCH
 from ckpt.io.gguf import GGUFStored, block_size, plain_names, plain_types, type_name
 from ckpt.io.header import read_into
 from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding
 from ckpt.quant.view import DecodeContext, Decoded
 
@@ -162,6 +163,17 @@ def nearest_writable(ggml_type: int) -> int:
     return next((t for b, t in cands if b > bpw), int(T.Q8_0))
 
 
+class BlockRows(Wrapper):
+    """A tensor read in bands that hold whole rows of `row_len` values (its GGUF stored rows)."""
+
+    def __init__(self, base: Tensor, row_len: int):
+        self.base, self.name, self.home = base, base.name, base.home
+        self.dtype, self.shape = base.dtype, tuple(base.shape)
+        per_row = math.prod(self.shape[1:]) if self.shape else 1
+        align = row_len // math.gcd(per_row, row_len)
+        self.row_align = None if base.row_align is None or not self.shape else math.lcm(base.row_align, align)
+
+
 class GGUFEncoding(Encoding):
     """A new value of a stored GGUF tensor: the same name and stored shape (rows of the stored row length,
     also where ComfyUI-GGUF reshaped it), encoded by `gguf.quants.quantize` in the stored type, or, for a
@@ -188,7 +200,6 @@ class GGUFEncoding(Encoding):
         return None
 
     def encode(self, value: Tensor, report, meter):
-        from ckpt.convert.gguf_out import BlockRows
         from ckpt.io.plan import OutTensor
 
         s, t = self.stored, self.out_type

@@ -32,6 +32,7 @@ from ckpt.lazy import torch
 from ckpt.errors import file_error
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.view import Decoded
 
@@ -92,7 +93,7 @@ def name_map(arch: LLMArch, n_blocks: int) -> dict[str, str]:
     return out
 
 
-class HeadRowsUnpermuted(Tensor):
+class HeadRowsUnpermuted(Wrapper):
     """Rows of a q/k projection put back in HF order: llama.cpp stored each head's rows as (hd/2, 2), HF
     has (2, hd/2). Bands hold whole heads, so each band is permuted on its own."""
 
@@ -104,14 +105,6 @@ class HeadRowsUnpermuted(Tensor):
 
     dtype = property(lambda self: self.base.dtype)  # the base's, asked when needed (planning needs no torch)
     dtype_name = property(lambda self: self.base.dtype_name)
-
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
-
-    @property
-    def source_bytes(self):
-        return self.base.source_bytes
 
     def read(self, start, stop, device, scratch=None):
         x = self.base.read(start, stop, device, scratch)
@@ -156,7 +149,7 @@ class HeadRowsPermutedEncoding(Encoding):
         return self.inner.encode(HeadRowsPermuted(value, self.head), report, meter)
 
 
-class Renamed(Tensor):
+class Renamed(Wrapper):
     """A stored tensor under its HF name (plain GGUF types need no decoding, only the name)."""
 
     def __init__(self, base: Tensor, name: str):
@@ -165,17 +158,6 @@ class Renamed(Tensor):
 
     dtype = property(lambda self: self.base.dtype)  # the base's, asked when needed (planning needs no torch)
     dtype_name = property(lambda self: self.base.dtype_name)
-
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
-
-    @property
-    def source_bytes(self):
-        return self.base.source_bytes
-
-    def read(self, start, stop, device, scratch=None):
-        return self.base.read(start, stop, device, scratch)
 
     @property
     def encoding(self):
