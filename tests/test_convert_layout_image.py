@@ -39,7 +39,7 @@ def test_unused_norm_final_is_dropped_with_a_note(tmp_path, run_ckpt, family_id)
     assert code == 0, err
     got = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
     assert set(got) == set(want) == set(sd) and all(torch.equal(got[k], want[k]) for k in want)
-    assert "note: 1 tensors exist in the original layout only and are not written: norm_final.weight" in err
+    assert "note: 1 tensor exists in the original layout only and is not written: norm_final.weight" in err
 
 
 def _config(tmp_path, make):

@@ -147,7 +147,7 @@ def test_gguf_to_gguf_and_prefix(tmp_path, run_ckpt):
     save_file(src, tmp_path / "aio.safetensors")
     code, out, err = run_ckpt("convert", tmp_path / "aio.safetensors", "--to", "gguf-f16", "-o", tmp_path / "f16.gguf")
     assert code == 0, err
-    assert "1 tensors outside 'model.diffusion_model.' left out" in err
+    assert "1 tensor outside 'model.diffusion_model.' left out" in err
     code, out, err = run_ckpt("convert", tmp_path / "f16.gguf", "--to", "gguf-q8_0", "-o", tmp_path / "q8.gguf", "-q")
     assert code == 0, err
     r, t = reader_tensors(tmp_path / "q8.gguf")

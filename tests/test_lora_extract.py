@@ -64,7 +64,7 @@ def test_exact_rank_comes_back_and_merges_to_tuned(tmp_path, run_ckpt):
     assert sd["lora_unet_conv_in.lora_down.weight"].shape == (5, 4, 3, 3)
     assert sd["lora_unet_conv_in.lora_up.weight"].shape == (8, 5, 1, 1)
     assert sd["lora_unet_skip.lora_down.weight"].shape == (4, 4, 1, 1)  # capped at in = 4
-    assert "1 modules capped" in stdout and "lora_unet_skip (4)" in stdout
+    assert "1 module capped" in stdout and "lora_unet_skip (4)" in stdout
     assert all(v.dtype == torch.float32 for v in sd.values())
     # unchanged weight skipped and listed; the changed bias is listed as having no LoRA form
     assert "blocks.0.frozen.weight" in stdout and "skipped" in stdout
@@ -171,7 +171,7 @@ def test_min_diff_skips_small_deltas(tmp_path, run_ckpt):
                                  "--rank", 2, "--min-diff", 0.01, "-o", out)
     assert code == 0, err
     assert set(kohya_modules(out)) == {"lora_unet_b"}
-    assert "1 modules skipped" in stdout and "a.weight" in stdout
+    assert "1 module skipped" in stdout and "a.weight" in stdout
 
 
 def test_flux_bfl_base_kohya_names_merge_back(tmp_path, run_ckpt):

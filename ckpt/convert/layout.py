@@ -25,6 +25,7 @@ from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
 from ckpt.io.plan import OutFile, Plan, shard
 from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
+from ckpt.report import plural
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
 # File prefixes of a model stored inside a single file (ComfyUI / LDM).
@@ -124,7 +125,8 @@ def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> 
             out[key] = _one(key, pieces)
     unmatched = [k for k in tensors if k not in covered]
     if unmatched:
-        raise CkptError(f"{len(unmatched)} tensors have no counterpart in the {dst} layout of {family.label}: "
+        raise CkptError(f"{plural(len(unmatched), 'tensor')} {'has' if len(unmatched) == 1 else 'have'} no "
+                        f"counterpart in the {dst} layout of {family.label}: "
                         f"{_listed(unmatched)}; nothing was written")
     return out, dropped
 
@@ -210,10 +212,11 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
     metadata.setdefault("format", "pt")
     metadata.update(provenance(operation))
     outs = [o for t in out.values() for o in make(t)]
-    notes = list(view.notes) + [f"{m.label} -> {layout} layout: {len(out)} tensors from {len(tensors)}"]
+    notes = list(view.notes) + [f"{m.label} -> {layout} layout: {plural(len(out), 'tensor')} from {len(tensors):,}"]
     if dropped:
-        notes.append(f"{len(dropped)} tensors exist in the {m.layout} layout only and are not written: "
-                     f"{_listed(dropped)}")
+        one = len(dropped) == 1
+        notes.append(f"{plural(len(dropped), 'tensor')} {'exists' if one else 'exist'} in the {m.layout} layout only "
+                     f"and {'is' if one else 'are'} not written: {_listed(dropped)}")
     if layout == ORIGINAL:
         if max_shard_size is None:
             plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])

@@ -13,7 +13,7 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
-from ckpt.report import Report
+from ckpt.report import Report, plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHOW = 10  # names listed in one summary line
@@ -117,18 +117,20 @@ class LoraReport(Report):
             norm = math.sqrt(sum(m.norm ** 2 for m in ms))
             worst = sorted(ms, key=lambda m: -m.error)[:3]
             self.summary.append(
-                f"{verb} {len(ms)} modules: rank {min(ranks)}..{max(ranks)} (median {statistics.median(ranks):g}); "
+                f"{verb} {plural(len(ms), 'module')}: rank {min(ranks)}..{max(ranks)} "
+                f"(median {statistics.median(ranks):g}); "
                 f"relative error overall {total / norm if norm else 0.0:.3e}, worst "
                 + ", ".join(f"{m.name} {m.error:.3e}" for m in worst))
         else:
             self.summary.append(f"{verb} 0 modules")
         if self.capped:
-            self.summary.append(f"{len(self.capped)} modules capped at min(out, in x kh x kw): {_listed(self.capped)}")
+            self.summary.append(f"{plural(len(self.capped), 'module')} capped at min(out, in x kh x kw): "
+                                f"{_listed(self.capped)}")
         if self.skipped:
-            self.summary.append(f"{len(self.skipped)} modules skipped (delta at or below --min-diff): "
+            self.summary.append(f"{plural(len(self.skipped), 'module')} skipped (delta at or below --min-diff): "
                                 f"{_listed(self.skipped)}")
         if self.kept:
-            self.summary.append(f"{len(self.kept)} modules passed through unchanged: {_listed(self.kept)}")
+            self.summary.append(f"{plural(len(self.kept), 'module')} passed through unchanged: {_listed(self.kept)}")
 
 
 def _listed(names: list[str]) -> str:
