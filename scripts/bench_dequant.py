@@ -13,6 +13,11 @@ Two commands write the same plain bf16/fp16 state dict, each timed as a subproce
           + `optimum.quanto.requantize` (what `QuantizedDiffusersModel.from_pretrained` does), then
           `.dequantize()` every quantized weight, `save_file` and fsync.
 
+Each case also times `cp` + `sync` of ckpt's output (the yardstick: ckpt's wall time is printed as a
+ratio of it) and checks ckpt's peak RSS against import baseline (`python -c "import torch"`, with a CUDA
+context for `--device cuda`) + 2x the largest tensor + the pipeline's buffers + 300 MB. `--device`
+runs ckpt on cpu or cuda; `--workdir` (alias `--work`) chooses tmpfs (/dev/shm) or a disk.
+
 The outputs are compared bit for bit (exit 1 if they differ). fp16 scales for qint4 because on CPU
 optimum-quanto re-packs bf16 qint4 weights for TinyGemm, whose bf16 shift round trip is lossy: the
 quanto way would then not reproduce the stored values. The page cache is warmed by reading each source
@@ -178,17 +183,18 @@ def warm(path: Path) -> None:
             pass
 
 
-def run_case(name: str, size_gb: float, work: Path, verify: bool) -> tuple[list[list], dict]:
+def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = "cpu",
+             baseline: bl.Measurement | None = None) -> tuple[list[list], dict]:
     qtype, dt = CASES[name]
     src = work / f"{name}-src"
     log(f"[{name}] generating {size_gb} GB (bf16-equivalent) quanto {qtype} source ...")
     gen = bl.run_py(__file__, "--generate", src, "--size-gb", size_gb, "--qtype", qtype, "--dtype", dt)
     info = json.loads(gen.stdout.strip().splitlines()[-1])
     warm(src / "model.safetensors")
-    rows, outs = [], {}
+    rows, outs, verdict = [], {}, {}
     for variant in ("ckpt", "quanto"):
         dst = work / f"{name}-{variant}"
-        argv = (bl.ckpt_argv("dequant", src, "-o", dst, "-q") if variant == "ckpt" else
+        argv = (bl.ckpt_argv("dequant", src, "-o", dst, "--device", device, "-q") if variant == "ckpt" else
                 [sys.executable, __file__, "--quanto-way", src, dst, "--size-gb", size_gb])
         log(f"[{name}] {variant} ...")
         m = bl.measure(argv)
@@ -196,18 +202,28 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool) -> tuple[list[
         out_bytes = outs[variant].stat().st_size
         rows.append([name, bl.fmt_gb(info["bytes"]), bl.fmt_gb(out_bytes), variant, f"{m.seconds:.1f}",
                      bl.fmt_mb(m.peak_rss), bl.gbps(out_bytes, m.seconds)])
+        if variant == "ckpt":
+            log(f"[{name}] cp + sync of the output ...")
+            cp = bl.cp_baseline(outs[variant], work / f"{name}-cp.safetensors")
+            rows.append([name, "-", bl.fmt_gb(out_bytes), "cp + sync", f"{cp.seconds:.1f}", bl.fmt_mb(cp.peak_rss),
+                         bl.gbps(out_bytes, cp.seconds)])
+            if baseline is not None:
+                src_item = 1 if qtype == "qint8" else 0.5
+                lines, vals = bl.verdict_lines(name, m, cp, out_bytes, baseline, info["largest_numel"] * 2,
+                                               int(bl.pipeline_bytes(src_item, 2)))
+                verdict = {"lines": lines, **vals}
     same = bl.compare(outs["ckpt"], outs["quanto"]) if verify else {"equal": None}
     for variant in ("ckpt", "quanto"):
         shutil.rmtree(work / f"{name}-{variant}", ignore_errors=True)
     shutil.rmtree(src, ignore_errors=True)
-    return rows, {"case": name, "source": info, "identical": same}
+    return rows, {"case": name, "source": info, "identical": same, "verdict": verdict}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=0.3, help="model size in bf16 (default 0.3)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
-    ap.add_argument("--work", help="folder for the temporary checkpoints (default: a temp dir)")
+    bl.add_run_args(ap, workdir_alias="--work")
     ap.add_argument("--no-verify", action="store_true", help="skip the bitwise comparison of the outputs")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--generate", metavar="FOLDER", help=argparse.SUPPRESS)
@@ -226,14 +242,16 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     floor = bl.launcher_floor()
-    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+    baseline = bl.import_baseline(a.device)
+    with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         work = Path(tmp)
         rows, results = [], []
         for c in cases:
-            r, res = run_case(c, a.size_gb, work, not a.no_verify)
+            r, res = run_case(c, a.size_gb, work, not a.no_verify, a.device, baseline)
             rows += r
             results.append(res)
     print("\n".join(bl.machine_lines()))
+    print(f"device: {a.device}; files in {a.workdir or tempfile.gettempdir()} ({bl.where(a.workdir or tempfile.gettempdir())})")
     print(f"launcher RSS floor (every peak below includes it): {bl.fmt_mb(floor)} MB\n")
     print(bl.markdown_table(["case", "source GB", "output GB", "tool", "seconds", "peak RSS MB", "output GB/s"], rows))
     print()
@@ -244,6 +262,8 @@ def main(argv=None) -> int:
               f"outputs identical: {'not checked' if same is None else same}"
               + (f" ({res['identical']['problem']})" if same is False else ""))
         bad |= same is False
+        for line in res["verdict"].get("lines", []):
+            print(line)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "results": results, "floor": floor}, indent=1))
     return 1 if bad else 0

@@ -19,6 +19,12 @@ subprocesses timed with their peak RSS (`os.wait4`, see benchlib.py), all output
             and transformers load a GGUF), cast to bf16, `save_file`.
   check:    the two safetensors files are identical tensor by tensor.
 
+Each case also times `cp` + `sync` of ckpt's output (ckpt's wall time is printed as a ratio of it) and
+checks ckpt's peak RSS against import baseline (`python -c "import torch"`, with a CUDA context for
+`--device cuda`) + 2x the largest tensor + the pipeline's buffers + 300 MB. `--device` is passed to ckpt
+(GGUF quantization itself runs on the CPU in either case); `--workdir` (alias `--work`) chooses tmpfs
+(/dev/shm) or a disk.
+
 Only the standard library is imported here (benchlib); `--generate`, `--to-gguf` and `--from-gguf` are
 the internal entry points of the generator and the baselines.
 """
@@ -203,7 +209,7 @@ def warm(path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=0.3, help="model size in bf16 (default 0.3)")
-    ap.add_argument("--work", help="folder for the temporary files (default: a temp dir)")
+    bl.add_run_args(ap, workdir_alias="--work")
     ap.add_argument("--no-verify", action="store_true", help="skip comparing the outputs")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
@@ -224,8 +230,17 @@ def main(argv=None) -> int:
         print(json.dumps(compare_gguf(*a.compare_gguf)))
         return 0
     floor = bl.launcher_floor()
-    rows, checks = [], {}
-    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+    baseline = bl.import_baseline(a.device)
+    dev = ["--device", a.device]
+    rows, checks, verdicts = [], {}, {}
+
+    def yardstick(case: str, m, out: Path, largest_bytes: int) -> None:
+        cp = bl.cp_baseline(out, out.with_name("cp-" + out.name))
+        rows.append([case, "cp + sync", bl.fmt_gb(out.stat().st_size), f"{cp.seconds:.1f}", bl.fmt_mb(cp.peak_rss)])
+        lines, vals = bl.verdict_lines(case, m, cp, out.stat().st_size, baseline, largest_bytes, bl.pipeline_bytes(2, 2))
+        verdicts[case] = {"lines": lines, **vals}
+
+    with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         work = Path(tmp)
         src = work / "flux-bf16.safetensors"
         log(f"generating a {a.size_gb} GB bf16 Flux-shaped source ...")
@@ -234,13 +249,15 @@ def main(argv=None) -> int:
         outs = {}
         for tool in ("ckpt", "baseline"):
             dst = work / f"{tool}-Q8_0.gguf"
-            argv = (bl.ckpt_argv("convert", src, "--to", "gguf-q8_0", "-o", dst, "-q") if tool == "ckpt"
+            argv = (bl.ckpt_argv("convert", src, "--to", "gguf-q8_0", "-o", dst, *dev, "-q") if tool == "ckpt"
                     else [sys.executable, __file__, "--to-gguf", src, dst])
             log(f"bf16 -> GGUF Q8_0: {tool} ...")
             m = bl.measure(argv)
             outs[tool] = dst
             rows.append(["bf16 -> GGUF Q8_0", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
                          bl.fmt_mb(m.peak_rss)])
+            if tool == "ckpt":
+                yardstick("bf16 -> GGUF Q8_0", m, dst, 2 * _numel(info["largest_shape"]))
         if not a.no_verify:
             checks["to_gguf"] = json.loads(bl.run_py(__file__, "--compare-gguf", outs["ckpt"], outs["baseline"],
                                                      check=False).stdout.strip().splitlines()[-1])
@@ -250,28 +267,33 @@ def main(argv=None) -> int:
         back = {}
         for tool in ("ckpt", "baseline"):
             dst = work / f"{tool}-bf16.safetensors"
-            argv = (bl.ckpt_argv("convert", gguf_src, "--to", "bf16", "-o", dst, "-q") if tool == "ckpt"
+            argv = (bl.ckpt_argv("convert", gguf_src, "--to", "bf16", "-o", dst, *dev, "-q") if tool == "ckpt"
                     else [sys.executable, __file__, "--from-gguf", gguf_src, dst])
             log(f"GGUF Q8_0 -> bf16: {tool} ...")
             m = bl.measure(argv)
             back[tool] = dst
             rows.append(["GGUF Q8_0 -> bf16", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
                          bl.fmt_mb(m.peak_rss)])
+            if tool == "ckpt":
+                yardstick("GGUF Q8_0 -> bf16", m, dst, 2 * _numel(info["largest_shape"]))
         if not a.no_verify:
             checks["from_gguf"] = bl.compare(back["ckpt"], back["baseline"])
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(bl.machine_lines()))
+    print(f"device: {a.device}; files in {a.workdir or tempfile.gettempdir()} ({bl.where(a.workdir or tempfile.gettempdir())})")
     print(f"launcher RSS floor (every peak below includes it): {bl.fmt_mb(floor)} MB")
     print(f"source: {bl.fmt_gb(info['bytes'])} GB bf16, {info['tensors']} tensors, {info['params'] / 1e9:.2f} G "
           f"parameters, largest {info['largest']} {info['largest_shape']}\n")
     print(bl.markdown_table(["case", "tool", "output GB", "seconds", "peak RSS MB"], rows))
     print()
+    for v in verdicts.values():
+        print("\n".join(v["lines"]))
     bad = False
     for case, res in checks.items():
         print(f"{case}: outputs identical: {res['equal']}" + (f" ({res['problem']})" if res.get("problem") else ""))
         bad |= not res["equal"]
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "checks": checks, "source": info, "floor": floor}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows, "checks": checks, "source": info, "floor": floor, "verdicts": verdicts}, indent=1))
     return 1 if bad else 0
 
 

@@ -11,7 +11,11 @@ hyperparameters.yaml). Then, each timed as a subprocess with its peak RSS (`os.w
 
 Both must agree: every tensor equal to within bf16 rounding (litgpt rounds three times in bf16, ckpt
 once from fp32), checked after the timed runs. Needs the LitGPT venv (`make setup-litgpt`): run it with
-`.venv-litgpt/bin/python scripts/bench_litgpt.py`. Warm page cache, as in bench_convert.py.
+`.venv-litgpt/bin/python scripts/bench_litgpt.py`. Warm page cache, as in bench_convert.py. ckpt's time
+is also given as a ratio of `cp` + `sync` of its output file, and its peak RSS against import baseline
+(`python -c "import torch"`, with a CUDA context for `--device cuda`) + 2x the largest tensor (the
+embedding) + the pipeline's buffers + the LoRA file + 300 MB. `--device` is passed to ckpt; `--workdir`
+chooses tmpfs (/dev/shm) or a disk (the folders are then kept).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def compare(a: Path, b: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=22, help="transformer layers (22: TinyLlama 1.1B)")
-    ap.add_argument("--workdir", help="where the folders go (default: a temp dir under /tmp)")
+    bl.add_run_args(ap)
     ap.add_argument("--make", metavar="WORK", help=argparse.SUPPRESS)
     ap.add_argument("--litgpt-merge", metavar="FT", help=argparse.SUPPRESS)
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
         compare(Path(args.compare[0]), Path(args.compare[1]))
         return 0
 
+    baseline = bl.import_baseline(args.device)  # first: --device cuda without a GPU stops here, in one line
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-litgpt-"))
     try:
         print("\n".join(bl.machine_lines()))
@@ -116,15 +121,24 @@ def main(argv=None) -> int:
         size = (work / "base" / "lit_model.pth").stat().st_size
         shutil.copytree(work / "ft", work / "ft-litgpt")
         floor = bl.launcher_floor()
-        ours = bl.measure(bl.ckpt_argv("merge-lora", work / "ft", "-o", work / "out", "-q"))
+        ours = bl.measure(bl.ckpt_argv("merge-lora", work / "ft", "-o", work / "out", "--device", args.device, "-q"))
+        out_file = work / "out" / "lit_model.pth"
+        cp = bl.cp_baseline(out_file, work / "cp-lit_model.pth")
+        lora_bytes = (work / "ft" / "lit_model.pth.lora").stat().st_size
+        verdict, _ = bl.verdict_lines("ckpt merge-lora", ours, cp, out_file.stat().st_size, baseline,
+                                      CONFIG["padded_vocab_size"] * CONFIG["n_embd"] * 2, bl.pipeline_bytes(2, 2),
+                                      lora_bytes, "LoRA")
         theirs = bl.run_py(__file__, "--litgpt-merge", work / "ft-litgpt")
         print(bl.run_py(__file__, "--compare", work / "out" / "lit_model.pth",
                         work / "ft-litgpt" / "lit_model.pth").stdout.strip())
         rows = [["ckpt merge-lora", f"{ours.seconds:.1f}", bl.fmt_mb(ours.peak_rss)],
+                ["cp + sync", f"{cp.seconds:.1f}", bl.fmt_mb(cp.peak_rss)],
                 ["litgpt merge_lora", f"{theirs.seconds:.1f}", bl.fmt_mb(theirs.peak_rss)]]
         print(f"\nbase: {args.layers} layers, {bl.fmt_gb(size)} bf16 lit_model.pth; launcher floor "
               f"{bl.fmt_mb(floor)}; command: {' '.join(['python', 'scripts/bench_litgpt.py'] + (argv or sys.argv[1:]))}")
+        print(f"device: {args.device}; files in {work} ({bl.where(work)})")
         print(bl.markdown_table(["variant", "seconds", "peak RSS"], rows))
+        print("\n".join(verdict))
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -22,6 +22,11 @@ Public API (stdlib-only; safe to import in a benchmark's parent process):
     generate(path, params, dtype, layout)   write a synthetic checkpoint (in a subprocess)
     compare(a, b)                           bitwise comparison of two safetensors files (subprocess)
     markdown_table(headers, rows)           a table ready to paste into README
+    add_run_args(ap)                        --device cpu|cuda and --workdir, the same in every bench
+    where(path)                             "tmpfs" / "disk (ext4)": what --workdir measures
+    cp_baseline(src, dst)                   `cp` + `sync` of the output's bytes (the speed yardstick)
+    import_baseline(device)                 `python -c "import torch"` (+ a CUDA context on cuda)
+    rss_bound(...) / verdict_lines(...)     the issue's RSS bound and the ratio lines every bench prints
     fmt_gb / fmt_mb / gbps                  number formatting
 
 Run as a script for the subprocess side: `python benchlib.py generate OUT --params N --dtype bf16
@@ -384,6 +389,89 @@ def _compare(a: str, b: str) -> dict:
             if x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
                 return {"equal": False, "tensors": len(ka), "problem": f"{k}: values differ"}
     return {"equal": True, "tensors": len(ka), "problem": None}
+
+
+# ------------------------------------------------------------------------- common bench yardsticks
+
+# Mirrors of ckpt.io.pipeline.DEPTH and ckpt.io.output.BAND_ELEMS (this module must not import ckpt or
+# torch; tests/test_scripts.py checks that they agree): the write pipeline's buffers are a function of them.
+PIPELINE_DEPTH = 3
+BAND_ELEMS = 8 << 20
+RSS_SLACK = 300e6  # the "+ 300 MB" of the issue's bound
+
+
+def add_run_args(ap, *, workdir_alias: str | None = None) -> None:
+    """`--device` (passed to every ckpt command) and `--workdir` (tmpfs such as /dev/shm to take the disk
+    out of the figures, or a folder on a real disk)."""
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="--device of every ckpt command (default cpu); cuda needs a CUDA build of torch")
+    names = ["--workdir"] + ([workdir_alias] if workdir_alias else [])
+    ap.add_argument(*names, dest="workdir",
+                    help="folder for sources and outputs: a tmpfs (/dev/shm) or a disk (default: a temp dir under /tmp)")
+
+
+def where(path) -> str:
+    """The filesystem `path` lies on, as the report states it: "tmpfs" or "disk (ext4, /dev/nvme0n1p2)"."""
+    best, fs, dev = "", "?", "?"
+    p = str(Path(path).resolve())
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            d, mnt, typ = line.split()[:3]
+            mnt = mnt.replace("\\040", " ")
+            if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fs, dev = mnt, typ, d
+    except OSError:
+        return "unknown filesystem"
+    return fs if fs in ("tmpfs", "ramfs") else f"disk ({fs}, {dev})"
+
+
+def cp_baseline(src, dst) -> Measurement:
+    """`cp` of `src` (a file of the output's bytes) then `sync` of the copy: the least any tool that writes
+    those bytes durably can take on this machine and filesystem. The copy is removed afterwards."""
+    try:
+        return measure(["sh", "-c", 'cp -- "$1" "$2" && sync -- "$2"', "sh", str(src), str(dst)])
+    finally:
+        Path(dst).unlink(missing_ok=True)
+
+
+def import_baseline(device: str = "cpu") -> Measurement:
+    """The process every ckpt command starts as: `python -c "import torch"`, plus the CUDA context that
+    any GPU run creates (a fixed few hundred MB of host memory) when `device` is cuda."""
+    code = "import torch" + ("; torch.zeros(1, device='cuda')" if device == "cuda" else "")
+    m = measure([sys.executable, "-c", code], check=False)
+    if m.returncode != 0:
+        raise SystemExit(f"error: --device {device}: torch cannot use it here ({(m.stderr.strip().splitlines() or ['?'])[-1]})")
+    return m
+
+
+def pipeline_bytes(in_itemsize: int, out_itemsize: int) -> int:
+    """Buffers of the write pipeline: DEPTH bands in flight, each holding its input band, its output band
+    and one fp32 intermediate (a decode's or a merge's); on CUDA the pinned in/out buffers take the place
+    of the CPU ones."""
+    return PIPELINE_DEPTH * BAND_ELEMS * (in_itemsize + out_itemsize + 4)
+
+
+def rss_bound(baseline_rss: int, largest_bytes: int, pipeline: int, extra: int = 0) -> int:
+    """The issue's bound: import baseline + 2 x largest tensor + pipeline buffers + 300 MB (+ `extra`, e.g.
+    a LoRA file held whole)."""
+    return int(baseline_rss + 2 * largest_bytes + pipeline + RSS_SLACK + extra)
+
+
+def verdict_lines(label: str, ckpt: Measurement, cp: Measurement, out_bytes: int, baseline: Measurement,
+                  largest_bytes: int, pipeline: int, extra: int = 0, extra_what: str = "") -> tuple[list[str], dict]:
+    """The two figures every bench prints per case: wall time against cp + sync of the same bytes (same
+    run), and peak RSS against the bound. Returns (lines, values for --json)."""
+    bound = rss_bound(baseline.peak_rss, largest_bytes, pipeline, extra)
+    ratio = ckpt.seconds / cp.seconds if cp.seconds > 0 else float("inf")
+    rss_ok = ckpt.peak_rss <= bound
+    plus = f" + {extra_what} {fmt_mb(extra)}" if extra else ""
+    lines = [f"{label}: {ckpt.seconds:.2f} s = {ratio:.2f}x cp + sync of the {fmt_gb(out_bytes)} GB output "
+             f"({cp.seconds:.2f} s)",
+             f"{label}: peak RSS {fmt_mb(ckpt.peak_rss)} MB <= import baseline {fmt_mb(baseline.peak_rss)} + 2 x largest "
+             f"{fmt_mb(largest_bytes)} + pipeline {fmt_mb(pipeline)}{plus} + 300 = {fmt_mb(bound)} MB: "
+             f"{'met' if rss_ok else 'NOT met'}"]
+    return lines, {"seconds": ckpt.seconds, "cp_seconds": cp.seconds, "vs_cp": ratio, "peak_rss": ckpt.peak_rss,
+                   "rss_bound": bound, "rss_ok": rss_ok, "import_baseline_rss": baseline.peak_rss}
 
 
 # ------------------------------------------------------------------------------------ formatting

@@ -17,8 +17,11 @@ def test_bench_gguf_tiny_run(tmp_path):
                         "--json", str(out_json)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out_json.read_text())
-    assert [(r[0], r[1]) for r in res["rows"]] == [("bf16 -> GGUF Q8_0", "ckpt"), ("bf16 -> GGUF Q8_0", "baseline"),
-                                                    ("GGUF Q8_0 -> bf16", "ckpt"), ("GGUF Q8_0 -> bf16", "baseline")]
+    assert [(r[0], r[1]) for r in res["rows"]] == [("bf16 -> GGUF Q8_0", "ckpt"), ("bf16 -> GGUF Q8_0", "cp + sync"),
+                                                    ("bf16 -> GGUF Q8_0", "baseline"), ("GGUF Q8_0 -> bf16", "ckpt"),
+                                                    ("GGUF Q8_0 -> bf16", "cp + sync"), ("GGUF Q8_0 -> bf16", "baseline")]
+    assert all(v["vs_cp"] > 0 and v["rss_bound"] > v["import_baseline_rss"] for v in res["verdicts"].values())
+    assert "x cp + sync" in p.stdout and "import baseline" in p.stdout
     assert res["checks"]["to_gguf"]["equal"] is True and res["checks"]["from_gguf"]["equal"] is True
     assert res["source"]["tensors"] > 50 and res["source"]["bytes"] > 1e7
     assert [x for x in tmp_path.iterdir() if x.name != "r.json"] == []  # temporary files cleaned up

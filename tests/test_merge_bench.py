@@ -19,6 +19,8 @@ def test_bench_merge_tiny_run(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
     res = json.loads(out.read_text())
     assert res["verify"]["ok"] and res["verify"]["elements"] > 1_000_000
-    assert set(res["runs"]) == {"convert", "ckpt", "naive"}
+    assert set(res["runs"]) == {"convert", "ckpt", "naive", "cp"}
+    assert res["vs_cp"] > 0 and res["rss_bound"] > res["import_baseline_rss"] and res["device"] == "cpu"
+    assert "x cp + sync" in p.stdout
     assert "| ckpt" in p.stdout and "target peak RSS" in p.stdout
     assert [x for x in tmp_path.iterdir() if x.name != "r.json"] == []  # cleaned up

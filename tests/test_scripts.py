@@ -142,3 +142,23 @@ def test_demo_runs_and_checks_its_formulas():
     p = subprocess.run([sys.executable, str(SCRIPTS / "demo.py")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "demo OK" in p.stdout and "max |output - (w.float() * scale_weight).half()| = 0" in p.stdout
+
+
+def test_benchlib_pipeline_constants_mirror_ckpt():
+    """benchlib may not import ckpt (it must stay small: see its docstring); its copy of the pipeline's
+    depth and band size, which the RSS bound uses, must follow ckpt's."""
+    from ckpt.io.output import BAND_ELEMS
+    from ckpt.io.pipeline import DEPTH
+
+    assert (bl.PIPELINE_DEPTH, bl.BAND_ELEMS) == (DEPTH, BAND_ELEMS)
+
+
+def test_bench_device_cuda_without_a_gpu_is_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "bench_merge.py"), "--size-gb", "0.01", "--device", "cuda",
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("error: --device cuda")
+    assert "Traceback" not in p.stderr
