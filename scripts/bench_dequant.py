@@ -243,6 +243,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     floor = bl.launcher_floor()
     baseline = bl.import_baseline(a.device)
+    if a.workdir:  # a folder that does not exist yet is made, as bench_convert/bench_merge do
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         work = Path(tmp)
         rows, results = [], []

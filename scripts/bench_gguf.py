@@ -240,6 +240,8 @@ def main(argv=None) -> int:
         lines, vals = bl.verdict_lines(case, m, cp, out.stat().st_size, baseline, largest_bytes, bl.pipeline_bytes(2, 2))
         verdicts[case] = {"lines": lines, **vals}
 
+    if a.workdir:  # a folder that does not exist yet is made, as bench_convert/bench_merge do
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         work = Path(tmp)
         src = work / "flux-bf16.safetensors"
