@@ -236,7 +236,7 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                 cap = min(rows, cols)
                 rule = opts.rule(job.conv, cap)
                 U, sv, Vh = S.svd(d, min(rule.rank, cap), opts.svd)
-                fro = float(torch.linalg.vector_norm(d)) if opts.lowrank else None
+                fro = S.fro_norm(d) if opts.lowrank else None
                 k = rule.choose(sv, cap, fro)
                 if rule.rank > cap and opts.dynamic is None:
                     report.capped.append(f"{p.name} ({cap})")
