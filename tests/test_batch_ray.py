@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 # Loaded in every Ray worker of the module's instance: a job whose output name holds "slow" waits at its
-# first tensor while the flag file exists (a long write, stopped by the test).
+# first tensor while the flag file exists (a long write, stopped by the test); one whose name holds
+# "stubborn" waits there too and ignores KeyboardInterrupt (Ray's cancel).
 HOOK = '''
 import os, time
 
@@ -48,6 +49,11 @@ def setup():
     def _stream_tensor(*a):
         while "slow" in current[0] and os.path.exists(os.environ["CKPT_TEST_HOLD"]):
             time.sleep(0.05)
+        while "stubborn" in current[0] and os.path.exists(os.environ["CKPT_TEST_HOLD"]):
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:  # a task that ignores Ray's cancel: only a kill stops it
+                pass
         return stream_tensor(*a)
 
     o._write_file, o._stream_tensor = _write_file, _stream_tensor
@@ -143,8 +149,6 @@ def test_ray_matches_local_isolates_failures_and_resumes(tmp_path, run_ckpt):
     assert content(viaray / "ckpt-batch.jsonl", viaray) == content(local / "ckpt-batch.jsonl", local)
 
 
-@pytest.mark.xfail(strict=False, reason="known bug since the start-up change landed: a Ray task cancelled by "
-                   "Ctrl-C can leave its hidden temp output (.NAME.ckpt-tmp-PID-*); see the closing note of #15")
 def test_ray_ctrl_c_cancels_outstanding_tasks_and_keeps_finished_outputs(tmp_path, run_ckpt, hold):
     root, out = tmp_path / "models", tmp_path / "out"
     made = {"a.safetensors": st(root / "a.safetensors", 1)}
@@ -181,6 +185,48 @@ def test_ray_ctrl_c_cancels_outstanding_tasks_and_keeps_finished_outputs(tmp_pat
     assert code == 0 and "3 ok, 1 skipped, 0 failed" in stdout, stdout + err
     for rel, tensors in made.items():
         assert_fp16_of(out / rel, tensors)
+    assert no_temp_files(out)
+
+
+def test_ray_ctrl_c_kills_a_task_that_ignores_the_cancel_and_removes_its_temp_output(tmp_path, run_ckpt, hold,
+                                                                                      monkeypatch):
+    from ckpt.batch import ray_pool
+
+    monkeypatch.setattr(ray_pool, "STOP_TIMEOUT_S", 2)
+    root, out = tmp_path / "models", tmp_path / "out"
+    made = {"a.safetensors": st(root / "a.safetensors", 1), "stubborn.safetensors": st(root / "stubborn.safetensors", 2)}
+    hold.touch()
+    state = {}
+
+    def interrupt_when_the_stubborn_job_writes():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            temps = list(out.glob(".stubborn*.ckpt-tmp-*")) if out.exists() else []
+            man = out / "ckpt-batch.jsonl"
+            if temps and man.exists() and '"status": "ok"' in man.read_text():
+                state["temps"] = temps
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_when_the_stubborn_job_writes, daemon=True)
+    watcher.start()
+    try:
+        t0 = time.monotonic()
+        code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
+        took = time.monotonic() - t0
+    finally:
+        watcher.join(timeout=5)
+        hold.unlink(missing_ok=True)
+    assert "temps" in state, "the stubborn job never wrote"
+    assert code == 130 and "1 ok, 0 skipped, 0 failed, 1 not run (interrupted)" in stdout, stdout + err
+    # killed after STOP_TIMEOUT_S, once dead its temp output removed by the driver
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "ckpt-batch.jsonl"], (took, state)
+    assert_fp16_of(out / "a.safetensors", made["a.safetensors"])
+
+    code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
+    assert code == 0 and "1 ok, 1 skipped, 0 failed" in stdout, stdout + err
+    assert_fp16_of(out / "stubborn.safetensors", made["stubborn.safetensors"])
     assert no_temp_files(out)
 
 

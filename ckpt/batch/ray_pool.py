@@ -10,7 +10,10 @@ Resources per task: `memory` = the job's estimated peak (`Operation.estimate`), 
 like a local worker that died; the next run retries it, and recognises an output that was published
 before the death (its "started" line). Ctrl-C cancels every outstanding task (a running one gets a
 KeyboardInterrupt, so its writer removes the temp output), records the results that still came back,
-and waits for the rest to end.
+and waits for the rest to end; a task still running after STOP_TIMEOUT_S is killed, and its temp output
+removed by the driver once its process is provably gone. Ray delivers the cancel with
+`_thread.interrupt_main()`, not a signal: `ckpt.interrupts.signals_deferred` holds it back all the same
+while a task publishes or removes its temp output.
 
 Ray is imported only here, and only with `--executor ray` (an optional extra: `pip install ckpt[ray]`).
 """
@@ -18,6 +21,7 @@ Ray is imported only here, and only with `--executor ray` (an optional extra: `p
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import tempfile
@@ -30,6 +34,7 @@ from ckpt.errors import CkptError
 INSTALL_HINT = "--executor ray needs Ray: pip install 'ckpt[ray]' (or pip install ray) on every node"
 POLL_S = 0.2  # ray.wait timeout: a Ctrl-C is delivered between polls
 STOP_TIMEOUT_S = 60  # how long cancelled tasks get to remove their temp outputs before they are killed
+KILL_TIMEOUT_S = 20  # how long a killed task's worker gets to be gone (its temp output removed then)
 
 
 def require():
@@ -193,7 +198,7 @@ class RayPool:
     def stop_all(self) -> list:
         """Ctrl-C: cancel every task (queued ones never start, running ones are interrupted and remove
         their temp output). Returns (job, result) for those that finished all the same."""
-        from ckpt.batch.runner import remove_stale_temps
+        from ckpt.io.publish import remove_stale_temps
 
         ray = self.ray
         for ref in self.refs:
@@ -211,11 +216,20 @@ class RayPool:
                     except ray.exceptions.RayError:
                         continue  # cancelled: it wrote nothing, its "started" line says it may be redone
                     finished.append((job, res))
-        for ref, job in self.refs.items():  # did not stop in time: killed; its temp output removed here
-            with contextlib.suppress(Exception):
-                ray.cancel(ref, force=True)
-            if job.output is not None:
-                remove_stale_temps(Path(job.output))
+        if self.refs:  # did not stop in time: killed, and once dead (its lock gone) its temp output removed
+            for ref in self.refs:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+            outputs = [Path(j.output) for j in self.refs.values() if j.output is not None]
+            deadline = time.monotonic() + KILL_TIMEOUT_S
+            with contextlib.suppress(KeyboardInterrupt):
+                # A temp output is removed once its owner is provably gone (PID reaped, lock free): poll.
+                while outputs and time.monotonic() < deadline:
+                    for o in outputs:
+                        remove_stale_temps(o)
+                    outputs = [o for o in outputs if any(o.parent.glob(f".{glob.escape(o.name)}.ckpt-tmp-*"))]
+                    if outputs:
+                        time.sleep(POLL_S)
         self.refs.clear()
         return finished
 
