@@ -149,33 +149,41 @@ def test_ray_matches_local_isolates_failures_and_resumes(tmp_path, run_ckpt):
     assert content(viaray / "ckpt-batch.jsonl", viaray) == content(local / "ckpt-batch.jsonl", local)
 
 
+def batch_interrupted_while(temps_glob: str, count: int, root, out, run_ckpt, hold):
+    """`ckpt batch convert --executor ray` over ROOT, Ctrl-C'd (SIGINT to this process: the CLI's handler
+    raises KeyboardInterrupt in the driver) once `count` temp outputs matching `temps_glob` exist and one job
+    is recorded ok; the "slow"/"stubborn" jobs wait while the hold file exists. Returns the CLI's result."""
+    hold.touch()
+    seen = []
+
+    def interrupt_when_they_write():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            temps = list(out.glob(temps_glob)) if out.exists() else []
+            man = out / "ckpt-batch.jsonl"
+            if len(temps) == count and man.exists() and '"status": "ok"' in man.read_text():
+                seen.extend(temps)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_when_they_write, daemon=True)
+    watcher.start()
+    try:
+        result = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
+    finally:
+        watcher.join(timeout=5)
+        hold.unlink(missing_ok=True)
+    assert seen, f"never {count} jobs writing at once"
+    return result
+
+
 def test_ray_ctrl_c_cancels_outstanding_tasks_and_keeps_finished_outputs(tmp_path, run_ckpt, hold):
     root, out = tmp_path / "models", tmp_path / "out"
     made = {"a.safetensors": st(root / "a.safetensors", 1)}
     for i in (1, 2, 3):  # two run (2 CPUs), one waits in Ray's queue
         made[f"slow{i}.safetensors"] = st(root / f"slow{i}.safetensors", 10 + i)
-    hold.touch()
-    state = {}
-
-    def interrupt_when_two_slow_jobs_write():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            temps = list(out.glob(".slow*.ckpt-tmp-*")) if out.exists() else []
-            man = out / "ckpt-batch.jsonl"
-            if len(temps) == 2 and man.exists() and '"status": "ok"' in man.read_text():
-                state["temps"] = temps
-                os.kill(os.getpid(), signal.SIGINT)  # the CLI's handler: KeyboardInterrupt in the driver
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=interrupt_when_two_slow_jobs_write, daemon=True)
-    watcher.start()
-    try:
-        code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
-    finally:
-        watcher.join(timeout=5)
-        hold.unlink(missing_ok=True)
-    assert "temps" in state, "the two slow jobs never ran together"
+    code, stdout, err = batch_interrupted_while(".slow*.ckpt-tmp-*", 2, root, out, run_ckpt, hold)
     assert code == 130 and "1 ok, 0 skipped, 0 failed, 3 not run (interrupted)" in stdout, stdout + err
     assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "ckpt-batch.jsonl"]  # no partial output
     assert_fp16_of(out / "a.safetensors", made["a.safetensors"])
@@ -195,33 +203,10 @@ def test_ray_ctrl_c_kills_a_task_that_ignores_the_cancel_and_removes_its_temp_ou
     monkeypatch.setattr(ray_pool, "STOP_TIMEOUT_S", 2)
     root, out = tmp_path / "models", tmp_path / "out"
     made = {"a.safetensors": st(root / "a.safetensors", 1), "stubborn.safetensors": st(root / "stubborn.safetensors", 2)}
-    hold.touch()
-    state = {}
-
-    def interrupt_when_the_stubborn_job_writes():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            temps = list(out.glob(".stubborn*.ckpt-tmp-*")) if out.exists() else []
-            man = out / "ckpt-batch.jsonl"
-            if temps and man.exists() and '"status": "ok"' in man.read_text():
-                state["temps"] = temps
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=interrupt_when_the_stubborn_job_writes, daemon=True)
-    watcher.start()
-    try:
-        t0 = time.monotonic()
-        code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
-        took = time.monotonic() - t0
-    finally:
-        watcher.join(timeout=5)
-        hold.unlink(missing_ok=True)
-    assert "temps" in state, "the stubborn job never wrote"
+    code, stdout, err = batch_interrupted_while(".stubborn*.ckpt-tmp-*", 1, root, out, run_ckpt, hold)
     assert code == 130 and "1 ok, 0 skipped, 0 failed, 1 not run (interrupted)" in stdout, stdout + err
-    # killed after STOP_TIMEOUT_S, once dead its temp output removed by the driver
-    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "ckpt-batch.jsonl"], (took, state)
+    # killed after STOP_TIMEOUT_S; once its process is gone, its temp output is removed by the driver
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "ckpt-batch.jsonl"]
     assert_fp16_of(out / "a.safetensors", made["a.safetensors"])
 
     code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "--executor", "ray", "-q")
