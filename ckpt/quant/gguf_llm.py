@@ -27,8 +27,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ckpt.lazy import torch
-
 from ckpt.errors import file_error
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
