@@ -373,3 +373,29 @@ def test_frobenius_norm_of_a_large_delta_is_summed_in_fp64():
     assert abs(norm - exact) <= 1e-9 * exact
     want = (d.double() - up.double() @ down.double()).norm().item()
     assert abs(err - want) <= 1e-6 * want
+
+
+@pytest.mark.parametrize("shape", [(300, 70), (1, 70), (300, 2000), (12, 5, 3, 3), (70,)])
+def test_norms_walk_row_bands_summing_each_in_fp64(monkeypatch, shape):
+    """fro_norm and error_of_whole walk the same row bands (ERROR_BAND elements or fewer, one row at least, a
+    short last band): each band's sum of squares in fp64, the bands' sums added in order. Pinned bit for bit
+    against that walk written out here, with a small ERROR_BAND so that there are many bands."""
+    import math
+
+    from ckpt.lora import svd
+
+    monkeypatch.setattr(svd, "ERROR_BAND", 1000)
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(*shape, generator=g) * 3 + 0.5
+    flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(1, -1)
+    rows = max(1, 1000 // flat.shape[1])
+
+    def walked(band):
+        n = flat.shape[0]
+        return math.sqrt(sum(float(band(a, min(a + rows, n)).double().pow(2).sum()) for a in range(0, n, rows)))
+
+    assert svd.fro_norm(t) == walked(lambda a, b: flat[a:b])
+    up, down = torch.randn(flat.shape[0], 3, generator=g), torch.randn(3, flat.shape[1], generator=g)
+    err, norm = svd.error_of_whole(flat, up, down)
+    assert norm == walked(lambda a, b: flat[a:b])
+    assert err == walked(lambda a, b: torch.addmm(flat[a:b], up[a:b], down, alpha=-1))
