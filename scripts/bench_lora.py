@@ -5,17 +5,22 @@ A synthetic Flux-shaped bf16 base is generated (benchlib's model shapes; `--size
 it: every 2-D weight plus a random delta of rank `--delta-rank` (default 64) plus small full-rank
 noise, written tensor by tensor. Commands, each timed as a subprocess with its peak RSS (`os.wait4`):
 
-- ckpt:       `ckpt lora extract BASE TUNED --rank R -o OUT -q` (full torch.linalg.svd, CPU);
+- ckpt:       `ckpt lora extract BASE TUNED --rank R -o OUT --device cpu` (full torch.linalg.svd);
 - ckpt-lowrank: the same with `--lowrank` (torch.svd_lowrank, q = 2R, 2 power iterations);
-- ckpt-cuda:  the same with `--device cuda`, when CUDA is present;
+- ckpt-cuda:  the same as ckpt with `--device cuda`: with `--device cuda` (asked: without a GPU the bench
+              stops in one line), or `--device auto` (the default) when CUDA is present; `--device cpu`
+              leaves it out;
 - kohya:      what kohya's extract_lora_from_models.py does: `load_file` of both models (all of them
               in RAM), for every 2-D weight `torch.linalg.svd(diff)` (its default full_matrices=True),
               U[:, :R] @ diag(S[:R]), Vh[:R], the 0.99-quantile clamp, `save_file` (no alpha folding:
-              alpha = R); `--kohya-device cuda` runs its SVDs on the GPU like kohya's --device.
+              alpha = R); `--kohya-device cuda` runs its SVDs on the GPU like kohya's --device;
+- cp:         `cp` of ckpt's output then `sync` (benchlib's yardstick, as in every bench).
 
 Targets (issue #13): ckpt's peak RSS under 4 x the largest tensor (bf16 bytes) + 300 MB over the RSS
-of `python -c "import torch"`; ckpt CPU faster than the kohya-style run; on a GPU, ckpt-cuda at least 5x
-faster than ckpt on the CPU. Printed as met / NOT met (`--check-targets`: exit 1 if not).
+of `python -c "import torch"` (with a CUDA context for the CUDA row); ckpt CPU faster than the kohya-style
+run; on a GPU, ckpt-cuda at least 5x faster than ckpt on the CPU. Printed as met / NOT met
+(`--check-targets`: exit 1 if not), with benchlib's verdict lines (time against cp + sync, peak RSS
+against the bound) for every ckpt row. `--workdir` chooses tmpfs (/dev/shm) or a disk; the report says which.
 Correctness: for the largest weights, each LoRA's relative error ||dW - up @ down|| / ||dW|| is measured
 here from the files (`--verify-modules`, default 4): ckpt's must not exceed kohya's (ckpt keeps the best
 rank-R approximation; kohya's clamp can only add error) by more than 1e-4, and must equal the error ckpt
@@ -40,7 +45,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-RSS_SLACK = 300e6
 GPU_FACTOR = 5.0
 
 
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size-gb", type=float, default=2.0, help="size of each model in bf16, GB (1e9 bytes)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--delta-rank", type=int, default=64, help="rank of the synthetic fine-tune's delta")
-    ap.add_argument("--workdir", help="where files go (default: a temp dir under /tmp)")
+    bl.add_run_args(ap, auto_help="cpu: the CPU rows only; cuda: also the CUDA row (needs a GPU); "
+                                  "auto (default): the CUDA row when a CUDA device is present")
     ap.add_argument("--no-kohya", action="store_true", help="skip the kohya-style baseline (holds both models)")
     ap.add_argument("--no-lowrank", action="store_true")
     ap.add_argument("--kohya-device", default="cpu", help="device of the kohya-style SVDs (cpu or cuda)")
@@ -172,10 +177,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     params = int(args.size_gb * 1e9 / 2)
+    cuda = args.device == "cuda" or (args.device == "auto" and _has_cuda())
+    # first: --device cuda without a GPU stops here, in one line
+    baselines = {d: bl.import_baseline(d) for d in ["cpu"] + ["cuda"] * cuda}
     parent = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-lora-", dir=parent))
-    base, tuned = work / "base.safetensors", work / "tuned.safetensors"
+    base, tuned, copy = work / "base.safetensors", work / "tuned.safetensors", work / "cp.safetensors"
     outs = {name: work / f"{name}.safetensors" for name in ("ckpt", "ckpt-lowrank", "ckpt-cuda", "kohya")}
     results: dict = {"machine": bl.machine_info(), "launcher_floor": bl.launcher_floor()}
     try:
@@ -183,31 +191,40 @@ def main(argv=None) -> int:
         info = bl.generate(base, params, "bf16")
         log("generating tuned ...")
         bl.run_py(__file__, "--make-tuned", base, tuned, args.delta_rank)
-        torch_floor = bl.run_py("-c", "import torch").peak_rss
+        torch_floor = baselines["cpu"].peak_rss
         log("warm-up (untimed reads) ...")
         for p in (base, tuned):
             bl.measure(["sh", "-c", f"cat '{p}' > /dev/null"])
-        runs = {}
+        extract = ("lora", "extract", base, tuned, "-r", args.rank)
+        runs, devices = {}, {"ckpt": "cpu", "ckpt-lowrank": "cpu", "ckpt-cuda": "cuda"}
         log("ckpt lora extract ...")
-        runs["ckpt"] = bl.measure(bl.ckpt_argv("lora", "extract", base, tuned, "-r", args.rank, "-o", outs["ckpt"]))
+        runs["ckpt"] = bl.measure(bl.ckpt_argv(*extract, "--device", "cpu", "-o", outs["ckpt"]))
+        log("cp + sync of the output ...")
+        runs["cp"] = bl.cp_baseline(outs["ckpt"], copy)
         if not args.no_lowrank:
             log("ckpt lora extract --lowrank ...")
-            runs["ckpt-lowrank"] = bl.measure(bl.ckpt_argv("lora", "extract", base, tuned, "-r", args.rank, "--lowrank",
+            runs["ckpt-lowrank"] = bl.measure(bl.ckpt_argv(*extract, "--lowrank", "--device", "cpu",
                                                           "-o", outs["ckpt-lowrank"]))
-        if _has_cuda():
+        if cuda:
             log("ckpt lora extract --device cuda ...")
-            runs["ckpt-cuda"] = bl.measure(bl.ckpt_argv("lora", "extract", base, tuned, "-r", args.rank, "--device",
-                                                       "cuda", "-o", outs["ckpt-cuda"]))
+            runs["ckpt-cuda"] = bl.measure(bl.ckpt_argv(*extract, "--device", "cuda", "-o", outs["ckpt-cuda"]))
         if not args.no_kohya:
             log("kohya-style full-load extraction ...")
             runs["kohya"] = bl.measure([sys.executable, __file__, "--kohya", base, tuned, outs["kohya"], args.rank,
                                         args.kohya_device])
         largest = info["largest_numel"] * 2
-        bound = torch_floor + 4 * largest + RSS_SLACK
+        # issue #13's bound, 4 x largest + 300 MB over the import, as benchlib's: 2 x largest (+ no pipeline
+        # buffers: extract writes its small factors whole) + 2 x largest for the SVD's delta and workspace
+        verdict, verdicts = [], {}
+        for name in [n for n in runs if n in devices]:
+            lines, verdicts[name] = bl.verdict_lines(name, runs[name], runs["cp"], outs["ckpt"].stat().st_size,
+                                                     baselines[devices[name]], largest, 0, 2 * largest, "SVD")
+            verdict += lines
         ck = runs["ckpt"]
-        rss_ok = ck.peak_rss < bound
-        checks = [f"target peak RSS < torch import {bl.fmt_mb(torch_floor)} MB + 4 x {bl.fmt_mb(largest)} MB + 300 MB "
-                  f"= {bl.fmt_mb(bound)} MB: {'met' if rss_ok else 'NOT met'} ({bl.fmt_mb(ck.peak_rss)} MB)"]
+        bound, rss_ok = verdicts["ckpt"]["rss_bound"], verdicts["ckpt"]["rss_ok"]
+        checks = [f"target peak RSS (ckpt, full SVD) <= torch import {bl.fmt_mb(torch_floor)} MB + 4 x "
+                  f"{bl.fmt_mb(largest)} MB + 300 MB = {bl.fmt_mb(bound)} MB: {'met' if rss_ok else 'NOT met'} "
+                  f"({bl.fmt_mb(ck.peak_rss)} MB)"]
         ok = rss_ok
         if "kohya" in runs:
             faster = ck.seconds < runs["kohya"].seconds
@@ -227,19 +244,25 @@ def main(argv=None) -> int:
             for name, (e_ckpt, e_kohya) in verify_res.items():
                 verify_ok &= e_ckpt <= e_kohya + 1e-4
                 verify_ok &= abs(reported.get(name, -1) - e_ckpt) <= 1e-3 * e_ckpt + 1e-6
-        rows = [[name, f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss), f"{bl.fmt_mb(m.peak_rss - torch_floor)}"]
-                for name, m in runs.items()]
+        floors = {n: baselines[devices.get(n, "cpu")].peak_rss for n in runs if n != "cp"}  # python + torch
+        rows = [[name, f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss),
+                 bl.fmt_mb(m.peak_rss - floors[name]) if name in floors else "-"] for name, m in runs.items()]
         print("\n".join(bl.machine_lines()))
+        print(f"device: {'cpu and cuda' if cuda else 'cpu'} (--device {args.device}); files in {parent} "
+              f"({bl.where(parent)})")
         print(f"models: 2 x {bl.fmt_gb(info['bytes'])} GB bf16, {info['tensors']} tensors, largest {info['largest']} "
               f"{info['largest_shape']}; fine-tune delta rank {args.delta_rank} + noise; LoRA rank {args.rank}; "
               f"launcher RSS floor {bl.fmt_mb(results['launcher_floor'])} MB, python + torch {bl.fmt_mb(torch_floor)} MB")
         print(bl.markdown_table(["command", "seconds", "peak RSS MB", "over torch import MB"], rows))
+        print("\n".join(verdict))
         for line in checks:
             print(line)
         if verify_res is not None:
             worst = ", ".join(f"{n}: ckpt {e[0]:.4e} / kohya {e[1]:.4e}" for n, e in list(verify_res.items())[:4])
             print(f"errors on the largest weights ({'ok' if verify_ok else 'MISMATCH'}): {worst}")
         results.update(info=info, torch_floor=torch_floor, rss_bound=bound, rss_ok=rss_ok, verify=verify_res,
+                       device=args.device, devices=["cpu"] + ["cuda"] * cuda, workdir=bl.where(parent),
+                       import_baseline_rss={d: m.peak_rss for d, m in baselines.items()}, verdicts=verdicts,
                        runs={k: {"seconds": m.seconds, "peak_rss": m.peak_rss} for k, m in runs.items()})
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
@@ -249,13 +272,12 @@ def main(argv=None) -> int:
             return 1
         return 0
     finally:
-        for p in [base, tuned, *outs.values()]:
+        for p in [base, tuned, copy, *outs.values()]:
             p.unlink(missing_ok=True)
         try:
             work.rmdir()
         except OSError:
             pass
-
 
 if __name__ == "__main__":
     sys.exit(main())

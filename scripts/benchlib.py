@@ -22,7 +22,7 @@ Public API (stdlib-only; safe to import in a benchmark's parent process):
     generate(path, params, dtype, layout)   write a synthetic checkpoint (in a subprocess)
     compare(a, b)                           bitwise comparison of two safetensors files (subprocess)
     markdown_table(headers, rows)           a table ready to paste into README
-    add_run_args(ap)                        --device cpu|cuda and --workdir, the same in every bench
+    add_run_args(ap)                        --device cpu|cuda (bench_lora: |auto) and --workdir, the same in every bench
     where(path)                             "tmpfs" / "disk (ext4)": what --workdir measures
     cp_baseline(src, dst)                   `cp` + `sync` of the output's bytes (the speed yardstick)
     import_baseline(device)                 `python -c "import torch"` (+ a CUDA context on cuda)
@@ -400,11 +400,15 @@ BAND_ELEMS = 8 << 20
 RSS_SLACK = 300e6  # the "+ 300 MB" of the issue's bound
 
 
-def add_run_args(ap, *, workdir_alias: str | None = None) -> None:
+def add_run_args(ap, *, workdir_alias: str | None = None, auto_help: str | None = None) -> None:
     """`--device` (passed to every ckpt command) and `--workdir` (tmpfs such as /dev/shm to take the disk
-    out of the figures, or a folder on a real disk)."""
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="--device of every ckpt command (default cpu); cuda needs a CUDA build of torch")
+    out of the figures, or a folder on a real disk). A bench that times ckpt on both devices (bench_lora:
+    its CUDA row against the CPU one) gives `auto_help`: `--device` then also takes `auto`, its default."""
+    if auto_help:
+        ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto", help=auto_help)
+    else:
+        ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="--device of every ckpt command (default cpu); cuda needs a CUDA build of torch")
     names = ["--workdir"] + ([workdir_alias] if workdir_alias else [])
     ap.add_argument(*names, dest="workdir",
                     help="folder for sources and outputs: a tmpfs (/dev/shm) or a disk (default: a temp dir under /tmp)")

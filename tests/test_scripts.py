@@ -153,12 +153,14 @@ def test_benchlib_pipeline_constants_mirror_ckpt():
     assert (bl.PIPELINE_DEPTH, bl.BAND_ELEMS) == (DEPTH, BAND_ELEMS)
 
 
-def test_bench_device_cuda_without_a_gpu_is_one_line(tmp_path):
+@pytest.mark.parametrize("bench", ["bench_merge.py", "bench_lora.py"])
+def test_bench_device_cuda_without_a_gpu_is_one_line(tmp_path, bench):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
-    p = subprocess.run([sys.executable, str(SCRIPTS / "bench_merge.py"), "--size-gb", "0.01", "--device", "cuda",
+    p = subprocess.run([sys.executable, str(SCRIPTS / bench), "--size-gb", "0.01", "--device", "cuda",
                         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("error: --device cuda")
     assert "Traceback" not in p.stderr
+    assert list(tmp_path.iterdir()) == []  # stopped before generating anything
