@@ -10,8 +10,13 @@ _LOCK = threading.Lock()  # counts arrive from the write pipeline's reading and 
 
 
 def plural(n: int, word: str) -> str:
-    """`1 tensor`, `2 tensors`, `1,024 tensors` (`word` is the singular; "y" -> "ies" is not needed here)."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
+    """`1 tensor`, `2 tensors`, `1,024 tensors`, `2 entries` (`word` is the singular; a consonant + "y" ends
+    in "ies", `key` stays `keys`). The one wording of counts in every message."""
+    if n == 1:
+        return f"{n:,} {word}"
+    if word.endswith("y") and word[-2:-1] not in ("a", "e", "i", "o", "u", ""):
+        return f"{n:,} {word[:-1]}ies"
+    return f"{n:,} {word}s"
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.progress import progress_bar
-from ckpt.report import Report
+from ckpt.report import Report, plural
 
 
 def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype], *, clamp: bool = False,
@@ -48,7 +48,7 @@ def decoded_notes(ckpt, views) -> list[str]:
     for c, v in zip(ckpt.components, views):
         if v.formats:
             where = f"{c.subdir}: " if c.subdir else ""
-            used = f"; {len(v.consumed)} stored keys consumed (scales, markers, quantized data, renamed keys)"
+            used = f"; {plural(len(v.consumed), 'stored key')} consumed (scales, markers, quantized data, renamed keys)"
             lines.append(f"{where}decoded {', '.join(v.formats)}" + (used if v.consumed else ""))
     return lines
 
@@ -133,14 +133,14 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
         report.note(n)
     need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite, dry_run=dry_run)
     if not plan.single_file and out_path.suffix in WEIGHT_SUFFIXES and not out_path.is_dir():
-        raise CkptError(f"-o {out_path} names a file, but the output is a folder of {len(plan.files)} weight "
-                        "file(s) and their configs: name a folder")
+        raise CkptError(f"-o {out_path} names a file, but the output is a folder of {plural(len(plan.files), 'weight file')} "
+                        "and their configs: name a folder")
     if dry_run:  # never refused for an existing output: says what a real run would do with it
         n_files = len(plan.files)
         kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
         state = target_state(out_path, overwrite)
-        report.note(f"dry run: would write {n_files} {kinds} file{'s' * (n_files != 1)}, "
-                    f"{len(plan.indexes)} index and {len(plan.copies)} other files, {_human(need)}"
+        report.note(f"dry run: would write {plural(n_files, kinds + ' file')}, "
+                    f"{len(plan.indexes)} index and {plural(len(plan.copies), 'other file')}, {_human(need)}"
                     + ("" if state == "new" else f"; {out_path}: {state}"))
         return out_path
     with progress_bar(plan.nbytes, desc, quiet) as bar:

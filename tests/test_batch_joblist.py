@@ -127,7 +127,7 @@ def test_collect_recognises_a_job_killed_after_publishing_and_lists_missing_ones
     assert code == 1 and "1 ok, 1 skipped, 0 failed, 1 not reported yet" in stdout, stdout + err
     assert "skipped  sub/b.safetensors (done in an earlier run that was stopped before recording it)" in stdout
     assert "missing  sub/c.safetensors (no result from its job yet)" in stdout
-    assert "1 jobs have not reported a result yet; run them, then --collect again" in err
+    assert "1 job has not reported a result yet; run it, then --collect again" in err
     final = {Path(r["input"]).name: r["status"] for r in manifest_lines(out / "ckpt-batch.jsonl", started=True)}
     assert final == {"a.safetensors": "ok", "b.safetensors": "ok", "c.safetensors": "started"}
     for rel in ("a.safetensors", "sub/b.safetensors"):

@@ -432,7 +432,7 @@ def test_bitsandbytes_and_gptq_key_sets_reported_not_crashing(tmp_path, run_ckpt
     bnb = {"l.weight": q, **{f"l.weight.{k}": v for k, v in st.as_dict(packed=True).items()}, "l.bias": rnd(4)}
     c = one(inspect_json(run_ckpt, save(tmp_path, "bnb.safetensors", bnb)))
     assert "bitsandbytes nf4" in c["encodings"]
-    assert any(x.startswith("1 quantized weights (bitsandbytes nf4)") and "ckpt dequant" in x for x in c["warnings"])
+    assert any(x.startswith("1 quantized weight (bitsandbytes nf4)") and "ckpt dequant" in x for x in c["warnings"])
     assert not any("cannot be decoded" in x for x in c["warnings"])
     # a broken quant state: the decoder refuses it, inspect reports that instead of failing
     bnb["l.weight.quant_state.bitsandbytes__nf4"] = torch.zeros(8, dtype=torch.uint8)

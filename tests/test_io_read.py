@@ -228,7 +228,7 @@ def test_pickle_needing_unsafe_globals_is_refused_never_run(tmp_path, zipped, ru
 def test_meta_tensors_in_pickle_are_an_error_naming_keys(tmp_path):
     path = tmp_path / "meta.pt"
     torch.save({"real": torch.ones(2), "ghost.weight": torch.empty(3, device="meta")}, path)
-    with pytest.raises(CkptError, match=r"meta\.pt: 1 tensors have no data \(meta device\): ghost\.weight"):
+    with pytest.raises(CkptError, match=r"meta\.pt: 1 tensor has no data \(meta device\): ghost\.weight"):
         open_checkpoint(str(path))
 
 

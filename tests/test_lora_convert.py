@@ -179,6 +179,6 @@ def test_bad_inputs(tmp_path, run_ckpt):
     assert "Invalid value for '--format'" in _bad(run_ckpt, tmp_path, odd, "--format", "onnx", "-o", o)
     assert "Missing option" in _bad(run_ckpt, tmp_path, odd, "-o", o)
     save_file({"x.weight": rnd(8, 8)}, tmp_path / "base.safetensors")
-    assert "match no weight" in _bad(run_ckpt, tmp_path, odd, "--format", "kohya", "--base",
+    assert "1 module matches no weight" in _bad(run_ckpt, tmp_path, odd, "--format", "kohya", "--base",
                                      tmp_path / "base.safetensors", "-o", o)
     assert "at least 1" in _bad(run_ckpt, tmp_path, odd, "--format", "kohya", "--to-lora", 0, "-o", o)

@@ -202,3 +202,13 @@ def test_inspect_names_the_top_folder_not_dot(tmp_path, run_ckpt):
     warnings = json.loads(out)["warnings"]
     assert code == 0 and warnings[0].startswith("top folder: 1 tensor stored as fp8_e4m3fn")
     assert warnings[1].startswith("vae: 1 tensor stored") and not any(w.startswith(".:") for w in warnings)
+
+
+def test_plural_is_the_one_wording_of_counts():
+    """report.plural: the singular for exactly one, thousands separated, a consonant + "y" as "ies"
+    (pickles' non-tensor entries) while a vowel + "y" keeps its "s" (keys)."""
+    from ckpt.report import plural
+
+    assert [plural(n, "tensor") for n in (0, 1, 2, 1024)] == ["0 tensors", "1 tensor", "2 tensors", "1,024 tensors"]
+    assert (plural(1, "entry"), plural(3, "non-tensor entry")) == ("1 entry", "3 non-tensor entries")
+    assert (plural(1, "stored key"), plural(2, "stored key")) == ("1 stored key", "2 stored keys")

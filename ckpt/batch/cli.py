@@ -15,6 +15,7 @@ import click
 from ckpt.cli_options import ALLOW_UNMATCHED, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, MERGE_TO, QTYPE, SHAPES_FROM
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
+from ckpt.report import plural
 
 
 def _remember(ctx, param, value):
@@ -80,7 +81,7 @@ def _run(op_name: str, params: dict, folder, outdir, pattern, jobs, dry_run, ove
         for line in result.job_lines:
             click.echo(render(line, bool(how["json"])))
         if not quiet:
-            click.echo(f"note: {len(result.job_lines)} jobs listed ({len(result.of('skipped'))} done earlier), "
+            click.echo(f"note: {plural(len(result.job_lines), 'job')} listed ({len(result.of('skipped'))} done earlier), "
                        f"recorded as started in {result.manifest}; run each, then this command with --collect "
                        "instead of --plan-only", err=True)
         return
@@ -91,14 +92,17 @@ def _run(op_name: str, params: dict, folder, outdir, pattern, jobs, dry_run, ove
     if csv is not None and not dry_run:
         click.echo(f"wrote {csv}")
     if result.missing:
-        raise BatchFailed(f"{len(result.missing)} jobs have not reported a result yet; run them, then --collect again")
+        one = len(result.missing) == 1
+        raise BatchFailed(f"{plural(len(result.missing), 'job')} {'has' if one else 'have'} not reported a result yet; "
+                          f"run {'it' if one else 'them'}, then --collect again")
     if result.interrupted:
         click.echo("interrupted: finished outputs are kept and recorded, unfinished ones left nothing behind; "
                    "run the same command again to resume", err=True)
         sys.exit(130)
     failed = result.of("failed")
     if failed:
-        raise BatchFailed(f"{len(failed)} of {len(result.outcomes) - len(result.of('skipped'))} checkpoints failed; "
+        ran = len(result.outcomes) - len(result.of('skipped'))
+        raise BatchFailed(f"{len(failed)} of {plural(ran, 'checkpoint')} failed; "
                           "run the same command again to retry them")
     if not result.outcomes and not result.todo:
         click.echo(f"note: no checkpoints found under {folder}", err=True)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from ckpt.errors import CkptError
+from ckpt.report import plural
 
 INSTALL_HINT = "--executor ray needs Ray: pip install 'ckpt[ray]' (or pip install ray) on every node"
 POLL_S = 0.2  # ray.wait timeout: a Ctrl-C is delivered between polls
@@ -164,7 +165,8 @@ class RayPool:
         if self.local:
             raise CkptError(f"--executor ray: {worst.item.rel} needs {need}; {offer} (this local Ray instance; "
                             f"pass --ray-address to use a cluster{'' if not gpus else ', or --device cpu'})")
-        self.log(f"{len(unfit)} job(s) need more than any node of the Ray cluster offers now (e.g. "
+        self.log(f"{plural(len(unfit), 'job')} need{'s' * (len(unfit) == 1)} more than any node of the Ray cluster "
+                 "offers now (e.g. "
                  f"{worst.item.rel}: {need}; {offer}): they wait until the cluster has such a node")
 
     # ------------------------------------------------------------------------- the executor interface

@@ -302,7 +302,8 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
     notes.append(f"GGUF {fam.arch} (rules: {fam.where}): {counts}")
     if ckpt.copies:
-        notes.append(f"{len(ckpt.copies)} other files ({', '.join(ckpt.copies[:3])}...) not copied: a GGUF is one file")
+        notes.append(f"{plural(len(ckpt.copies), 'other file')} ({', '.join(ckpt.copies[:3])}...) not copied: a GGUF is "
+                     "one file")
     return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
 
 

@@ -68,7 +68,7 @@ def _pieces(t: Tensor, rows, transform: str | None, to_original: bool) -> list[T
     if transform == "swap_halves":
         h = part.rows // 2
         if part.rows % 2:
-            raise CkptError(f"{t.name}: {part.rows} rows cannot be split in two halves")
+            raise CkptError(f"{t.name}: {plural(part.rows, 'row')} cannot be split in two halves")
         return [RowSlice(part, h, part.rows), RowSlice(part, 0, h)]
     if transform == "transpose":
         return [Transposed(part)]

@@ -28,6 +28,7 @@ from ckpt.convert.layout import Renamed, relayout
 from ckpt.io.layout import provenance
 from ckpt.io.plan import OutFile, Plan
 from ckpt.io.tensors import Tensor
+from ckpt.report import plural
 
 DIFFUSERS_FILE = "diffusion_pytorch_model.safetensors"
 TRANSFORMERS_FILE = "model.safetensors"
@@ -130,14 +131,14 @@ def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_for
         for name, t in converted.items():
             outs += make(Renamed(t, p.prefix + name))
         if dropped or one_sided:
-            notes.append(f"{p.folder}: not written ({len(dropped) + len(one_sided)} tensors no single file holds): "
+            notes.append(f"{p.folder}: not written ({plural(len(dropped) + len(one_sided), 'tensor')} no single file holds): "
                          + ", ".join((dropped + one_sided)[:4]))
     others = [c.subdir for c in ckpt.components if c.subdir not in {p.folder for p in parts}]
     if others:
         notes.append(f"not part of a single file, not written: {', '.join(others)}")
     metadata = {"format": "pt", **provenance(operation)}
     plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])
-    plan.notes += [f"{cls} -> one {kind} single file ({len(outs)} tensors)"] + notes
+    plan.notes += [f"{cls} -> one {kind} single file ({plural(len(outs), 'tensor')})"] + notes
     return plan
 
 
@@ -180,14 +181,15 @@ def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_r
         outs = [o for name, t in converted.items() for o in make(Renamed(t, name))]
         files.append(OutFile(f"{p.folder}/{fname}", {"format": "pt", **provenance(operation)}, outs))
         if one_sided:
-            notes.append(f"{p.folder}: {len(one_sided)} tensors of the single file only, not written")
+            notes.append(f"{p.folder}: {plural(len(one_sided), 'tensor')} of the single file only, not written")
     dropped = [k for k in view.tensors if BOOKKEEPING.search(k)]
     unclaimed = [k for k in view.tensors if k not in claimed and k not in dropped]
     if unclaimed:
-        raise CkptError(f"{comp.where}: {len(unclaimed)} tensors belong to no part of a {cls}: "
+        raise CkptError(f"{comp.where}: {plural(len(unclaimed), 'tensor')} belong{'s' * (len(unclaimed) == 1)} to no "
+                        f"part of a {cls}: "
                         f"{', '.join(sorted(unclaimed)[:8])}; nothing was written")
     if dropped:
-        notes.append(f"{len(dropped)} bookkeeping tensors (noise schedule, EMA, position ids) not written: "
+        notes.append(f"{plural(len(dropped), 'bookkeeping tensor')} (noise schedule, EMA, position ids) not written: "
                      + ", ".join(dropped[:4]))
     plan = Plan(single_file=False, files=files)
     for f in sorted(ref.rglob("*")):  # everything but weights: model_index, configs, tokenizers, scheduler

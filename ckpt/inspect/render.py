@@ -80,7 +80,7 @@ def render_text(report: dict, quiet: bool = False) -> str:
                 row("", f"... {len(keys) - META_KEYS_SHOWN} more (--json shows all)")
         if c["scan"] is not None:
             s = c["scan"]
-            row("scan", f"{s['tensors']:,} floating tensors read: {sum(s['nan'].values())} NaN, "
+            row("scan", f"{plural(s['tensors'], 'floating tensor')} read: {sum(s['nan'].values())} NaN, "
                 f"{sum(s['inf'].values())} Inf")
         for n in ([] if quiet else c["notes"]):
             lines.append(f"  note: {n}")

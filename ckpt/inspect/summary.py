@@ -153,7 +153,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     warnings += _warnings(tensors, enc, shlex.quote(ckpt.spec))
     if gguf and any(t.quantized for t in gguf.values()):
         out = "an HF model folder with config.json" if view is not None and view.config else "plain weights"
-        warnings.append(f"{sum(t.quantized for t in gguf.values())} GGUF-quantized weights: only GGUF loaders "
+        warnings.append(f"{plural(sum(t.quantized for t in gguf.values()), 'GGUF-quantized weight')}: only GGUF loaders "
                         f"(llama.cpp, ComfyUI-GGUF) use them; `ckpt convert {shlex.quote(ckpt.spec)} --to bf16` "
                         f"writes {out}")
     prefixes = None if is_lora else prefix_message(parts)
@@ -167,7 +167,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
                 worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]
                 listed = ", ".join(f"{k} ({v})" for k, v in worst) + (", ..." if len(per) > 5 else "")
                 total = sum(per.values())
-                warnings.append(f"{total:,} {'NaN' if what == 'nan' else 'Inf'} value{'s' * (total != 1)} in "
+                warnings.append(f"{plural(total, ('NaN' if what == 'nan' else 'Inf') + ' value')} in "
                                 f"{plural(len(per), 'tensor')}: {listed}")
     if is_lora and not any(p["family"] for p in parts):
         notes.append("LoRA target model not recognised from its module names")
@@ -296,7 +296,7 @@ def _warnings(tensors, enc, src: str) -> list[str]:
         minor = {k: v for k, v in floats.items() if k != major}
         listed = "; ".join(f"{k} ({len(v)}: {', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
                            for k, v in minor.items())
-        out.append(f"mixed floating dtypes: {major} ({len(floats[major])} tensors) and {listed}; code that loads "
+        out.append(f"mixed floating dtypes: {major} ({plural(len(floats[major]), 'tensor')}) and {listed}; code that loads "
                    "without casting fails with \"expected scalar type Half but found Float\"-style errors; "
                    f"`ckpt convert {src} --to {major}` makes them one dtype")
     for kind, n in enc.fp8.items():
@@ -313,10 +313,11 @@ def _warnings(tensors, enc, src: str) -> list[str]:
             else "ckpt cannot decode this layout"
         extra = ("; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' "
                  "before)") if label.startswith("optimum-quanto") else ""
-        out.append(f"{n} quantized weights ({label}): loaders without that library cannot use them; {hint}{extra}")
+        out.append(f"{plural(n, 'quantized weight')} ({label}): loaders without that library cannot use "
+                   f"{'it' if n == 1 else 'them'}; {hint}{extra}")
     meta = [n for n, t in tensors.items() if isinstance(t, PickleTensor) and t.value.is_meta]
     if meta:
-        out.append(f"{len(meta)} meta tensors (no data): {', '.join(meta[:5])}")
+        out.append(f"{plural(len(meta), 'meta tensor')} (no data): {', '.join(meta[:5])}")
     return out
 
 

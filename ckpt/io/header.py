@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ckpt.dtypes import ST_ITEMSIZE, ST_TO_TORCH, ST_UNSUPPORTED
 from ckpt.errors import file_error
+from ckpt.report import plural
 
 MAX_HEADER = 100_000_000  # safetensors' own cap
 MAX_DEPTH = 127  # serde_json's recursion limit: the deepest nesting of objects/arrays it reads
@@ -184,7 +185,7 @@ def parse_header(path: Path, raw: bytes, file_size: int) -> Header:
             path, f"truncated: tensor data ends at byte {pos} but the file has {file_size} bytes"
         )
     if pos < file_size:
-        raise file_error(path, f"{file_size - pos} trailing bytes after the last tensor (invalid offsets)")
+        raise file_error(path, f"{plural(file_size - pos, 'trailing byte')} after the last tensor (invalid offsets)")
     return Header(path, {t.name: t for t in infos}, dict(metadata), data_start)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from ckpt.lazy import torch
 
 from ckpt.errors import file_error
+from ckpt.report import plural
 
 NESTED = ("state_dict", "model", "module", "model_state_dict")
 
@@ -117,7 +118,7 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
             inner = obj.get(key)
             if isinstance(inner, dict) and any(isinstance(v, torch.Tensor) for v in inner.values()):
                 others = [k for k in obj if k != key]
-                nested = f"{path.name}: using the nested {key!r} ({len(inner)} entries)" + (
+                nested = f"{path.name}: using the nested {key!r} ({plural(len(inner), 'entry')})" + (
                     f"; not weights, left out: {', '.join(map(str, others[:8]))}" if others else "")
                 note = f"{note}; {nested}" if note else nested
                 obj = inner
@@ -129,11 +130,12 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
     if not tensors:
         raise file_error(path, "holds no tensors")
     if other:
-        extra = f"{len(other)} non-tensor entries left out: {', '.join(other[:8])}"
+        extra = f"{plural(len(other), 'non-tensor entry')} left out: {', '.join(other[:8])}"
         note = f"{note}; {extra}" if note else f"{path.name}: {extra}"
     meta = [k for k, v in tensors.items() if v.is_meta]
     if meta:
-        raise file_error(path, f"{len(meta)} tensors have no data (meta device): {', '.join(meta[:8])}")
+        raise file_error(path, f"{plural(len(meta), 'tensor')} {'has' if len(meta) == 1 else 'have'} no data (meta device): "
+                               f"{', '.join(meta[:8])}")
     return tensors, note, zipped
 
 

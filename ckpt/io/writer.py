@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ckpt.lazy import torch
 
 from ckpt.dtypes import TORCH_TO_ST, nbytes
+from ckpt.report import plural
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class RegionWriter:
     def _check_full(self) -> None:
         short = [n for n, w in self.written.items() if w != self.regions[n][1] - self.regions[n][0]]
         if short:
-            raise RuntimeError(f"{len(short)} tensors not fully written, e.g. {short[0]!r}")
+            raise RuntimeError(f"{plural(len(short), 'tensor')} not fully written, e.g. {short[0]!r}")
 
     def close(self) -> None:
         """Every region full, then fsync and close."""

@@ -46,6 +46,7 @@ from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
 from ckpt.progress import progress_bar
+from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
 
 FORMATS = ("kohya", "peft", "diffusers", "comfy")
@@ -84,7 +85,8 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
         f = open_lora(spec)
         stack.callback(f.close)
         if f.unknown:
-            raise CkptError(f"{spec}: {len(f.unknown)} keys are no adapter part (e.g. {f.unknown[0]!r}); "
+            raise CkptError(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no "
+                            f"adapter part (e.g. {f.unknown[0]!r}); "
                             "nothing to convert them to")
         sources = {m.name: Source(m, device) for m in f.modules.values()}
         if base is not None:
@@ -109,8 +111,8 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
         inputs = f.inputs + inputs_extra
         early_target_check(out_path, inputs, opts.overwrite, not folder, opts.dry_run)
         if opts.dry_run:
-            report.summary.append(f"would write {sum(len(o.group.pieces) for o in outs)} modules in {fmt} naming "
-                                  f"from {len(sources)} input modules")
+            report.summary.append(f"would write {plural(sum(len(o.group.pieces) for o in outs), 'module')} in {fmt} "
+                                  f"naming from {plural(len(sources), 'input module')}")
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
         modules = _build(outs, fmt, layout, opts, to_lora, store, report)
@@ -171,7 +173,8 @@ def _virtual_base(sources: dict[str, Source], spec: str):
                 where[name] = (comp, dotted)
     missing = [n for n in sources if n not in where]
     if missing:
-        raise CkptError(f"{spec}: {len(missing)} modules are named in a way no known family explains without a "
+        raise CkptError(f"{spec}: {plural(len(missing), 'module')} {'is' if len(missing) == 1 else 'are'} named in a "
+                        "way no known family explains without a "
                         f"base (e.g. {missing[0]!r}); pass --base BASE (the model the LoRA was trained on)")
     comps = [(comp, shapes, None) for comp, shapes in sorted(parts.items())]
     return comps, {name: f"{comp}/{path}" for name, (comp, path) in where.items()}
@@ -225,7 +228,8 @@ def _place(sources, renames, namings, comps, spec, base) -> list[_Out]:
                 Contribution(src, mrows, (off + rows[0], off + rows[1]), t.transform))
     if unmatched:
         where = f"the base {base}" if base else "the model its names describe"
-        raise CkptError(f"{spec}: {len(unmatched)} modules match no weight of {where} (e.g. {unmatched[0]!r})")
+        raise CkptError(f"{spec}: {plural(len(unmatched), 'module')} match{'es' * (len(unmatched) == 1)} no weight of {where} "
+                        f"(e.g. {unmatched[0]!r})")
     return list(outs.values())
 
 

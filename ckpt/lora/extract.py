@@ -38,6 +38,7 @@ from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
+from ckpt.report import plural
 from ckpt.run import _human, default_output, output_path, write
 
 
@@ -133,7 +134,8 @@ def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
         if only_b or only_t:
             side, names = (base_spec, only_b) if only_b else (tuned_spec, only_t)
             other = tuned_spec if only_b else base_spec
-            raise CkptError(f"{side}: {len(names)} weights have no counterpart in {other} (e.g. {where}{names[0]!r}): "
+            raise CkptError(f"{side}: {plural(len(names), 'weight')} {'has' if len(names) == 1 else 'have'} no "
+                            f"counterpart in {other} (e.g. {where}{names[0]!r}): "
                             "not the same model family and layout")
         candidates = {}
         for k, bt in bv.tensors.items():
@@ -188,7 +190,7 @@ def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
             rows, cols = j.piece_shape(p)
             k = min(opts.rule(j.conv, min(rows, cols)).rank, rows, cols)
             most += k * (rows + cols) * opts.dtype.itemsize
-    report.summary.append(f"would extract up to {n} modules from {len(jobs)} weights in {fmt} naming "
+    report.summary.append(f"would extract up to {plural(n, 'module')} from {plural(len(jobs), 'weight')} in {fmt} naming "
                           f"({'adapter folder' if layout.container == 'folder' else 'one file'}), at most "
                           f"{_human(most)}; ranks, skipped modules and errors are known after the SVDs")
     report.note(f"dry run: would write {out_path}")
@@ -270,7 +272,9 @@ def _changed_others(others, device, report: LoraReport) -> None:
     if changed:
         from ckpt.lora.common import _listed
 
-        report.summary.append(f"{len(changed)} changed tensors have no LoRA form and are not in the output "
+        one = len(changed) == 1
+        report.summary.append(f"{plural(len(changed), 'changed tensor')} {'has' if one else 'have'} no LoRA form and "
+                              f"{'is' if one else 'are'} not in the output "
                               f"(biases, norms, embeddings, VAE...): {_listed(changed)}")
 
 

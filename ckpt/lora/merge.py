@@ -30,6 +30,7 @@ from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, open_lora, stored, to_layout
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
+from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
 
 MODES = ("concat", "svd")
@@ -53,8 +54,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         raise CkptError("--lowrank: merge decomposes stacked factors exactly; nothing to speed up")
     ratios = list(ratios) or [1.0] * len(specs)
     if len(ratios) != len(specs):
-        raise CkptError(f"--ratio given {len(ratios)} time{'s' * (len(ratios) != 1)} for {len(specs)} LoRA"
-                        f"{'s' * (len(specs) != 1)} (give one per LoRA, in order)")
+        raise CkptError(f"--ratio given {plural(len(ratios), 'time')} for {plural(len(specs), 'LoRA')} "
+                        "(give one per LoRA, in order)")
     if opts.format is not None:  # every input converted first, then merged in that naming
         from ckpt.lora.reformat import with_format
 
@@ -67,7 +68,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
             f = open_lora(spec)
             stack.callback(f.close)
             if f.unknown:
-                raise CkptError(f"{spec}: {len(f.unknown)} keys are no adapter part (e.g. {f.unknown[0]!r}); "
+                raise CkptError(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no "
+                                f"adapter part (e.g. {f.unknown[0]!r}); "
                                 "lora merge combines adapter modules only")
             files.append(f)
         layout = _common_layout(files)
@@ -82,7 +84,7 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
                 groups.setdefault(m.name, []).append((m, ratio, f.spec))
         if opts.dry_run:
             shared = sum(len(g) > 1 for g in groups.values())
-            report.summary.append(f"would merge {len(groups)} modules ({shared} in several inputs) by {mode}")
+            report.summary.append(f"would merge {plural(len(groups), 'module')} ({shared} in several inputs) by {mode}")
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
         modules = _merge_modules(groups, mode, opts, layout, device, store, report)

@@ -19,6 +19,7 @@ from ckpt.io.plan import Plan
 from ckpt.io.publish import temp_name
 from ckpt.lora.common import LoraOptions, LoraReport, early_target_check
 from ckpt.lora.store import ScratchDir
+from ckpt.report import plural
 from ckpt.run import default_output, output_path
 
 FULL_RANK = 1 << 30  # --to-lora for LoHa/LoKr met on the way: the delta's full rank (exact)
@@ -44,7 +45,7 @@ def with_format(specs: list[str], out, opts: LoraOptions, verb: str, suffix: str
     if opts.dry_run:  # every input's conversion planned (its errors found), nothing made
         for spec, name in zip(specs, names):
             convert(spec, out_path.parent / temp_name(name), copts, base=base, to_lora=FULL_RANK)
-        report.summary.append(f"would convert {len(specs)} input{'s' * (len(specs) > 1)} to the {fmt} naming, "
+        report.summary.append(f"would convert {plural(len(specs), 'input')} to the {fmt} naming, "
                               f"then {verb} {'them' if len(specs) > 1 else 'it'}; ranks and errors are known "
                               "after the SVDs")
         return out_path, report

@@ -29,6 +29,7 @@ from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, open_lora, stored, to_layout
 from ckpt.lora.store import FactorStore
 from ckpt.progress import progress_bar
+from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
 
 RESIZABLE = ("lora", "loha", "lokr")
@@ -50,7 +51,8 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
         f = open_lora(spec)
         stack.callback(f.close)
         if f.unknown:
-            report.note(f"{spec}: {len(f.unknown)} keys are no adapter part; passed through unchanged "
+            report.note(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no adapter part; "
+                        "passed through unchanged "
                         f"(e.g. {f.unknown[0]!r})")
         layout = Layout.like(f)
         folder = layout.container == "folder"

@@ -89,7 +89,7 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                         f"{litgpt.LORA_FILE})")
     ratios = list(opts.ratios) or [1.0] * len(loras)
     if len(ratios) != len(loras):
-        raise CkptError(f"--ratio given {len(ratios)} time{'s' * (len(ratios) != 1)} for {plural(len(loras), 'LoRA')} "
+        raise CkptError(f"--ratio given {plural(len(ratios), 'time')} for {plural(len(loras), 'LoRA')} "
                         "(give one per LoRA, in order)")
     if opts.to is not None and opts.to not in MERGE_TARGETS:
         raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")

@@ -130,7 +130,7 @@ def plan_keep_format(ckpt, views, patches: dict[int, list], report: Report, oper
     formats = sorted({f for v in views for f in v.formats})
     notes.append(f"kept the base's encoding ({', '.join(formats)}): {plural(len(meters), 'changed tensor')} "
                  f"re-encoded into {plural(len(replaced), 'stored key')}, {n_stored - len(replaced)} of "
-                 f"{n_stored} stored keys copied unchanged")
+                 f"{plural(n_stored, 'stored key')} copied unchanged")
     if file_format == "gguf":
         return _plan_gguf(ckpt, make, operation), meters, notes
     stored_views = [View(dict(c.tensors), {}, [], set(), False, [], None) for c in ckpt.components]

@@ -23,7 +23,7 @@ from ckpt.io.layout import plan_checkpoint
 from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.quant.quanto import canonical_qtype, shapes_from
-from ckpt.report import Report
+from ckpt.report import Report, plural
 from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, write
 
 OUT_DTYPES = ("bf16", "fp16", "fp32")
@@ -71,7 +71,7 @@ def describe_contents(ckpt) -> list[str]:
         kinds = ", ".join(f"{n} {d}" for d, n in dtypes.most_common())
         files = ", ".join(where + f.relpath for f in c.files[:3]) + (", ..." if len(c.files) > 3 else "")
         lora = any(("lora_" in k or ".lora." in k or "hada_" in k or "lokr_" in k) for k in c.tensors)
-        lines.append(f"{files}: {len(c.tensors)} tensors ({kinds})" + (", LoRA/adapter weights" if lora else ""))
+        lines.append(f"{files}: {plural(len(c.tensors), 'tensor')} ({kinds})" + (", LoRA/adapter weights" if lora else ""))
         lines += c.notes  # e.g. trainer state found beside the weights
     if ckpt.copies:
         shown = ", ".join(ckpt.copies[:6]) + (f" and {len(ckpt.copies) - 6} more" if len(ckpt.copies) > 6 else "")

@@ -31,6 +31,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding
 from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.report import plural
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a reshaped tensor
 
@@ -289,7 +290,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
             tensors[name] = GGUFValues(t, shape, natural)
     arch = header.architecture or "no general.architecture"
     if reshaped:
-        notes.append(f"{files[0].relpath}: {reshaped} tensors restored to their original shapes "
+        notes.append(f"{files[0].relpath}: {plural(reshaped, 'tensor')} restored to "
+                     f"{'its original shape' if reshaped == 1 else 'their original shapes'} "
                      f"({ORIG_SHAPE}* metadata)")
     quantized = any(t.quantized for t in stored.values())
     return Decoded(f"GGUF {arch} ({type_summary(stored.values())})", tensors, {}, dequantized=quantized,
