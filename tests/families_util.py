@@ -254,3 +254,33 @@ def tiny_qwen_image():
     return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                        axes_dims_rope=(2, 2, 4))
+
+
+# ComfyUI's own rename of a HunyuanVideo 1.x checkpoint's Tencent keys to the names its model class holds,
+# in ComfyUI's order: comfy/supported_models.py `HunyuanVideo.process_unet_state_dict` (Comfy-Org/ComfyUI
+# master). Its q/k norms end in `.weight`; ComfyUI before its RMSNorm change named them `.scale` (the same
+# function then renamed `_attn_q_norm.weight` to `_attn.norm.query_norm.scale`, as diffusion-pipe's copy
+# of it in models/hunyuan_video.py `_convert_state_dict_keys` shows); today's still renames `.scale` to
+# `.weight` on load. ModelSave/CheckpointSave write these names back unchanged
+# (`process_unet_state_dict_for_saving` only puts `model.model.` before them).
+def comfy_hunyuan_video_key(k: str, norm: str = "weight") -> str:
+    k = k.replace("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer.").replace(
+        "txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer.")
+    k = k.replace("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer.").replace(
+        "txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer.")
+    k = k.replace("_mod.linear.", "_mod.lin.").replace("_attn_qkv.", "_attn.qkv.")
+    k = k.replace("mlp.fc1.", "mlp.0.").replace("mlp.fc2.", "mlp.2.")
+    k = k.replace("_attn_q_norm.weight", f"_attn.norm.query_norm.{norm}").replace(
+        "_attn_k_norm.weight", f"_attn.norm.key_norm.{norm}")
+    k = k.replace(".q_norm.weight", f".norm.query_norm.{norm}").replace(".k_norm.weight", f".norm.key_norm.{norm}")
+    k = k.replace("_attn_proj.", "_attn.proj.")
+    k = k.replace(".modulation.linear.", ".modulation.lin.")
+    k = k.replace("_in.mlp.2.", "_in.out_layer.").replace("_in.mlp.0.", "_in.in_layer.")
+    return k
+
+
+def comfy_hunyuan_video(original: dict, norm: str = "weight") -> dict:
+    """A Tencent-named HunyuanVideo 1.x state dict under ComfyUI's names (`comfy_hunyuan_video_key`)."""
+    out = {comfy_hunyuan_video_key(k, norm): v for k, v in original.items()}
+    assert len(out) == len(original)
+    return out

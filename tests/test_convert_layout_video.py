@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families_util import diffusers_from_pairs, original_from_pairs, state_dict, tiny_hunyuan_video15, with_width
+from families_util import (comfy_hunyuan_video, diffusers_from_pairs, original_from_pairs, state_dict, tiny_flux1,
+                           tiny_hunyuan_video15, with_width)
 from test_convert_layout import (test_diffusers_folder_to_original_and_round_trip,  # noqa: F401 (run here too)
                                  test_original_file_to_diffusers_folder)
 from ckpt import families
@@ -96,3 +97,69 @@ def test_ltx2_text_connectors_are_dropped_with_a_note(tmp_path, run_ckpt):
     got = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
     want = converter()({**original, **connectors})
     assert set(got) == set(want) == set(sd) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("norm", ["weight", "scale"])
+def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_ckpt, norm):
+    """A HunyuanVideo 1.x file in ComfyUI's internal Flux-style names (what ComfyUI's ModelSave writes; q/k
+    norms `.weight`, `.scale` before ComfyUI's RMSNorm change): inspect names the family and the spelling,
+    --layout diffusers gives what diffusers' converter makes of the Tencent file, bit for bit, loading
+    strictly; --layout original writes Tencent's names. A Flux.1 BFL file stays Flux.1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make, converter = _hunyuan_video()
+    torch.manual_seed(5)
+    model = make()
+    sd = state_dict(model)
+    original = original_from_pairs(families.get("hunyuan_video"), sd)
+    convert = converter()
+    comfy = comfy_hunyuan_video(original, norm)
+    assert "double_blocks.0.img_attn.qkv.weight" in comfy and "time_in.in_layer.weight" in comfy
+    assert f"single_blocks.0.norm.query_norm.{norm}" in comfy
+    save_file(comfy, tmp_path / "comfy.safetensors")
+
+    shapes = {k: tuple(v.shape) for k, v in comfy.items()}
+    m = families.detect(list(shapes), shapes)
+    assert (m.family_id, m.layout) == ("hunyuan_video", "original")
+    code, stdout, err = run_ckpt("inspect", tmp_path / "comfy.safetensors", "--json")
+    assert code == 0, err
+    assert "hunyuan_video" in stdout and "ComfyUI's Flux-style names" in stdout
+
+    code, _, err = run_ckpt("convert", tmp_path / "comfy.safetensors", "--layout", "diffusers", "-o", tmp_path / "d",
+                            "-q")
+    assert code == 0, err
+    got = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
+    want = convert({k: v.clone() for k, v in original.items()})
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["_class_name"] == type(model).__name__
+    loaded, info = type(model).from_pretrained(tmp_path / "d", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+
+    code, _, err = run_ckpt("convert", tmp_path / "d", "--layout", "original", "-o", tmp_path / "o.safetensors", "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "o.safetensors")
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+
+    flux = original_from_pairs(families.get("flux1"), state_dict(tiny_flux1()))
+    fshapes = {k: tuple(v.shape) for k, v in flux.items()}
+    f = families.detect(list(fshapes), fshapes)
+    assert (f.family_id, f.layout) == ("flux1", "original")
+
+
+def test_comfy_named_hunyuan_video_with_an_unknown_tensor_is_refused(tmp_path, run_ckpt):
+    """A ComfyUI-named file with a tensor in neither spelling: one error line, exit 2, nothing written."""
+    from safetensors.torch import save_file
+
+    make, _ = _hunyuan_video()
+    torch.manual_seed(6)
+    comfy = comfy_hunyuan_video(original_from_pairs(families.get("hunyuan_video"), state_dict(make())))
+    comfy["double_blocks.0.img_attn.extra.weight"] = torch.ones(2, 2)
+    save_file(comfy, tmp_path / "bad.safetensors")
+    code, stdout, err = run_ckpt("convert", tmp_path / "bad.safetensors", "--layout", "diffusers", "-o",
+                                 tmp_path / "d")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "double_blocks.0.img_attn.extra.weight" in err
+    assert not (tmp_path / "d").exists()

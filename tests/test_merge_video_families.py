@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import (diffusers_from_pairs, original_from_pairs, state_dict, tiny_hunyuan_video,
+from families_util import (comfy_hunyuan_video, comfy_hunyuan_video_key, diffusers_from_pairs, original_from_pairs,
+                           state_dict, tiny_hunyuan_video,
                            tiny_hunyuan_video15, tiny_ltx2, tiny_ltx_video, with_width)
 from test_merge_families import _compare, _fused, _peft_lora
 from ckpt import families
@@ -142,6 +143,50 @@ def test_musubi_and_comfy_named_hunyuan_video_loras_onto_tencent_base(tmp_path, 
     assert len(changed) == len(modules)
     for other in results[1:]:
         assert all(torch.equal(results[0][k], other[k]) for k in original)
+
+
+@pytest.mark.parametrize("norm", ["weight", "scale"])
+def test_loras_onto_comfy_named_hunyuan_video_base(tmp_path, run_ckpt, norm):
+    """A base in ComfyUI's Flux-style names (what its ModelSave writes): diffusion-pipe, musubi/kohya,
+    ComfyUI-named and diffusers/PEFT LoRAs land where they land on the Tencent-named base (merged output
+    in the base's own names, equal bit for bit once renamed)."""
+    torch.manual_seed(7)
+    model = tiny_hunyuan_video()
+    original = _checked_original("hunyuan_video", state_dict(model), _hv_convert())
+    comfy = comfy_hunyuan_video(original, norm)
+    to_comfy = {k: comfy_hunyuan_video_key(k, norm) for k in original}
+    save_file(original, tmp_path / "base_tencent.safetensors")
+    save_file({"model.diffusion_model." + k: v for k, v in comfy.items()}, tmp_path / "base_comfy.safetensors")
+
+    modules = ["double_blocks.0.img_mod.linear", "double_blocks.1.img_mlp.fc2", "double_blocks.0.txt_attn_qkv",
+               "double_blocks.1.img_attn_proj", "single_blocks.0.modulation.linear", "single_blocks.1.linear1",
+               "time_in.mlp.0", "txt_in.t_embedder.mlp.2", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv",
+               "final_layer.adaLN_modulation.1"]
+    plain = _lora_pair(original, modules, seed=8)
+    kohya = {k.replace("diffusion_model.", "lora_unet_").rsplit(".lora_", 1)[0].replace(".", "_")
+             + (".lora_down.weight" if ".lora_A." in k else ".lora_up.weight"): v for k, v in plain.items()}
+    comfy_named = {"diffusion_model." + comfy_hunyuan_video_key(k[len("diffusion_model."):]): v
+                   for k, v in plain.items()}
+    assert "diffusion_model.double_blocks.0.img_mod.lin.lora_A.weight" in comfy_named
+    loras = {"plain": plain, "kohya": kohya, "comfy": comfy_named}
+    for name, lora in loras.items():
+        save_file(lora, tmp_path / f"{name}.safetensors")
+    loras["peft"] = _peft_lora(model, ["to_q", "add_k_proj", "proj_mlp", "norm_out.linear", "ff.net.0.proj",
+                                       "norm1.linear", "proj_in"], tmp_path / "peft", diffusers.HunyuanVideoPipeline)
+
+    def merged(base, lora, out):
+        code, _, err = run_ckpt("merge-lora", base, lora, "-o", out, "-q")
+        assert code == 0, err
+        return load_file(out)
+
+    for name in loras:
+        lora = loras[name] if name == "peft" else tmp_path / f"{name}.safetensors"
+        want = merged(tmp_path / "base_tencent.safetensors", lora, tmp_path / f"{name}_t.safetensors")
+        got = merged(tmp_path / "base_comfy.safetensors", lora, tmp_path / f"{name}_c.safetensors")
+        assert set(got) == {"model.diffusion_model." + to_comfy[k] for k in original}
+        changed = [k for k in original if not torch.equal(want[k], original[k])]
+        assert len(changed) >= (len(modules) if name != "peft" else 7), (name, changed)
+        assert all(torch.equal(got["model.diffusion_model." + to_comfy[k]], want[k]) for k in original), name
 
 
 # ------------------------------------------------------------------------------------ HunyuanVideo 1.5

@@ -1,5 +1,5 @@
 """HunyuanVideo 1.x (T2V, I2V, SkyReels I2V): Tencent's layout (`double_blocks.N.img_attn_qkv`, as in the
-release, ComfyUI single files, musubi-tuner and diffusion-pipe LoRAs) <-> diffusers
+release, Comfy-Org's repackaged single files, musubi-tuner and diffusion-pipe LoRAs) <-> diffusers
 HunyuanVideoTransformer3DModel.
 
 The blocks are Flux.1's with Tencent's names: double blocks fuse `img_attn_qkv` (diffusers `to_q/k/v`, row
@@ -12,12 +12,22 @@ MLPs are `mlp.fc1/fc2` (diffusers `ff.net.0.proj/net.2`), modulations `*_mod.lin
 `convert_hunyuan_video_transformer_to_diffusers` (forward only; it hard-codes H = 3072, the pairs take
 H from the shapes).
 
+ComfyUI spelling: ComfyUI keeps the model under Flux-style names internally (`img_attn.qkv`,
+`img_mod.lin`, `img_mlp.0`, `img_attn.norm.query_norm`, `modulation.lin`, `time_in.in_layer`, the refiner's
+`self_attn.qkv`): its loader renames Tencent keys to those (`HunyuanVideo.process_unet_state_dict` in
+comfy/supported_models.py) and its ModelSave/CheckpointSave write them back as they are
+(`process_unet_state_dict_for_saving` only puts `model.model.` before them). Such a file is the original
+layout spelled a second way (`COMFY`, a rename of whole modules; q/k norm weights `.weight`, before
+ComfyUI's RMSNorm change `.scale`): `pairs` name each original tensor the way the file does, so convert
+and merge-lora read it; `--layout original` writes Tencent's spelling. ComfyUI recognises the model by
+`txt_in.individual_token_refiner` (the same in both spellings; model_detection.py), and so does the
+original signature: Flux.1 has no token refiner.
+
 LoRAs: musubi-tuner (`lora_unet_double_blocks_0_img_attn_qkv`), diffusion-pipe (`transformer.` or
 `diffusion_model.` + Tencent names) and ComfyUI name the Tencent modules; diffusers/PEFT, OneTrainer and
-SimpleTuner the diffusers ones. ComfyUI keeps the model under Flux-style names internally
-(`img_attn.qkv`, `img_mod.lin`, `img_mlp.0`, `modulation.lin`, `time_in.in_layer`): LoRAs saved by
-ComfyUI in those names are extra aliases (`lora_aliases`) on a Tencent-layout base; their kohya
-spellings coincide with Tencent's where the names only differ by `.` vs `_` (`img_attn_qkv`).
+SimpleTuner the diffusers ones. LoRAs saved by ComfyUI in its Flux-style names are extra aliases
+(`lora_aliases`) on a Tencent-spelled base, Tencent names on a ComfyUI-spelled one; kohya spellings coincide
+where the names only differ by `.` vs `_` (`img_attn_qkv`).
 """
 
 from __future__ import annotations
@@ -25,8 +35,10 @@ from __future__ import annotations
 import math
 
 from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln, fused_qkv, single_linear1
+from dataclasses import replace
+
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, dim, has, present, renames)
+                                block_indices, blocks_count, dim, has, module_of, present, renames)
 
 TOP = (
     ("img_in.proj", "x_embedder.proj"),
@@ -72,7 +84,8 @@ SINGLE_NORMS = (("q_norm", "attn.norm_q"), ("k_norm", "attn.norm_k"))
 REFINER_HEAD = "txt_in.individual_token_refiner.blocks"
 DIFFUSERS_REFINER = "context_embedder.token_refiner.refiner_blocks"
 
-# ComfyUI's internal (Flux-style) names of Tencent modules: comfy `HunyuanVideo.process_unet_state_dict`.
+# ComfyUI's internal (Flux-style) names of Tencent modules, applied in order to a module name: comfy
+# `HunyuanVideo.process_unet_state_dict` (comfy/supported_models.py), which renames keys the same way.
 COMFY = (
     ("_mod.linear", "_mod.lin"),
     ("_attn_qkv", "_attn.qkv"),
@@ -88,15 +101,26 @@ COMFY = (
     ("t_embedder.mlp.2", "t_embedder.out_layer"),
     ("c_embedder.linear_1", "c_embedder.in_layer"),
     ("c_embedder.linear_2", "c_embedder.out_layer"),
+    ("_attn_q_norm", "_attn.norm.query_norm"),
+    ("_attn_k_norm", "_attn.norm.key_norm"),
+    (".q_norm", ".norm.query_norm"),
+    (".k_norm", ".norm.key_norm"),
 )
+# ComfyUI's RMSNorm parameter: `weight` now, `scale` in files saved before its RMSNorm change (its loader
+# still renames `.scale` to `.weight`).
+COMFY_NORM_SUFFIXES = ("weight", "scale")
 
 # Names Flux.1 does not have (its BFL signature also finds `double_blocks.N.img_attn...`).
 TENCENT_ONLY = at(r"((img|txt)_mod_.linear|(img|txt)_mlp_.fc[12]|modulation_.linear|(img|txt)_attn_[qk]_norm"
                   r"|individual_token_refiner)")
-ORIGINAL_NAMES = at(r"(double_blocks_.\d+_.(img|txt)_|single_blocks_.\d+_.(linear[12]|modulation|[qk]_norm)"
+ORIGINAL_NAMES = at(r"(double_blocks_.\d+_.(img|txt)_|single_blocks_.\d+_.(linear[12]|modulation|[qk]_norm|norm)"
                     r"|txt_in_.(individual_token_refiner|input_embedder|[tc]_embedder))")
 DIFFUSERS_NAMES = at(r"((single_)?transformer_blocks_.\d+_.|context_embedder_.token_refiner)")
 # HunyuanVideo 1.5 names (separate q/k/v, its extra embedders); the other module answers for those.
+# Names only ComfyUI's spelling has (the label says which spelling a file uses); dots, not `_.`: with `_`
+# some would be Tencent's (`self_attn_qkv`).
+COMFY_NAMES = at(r"((img|txt)_(mod\.lin|attn\.qkv|mlp\.[02])(\.|$)|modulation\.lin(\.|$)|self_attn\.qkv"
+                 r"|norm\.(query|key)_norm|(time|guidance)_in\.in_layer)")
 V15 = at(r"((img|txt)_attn_[qkv](\.|$)|byt5_in|vision_in|cond_type_embed|context_embedder_2|image_embedder"
          r"|time_embed_.timestep_embedder)")
 
@@ -132,7 +156,7 @@ def widths(shapes: Shapes, layout: str) -> tuple[int, int]:
     """(H, single-block MLP width) from the shapes: H is the columns of a block's input projection."""
     h = mlp = 0
     if layout == ORIGINAL:
-        for k in has(shapes, r"^(double_blocks\.\d+\.img_attn_qkv|single_blocks\.\d+\.linear1)\.weight$"):
+        for k in has(shapes, r"^(double_blocks\.\d+\.img_attn[._]qkv|single_blocks\.\d+\.linear1)\.weight$"):
             h = shapes[k][1]
             if ".linear1." in k:
                 mlp = shapes[k][0] - 3 * h
@@ -145,32 +169,63 @@ def widths(shapes: Shapes, layout: str) -> tuple[int, int]:
     return h, mlp
 
 
-def pairs(shapes: Shapes, layout: str) -> list[Pair]:
-    if layout == ORIGINAL:
-        blocks = (block_indices(shapes, "double_blocks"), block_indices(shapes, "single_blocks"),
-                  block_indices(shapes, REFINER_HEAD))
-    else:
-        blocks = (block_indices(shapes, "transformer_blocks"), block_indices(shapes, "single_transformer_blocks"),
-                  block_indices(shapes, DIFFUSERS_REFINER))
-    return present(pairs_for(*widths(shapes, layout), *blocks), shapes, layout)
-
-
 def comfy_name(module: str) -> str:
     for tencent, comfy in COMFY:
         module = module.replace(tencent, comfy)
     return module
 
 
+def spellings(key: str) -> list[str]:
+    """The names one Tencent tensor has in files: Tencent's, then ComfyUI's (q/k norms: `.weight`, `.scale`)."""
+    module, suffix = key.rsplit(".", 1)
+    comfy = comfy_name(module)
+    if comfy == module:
+        return [key]
+    if comfy.endswith("_norm") and suffix == "weight":
+        return [key] + [f"{comfy}.{e}" for e in COMFY_NORM_SUFFIXES]
+    return [key, f"{comfy}.{suffix}"]
+
+
+def in_file(key: str, shapes: Shapes) -> str:
+    """The spelling of Tencent tensor `key` that `shapes` holds (Tencent's when none does)."""
+    return next((s for s in spellings(key) if s in shapes), key)
+
+
+def _all_pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    """Every pair of the model, original side in Tencent's spelling."""
+    if layout == ORIGINAL:
+        blocks = (block_indices(shapes, "double_blocks"), block_indices(shapes, "single_blocks"),
+                  block_indices(shapes, REFINER_HEAD))
+    else:
+        blocks = (block_indices(shapes, "transformer_blocks"), block_indices(shapes, "single_transformer_blocks"),
+                  block_indices(shapes, DIFFUSERS_REFINER))
+    return pairs_for(*widths(shapes, layout), *blocks)
+
+
+def pairs(shapes: Shapes, layout: str) -> list[Pair]:
+    """The pairs of the model; on an original-layout file each original tensor is named as the file spells
+    it (Tencent's or ComfyUI's names, tensor by tensor, as ComfyUI's loader accepts either)."""
+    found = _all_pairs(shapes, layout)
+    if layout == ORIGINAL:
+        found = [replace(p, original=in_file(p.original, shapes)) if p.original else p for p in found]
+    return present(found, shapes, layout)
+
+
 def lora_aliases(shapes: Shapes, layout: str) -> list[Alias]:
-    """On a Tencent-layout base: ComfyUI's internal (Flux-style) module names."""
+    """On an original-layout base: each module's name in the other spelling (ComfyUI's Flux-style names on
+    a Tencent-spelled base, Tencent's on a ComfyUI-spelled one)."""
     if layout != ORIGINAL:
         return []
-    out = []
-    for k in shapes:
-        if k.endswith(".weight"):
-            module = k[: -len(".weight")]
-            if comfy_name(module) != module:
-                out.append(Alias(comfy_name(module), k))
+    out, seen = [], set()
+    for p in _all_pairs(shapes, ORIGINAL):
+        if p.original is None or not p.original.endswith(".weight") or p.original in seen:
+            continue
+        seen.add(p.original)
+        key = in_file(p.original, shapes)
+        if key not in shapes:
+            continue
+        for name in {module_of(p.original), comfy_name(module_of(p.original))} - {module_of(key)}:
+            out.append(Alias(name, key))
     return out
 
 
@@ -221,7 +276,10 @@ def diffusers_config(s: Shapes) -> dict:
 def identify(keys, shapes, layout):
     in_ch = dim(shapes, keys, r"^(img_in|x_embedder)\.proj\.weight$", 1)
     variant = {33: "I2V ", 32: "SkyReels I2V ", 16: "T2V "}.get(in_ch, "")
-    where = "(Tencent)" if layout == ORIGINAL else "(diffusers HunyuanVideoTransformer3DModel)"
+    if layout != ORIGINAL:
+        where = "(diffusers HunyuanVideoTransformer3DModel)"
+    else:
+        where = "(ComfyUI's Flux-style names)" if has(keys, COMFY_NAMES) else "(Tencent)"
     return "hunyuan_video", f"HunyuanVideo {variant}video transformer {where}"
 
 
