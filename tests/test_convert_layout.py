@@ -225,7 +225,7 @@ def test_config_ref_overrides_the_conventions(tmp_path, run_ckpt):
 
 
 @pytest.mark.parametrize("what", ["extra", "missing_piece", "unknown", "bundle", "no_config", "config_json",
-                                  "config_original"])
+                                  "config_original", "fused_short", "fused_long"])
 def test_bad_inputs_are_refused_before_writing(tmp_path, run_ckpt, what):
     out = tmp_path / "out"
     args = ["--layout", "diffusers"]
@@ -255,6 +255,15 @@ def test_bad_inputs_are_refused_before_writing(tmp_path, run_ckpt, what):
         _, _, path = _wan_file(tmp_path)
         (tmp_path / "c.json").write_text("[1, 2")
         args, expect = ["--layout", "diffusers", "--config", tmp_path / "c.json"], "not a JSON object"
+    elif what.startswith("fused_"):  # a BFL Flux.1 file whose fused q/k/v has a row too few / too many
+        make, _ = _flux1()
+        original = original_from_pairs(families.get("flux1"), state_dict(make()))
+        qkv = original["double_blocks.0.img_attn.qkv.weight"]
+        original["double_blocks.0.img_attn.qkv.weight"] = qkv[:-1] if what == "fused_short" else \
+            torch.cat([qkv, qkv[:1]])
+        path = tmp_path / "f1.safetensors"
+        save_file(original, path)
+        expect = f"double_blocks.0.img_attn.qkv.weight: {qkv.shape[0] + (-1 if what == 'fused_short' else 1)} rows"
     else:
         _, _, path = _wan_file(tmp_path)
         args, expect = ["--layout", "original", "--config", tmp_path], "--config applies to --layout diffusers"

@@ -57,7 +57,29 @@ def _rows(t: Tensor, rows: tuple[int, int] | None) -> list[Tensor]:
     """`t` (or its rows) as a list of row pieces."""
     if rows is None or rows == (0, t.rows):
         return [t]
+    if not 0 <= rows[0] < rows[1] <= t.rows:
+        raise CkptError(f"{t.name}: {list(t.shape)} has no rows {rows[0]}:{rows[1]}, which the layout takes from "
+                        "it (a truncated or mismatched tensor?); nothing was written")
     return [RowSlice(t, rows[0], rows[1])]
+
+
+def _check_split_whole(tensors: dict[str, Tensor], pairs: list[Pair]) -> None:
+    """Every row of a fused original tensor goes to one diffusers tensor: rows the pairs leave out (a
+    tensor larger than its neighbours' widths say) would be lost without a word."""
+    taken: dict[str, list[tuple[int, int]]] = {}
+    for p in pairs:
+        if p.rows is not None:  # a dropped piece (no diffusers tensor) is accounted for as well
+            taken.setdefault(p.original, []).append(p.rows)
+    for key, spans in taken.items():
+        rows, at = tensors[key].rows, 0
+        for a, b in sorted(spans):
+            if a != at:
+                break
+            at = b
+        if at != rows:
+            raise CkptError(f"{key}: {plural(rows, 'row')}, but the layout takes rows "
+                            f"{', '.join(f'{a}:{b}' for a, b in sorted(spans))} from it (a mismatched tensor?); "
+                            "nothing was written")
 
 
 def _pieces(t: Tensor, rows, transform: str | None, to_original: bool) -> list[Tensor]:
@@ -97,6 +119,7 @@ def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> 
     dropped: list[str] = []
     out: dict[str, Tensor] = {}
     if src == ORIGINAL:
+        _check_split_whole(tensors, pairs)
         for p in pairs:
             covered.add(p.original)
             if p.diffusers is None:
