@@ -99,12 +99,13 @@ def test_ltx2_text_connectors_are_dropped_with_a_note(tmp_path, run_ckpt):
     assert set(got) == set(want) == set(sd) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("norm", ["weight", "scale"])
-def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_ckpt, norm):
-    """A HunyuanVideo 1.x file in ComfyUI's internal Flux-style names (what ComfyUI's ModelSave writes; q/k
-    norms `.weight`, `.scale` before ComfyUI's RMSNorm change): inspect names the family and the spelling,
-    --layout diffusers gives what diffusers' converter makes of the Tencent file, bit for bit, loading
-    strictly; --layout original writes Tencent's names. A Flux.1 BFL file stays Flux.1."""
+@pytest.mark.parametrize("norm,prefix", [("weight", ""), ("scale", ""), ("scale", "model.model.")])
+def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_ckpt, norm, prefix):
+    """A HunyuanVideo 1.x file in ComfyUI's internal Flux-style names (q/k norms `.weight`, `.scale` before
+    ComfyUI's RMSNorm change), bare or under `model.model.` as ComfyUI's ModelSave/CheckpointSave write it
+    (`HunyuanVideo.process_unet_state_dict_for_saving`): inspect names the family, the spelling and the
+    prefix, --layout diffusers gives what diffusers' converter makes of the Tencent file, bit for bit,
+    loading strictly; --layout original writes Tencent's bare names. A Flux.1 BFL file stays Flux.1."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -118,7 +119,7 @@ def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_c
     comfy = comfy_hunyuan_video(original, norm)
     assert "double_blocks.0.img_attn.qkv.weight" in comfy and "time_in.in_layer.weight" in comfy
     assert f"single_blocks.0.norm.query_norm.{norm}" in comfy
-    save_file(comfy, tmp_path / "comfy.safetensors")
+    save_file({prefix + k: v for k, v in comfy.items()}, tmp_path / "comfy.safetensors")
 
     shapes = {k: tuple(v.shape) for k, v in comfy.items()}
     m = families.detect(list(shapes), shapes)
@@ -126,6 +127,9 @@ def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_c
     code, stdout, err = run_ckpt("inspect", tmp_path / "comfy.safetensors", "--json")
     assert code == 0, err
     assert "hunyuan_video" in stdout and "ComfyUI's Flux-style names" in stdout
+    (c,) = json.loads(stdout)["components"]
+    assert [(p["prefix"], p["family_id"], p["layout"], p["tensors"]) for p in c["parts"]] == \
+        [(prefix, "hunyuan_video", "original", len(comfy))]
 
     code, _, err = run_ckpt("convert", tmp_path / "comfy.safetensors", "--layout", "diffusers", "-o", tmp_path / "d",
                             "-q")
@@ -149,17 +153,27 @@ def test_comfy_named_hunyuan_video_is_hunyuan_video_and_converts(tmp_path, run_c
     assert (f.family_id, f.layout) == ("flux1", "original")
 
 
-def test_comfy_named_hunyuan_video_with_an_unknown_tensor_is_refused(tmp_path, run_ckpt):
-    """A ComfyUI-named file with a tensor in neither spelling: one error line, exit 2, nothing written."""
+@pytest.mark.parametrize("prefix", ["", "model.model."])
+def test_comfy_named_hunyuan_video_with_an_unknown_tensor_is_refused(tmp_path, run_ckpt, prefix):
+    """A ComfyUI-named file (bare or as ModelSave writes it) with a tensor in neither spelling, or with a
+    second model beside `model.model.`: one error line, exit 2, nothing written."""
     from safetensors.torch import save_file
 
     make, _ = _hunyuan_video()
     torch.manual_seed(6)
     comfy = comfy_hunyuan_video(original_from_pairs(families.get("hunyuan_video"), state_dict(make())))
-    comfy["double_blocks.0.img_attn.extra.weight"] = torch.ones(2, 2)
-    save_file(comfy, tmp_path / "bad.safetensors")
+    good = {prefix + k: v for k, v in comfy.items()}
+    bad = {**good, prefix + "double_blocks.0.img_attn.extra.weight": torch.ones(2, 2)}
+    save_file(bad, tmp_path / "bad.safetensors")
     code, stdout, err = run_ckpt("convert", tmp_path / "bad.safetensors", "--layout", "diffusers", "-o",
                                  tmp_path / "d")
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "double_blocks.0.img_attn.extra.weight" in err
     assert not (tmp_path / "d").exists()
+    if prefix:
+        save_file({**good, "vae.decoder.conv_in.weight": torch.ones(2, 2)}, tmp_path / "two.safetensors")
+        code, stdout, err = run_ckpt("convert", tmp_path / "two.safetensors", "--layout", "diffusers", "-o",
+                                     tmp_path / "d")
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert "more than one model (model.model.* and e.g. vae.decoder.conv_in.weight)" in err
+        assert not (tmp_path / "d").exists()

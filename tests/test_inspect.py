@@ -197,6 +197,25 @@ def test_sharded_causal_lm_folder(tmp_path, run_ckpt):
     assert c["parameters"] == sum(p.numel() for p in m.state_dict().values())
 
 
+@pytest.mark.parametrize("wrap", ["", "model."])
+def test_causal_lm_keys_under_model_are_no_bundle_prefix(tmp_path, run_ckpt, wrap):
+    """An HF causal LM's keys start with `model.` (`model.layers.N...`), and a wrapper (PyTorch Lightning's
+    `self.model`) makes them `model.model.layers.N...`: ComfyUI's `model.model.` diffusion-model prefix
+    counts only for a diffusion family, so the file stays one unprefixed HF causal LM, no prefix warning."""
+    sd = {wrap + k: v.contiguous() for k, v in _tiny_llama().state_dict().items()}
+    assert any(k.startswith("model.model.") for k in sd) == bool(wrap)
+    rep = inspect_json(run_ckpt, save(tmp_path, "llm.safetensors", sd))
+    c = one(rep)
+    assert [(p["prefix"], p["family_id"], p["tensors"]) for p in c["parts"]] == [("", "hf_causal_lm", len(sd))]
+    assert rep["warnings"] == [] and not [n for n in c["notes"] if "prefix" in n]
+
+    from ckpt.merge.keymap import build_keymap
+
+    km = build_keymap({k: tuple(v.shape) for k, v in sd.items()})  # PEFT names the wrapped module in full
+    t = km.lookup(f"base_model.model.{wrap}model.layers.0.self_attn.q_proj")
+    assert t is not None and t.key == f"{wrap}model.layers.0.self_attn.q_proj.weight"
+
+
 # ---------------------------------------------------------------- LDM / BFL single files (keys from the layouts)
 
 

@@ -131,7 +131,7 @@ def flux_pair():
     return bfl, converted, modules
 
 
-@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model.", "model.model."])
 def test_flux_bfl_base_answers_diffusers_names(flux_pair, prefix):
     bfl, converted, modules = flux_pair
     km = build_keymap({prefix + k: v for k, v in shapes(bfl).items()})

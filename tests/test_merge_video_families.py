@@ -145,18 +145,20 @@ def test_musubi_and_comfy_named_hunyuan_video_loras_onto_tencent_base(tmp_path, 
         assert all(torch.equal(results[0][k], other[k]) for k in original)
 
 
-@pytest.mark.parametrize("norm", ["weight", "scale"])
-def test_loras_onto_comfy_named_hunyuan_video_base(tmp_path, run_ckpt, norm):
-    """A base in ComfyUI's Flux-style names (what its ModelSave writes): diffusion-pipe, musubi/kohya,
-    ComfyUI-named and diffusers/PEFT LoRAs land where they land on the Tencent-named base (merged output
-    in the base's own names, equal bit for bit once renamed)."""
+@pytest.mark.parametrize("norm,prefix", [("weight", "model.diffusion_model."), ("scale", "model.diffusion_model."),
+                                         ("scale", "model.model.")])
+def test_loras_onto_comfy_named_hunyuan_video_base(tmp_path, run_ckpt, norm, prefix):
+    """A base in ComfyUI's Flux-style names, under `model.diffusion_model.` or under `model.model.` (what
+    ComfyUI's ModelSave/CheckpointSave write for HunyuanVideo): diffusion-pipe, musubi/kohya, ComfyUI-named
+    and diffusers/PEFT LoRAs land where they land on the Tencent-named base (merged output in the base's own
+    names, prefix included, equal bit for bit once renamed)."""
     torch.manual_seed(7)
     model = tiny_hunyuan_video()
     original = _checked_original("hunyuan_video", state_dict(model), _hv_convert())
     comfy = comfy_hunyuan_video(original, norm)
     to_comfy = {k: comfy_hunyuan_video_key(k, norm) for k in original}
     save_file(original, tmp_path / "base_tencent.safetensors")
-    save_file({"model.diffusion_model." + k: v for k, v in comfy.items()}, tmp_path / "base_comfy.safetensors")
+    save_file({prefix + k: v for k, v in comfy.items()}, tmp_path / "base_comfy.safetensors")
 
     modules = ["double_blocks.0.img_mod.linear", "double_blocks.1.img_mlp.fc2", "double_blocks.0.txt_attn_qkv",
                "double_blocks.1.img_attn_proj", "single_blocks.0.modulation.linear", "single_blocks.1.linear1",
@@ -183,10 +185,10 @@ def test_loras_onto_comfy_named_hunyuan_video_base(tmp_path, run_ckpt, norm):
         lora = loras[name] if name == "peft" else tmp_path / f"{name}.safetensors"
         want = merged(tmp_path / "base_tencent.safetensors", lora, tmp_path / f"{name}_t.safetensors")
         got = merged(tmp_path / "base_comfy.safetensors", lora, tmp_path / f"{name}_c.safetensors")
-        assert set(got) == {"model.diffusion_model." + to_comfy[k] for k in original}
+        assert set(got) == {prefix + to_comfy[k] for k in original}
         changed = [k for k in original if not torch.equal(want[k], original[k])]
         assert len(changed) >= (len(modules) if name != "peft" else 7), (name, changed)
-        assert all(torch.equal(got["model.diffusion_model." + to_comfy[k]], want[k]) for k in original), name
+        assert all(torch.equal(got[prefix + to_comfy[k]], want[k]) for k in original), name
 
 
 # ------------------------------------------------------------------------------------ HunyuanVideo 1.5

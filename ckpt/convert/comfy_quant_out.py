@@ -26,6 +26,7 @@ from ckpt import families
 from ckpt.cast import Caster
 from ckpt.convert.fp8_out import BUNDLED_PREFIXES
 from ckpt.dtypes import is_float
+from ckpt.families.prefixes import model_prefix
 from ckpt.io.plan import OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.quant.comfy_quant import META_KEY, QuantSpec, config_tensor, encode, unencodable
@@ -48,7 +49,6 @@ BLOCK_CONTAINERS = (
     "layers", "noise_refiner", "context_refiner",  # Lumina2, Z-Image; LLM text encoders (model.layers)
 )
 _IN_BLOCK = re.compile(r"(^|\.)(" + "|".join(BLOCK_CONTAINERS) + r")\.\d+\.")
-MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI single files
 
 
 class QuantizeRule:
@@ -57,7 +57,7 @@ class QuantizeRule:
 
     def __init__(self, tensors: dict[str, Tensor], keep: list[str], layout: str | None = None):
         self.keep = keep
-        self.prefix = next((p for p in MODEL_PREFIXES if any(k.startswith(p) for k in tensors)), "")
+        self.prefix = model_prefix(tensors, {k: tuple(t.shape) for k, t in tensors.items()})  # single files
         inner = {k[len(self.prefix):]: tuple(t.shape) for k, t in tensors.items() if k.startswith(self.prefix)}
         m = families.detect(inner, inner)
         self.family = m.family if m is not None and m.family.high_precision else None

@@ -10,7 +10,7 @@ before anything is written, naming the keys.
 Outputs: `--layout diffusers` writes a diffusers model folder (`config.json` derived from the shapes and
 the family's CONVENTIONS, or taken from `--config REF`; `diffusion_pytorch_model.safetensors`, sharded with
 an index past `--max-shard-size`); `--layout original` writes one safetensors file with the reference
-model's keys (no `model.diffusion_model.` prefix: ComfyUI and the reference code load bare keys).
+model's keys (no `model.diffusion_model.`/`model.model.` prefix: ComfyUI and the reference code load bare keys).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair
+from ckpt.families.prefixes import model_prefix
 from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
 from ckpt.io.plan import OutFile, Plan, shard
@@ -28,8 +29,6 @@ from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
 from ckpt.report import plural
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
-# File prefixes of a model stored inside a single file (ComfyUI / LDM).
-MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 SHOW = 8
 
 
@@ -155,15 +154,15 @@ def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> 
 
 
 def _strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
-    """Keys without the single-file model prefix; mixed prefixes (a bundle) are refused."""
-    for prefix in MODEL_PREFIXES:
-        inside = [k for k in tensors if k.startswith(prefix)]
-        if inside:
-            others = [k for k in tensors if not k.startswith(prefix)]
-            if others:
-                raise CkptError(f"the file holds more than one model ({prefix}* and e.g. {_listed(others, 3)}): "
-                                "--layout converts one model; extract it first")
-            return {k[len(prefix):]: t for k, t in tensors.items()}, prefix
+    """Keys without the single-file model prefix (`ckpt.families.prefixes`); mixed prefixes (a bundle)
+    are refused."""
+    prefix = model_prefix(tensors, {k: tuple(t.shape) for k, t in tensors.items()})
+    if prefix:
+        others = [k for k in tensors if not k.startswith(prefix)]
+        if others:
+            raise CkptError(f"the file holds more than one model ({prefix}* and e.g. {_listed(others, 3)}): "
+                            "--layout converts one model; extract it first")
+        return {k[len(prefix):]: t for k, t in tensors.items()}, prefix
     return dict(tensors), ""
 
 

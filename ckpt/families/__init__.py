@@ -42,7 +42,8 @@ Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY
 
 A module may answer for several ids that share one correspondence (`sd_unet`: sd1, sd2, sdxl); its
 `identify(keys, shapes, layout)` says which, or None when the keys cannot tell. Modules without a
-`FAMILY` hold shared helpers: `spec` (the vocabulary), `lora_namings` (LoRA prefixes: kohya, PEFT...).
+`FAMILY` hold shared helpers: `spec` (the vocabulary), `lora_namings` (LoRA prefixes: kohya, PEFT...), `prefixes` (the file
+prefixes a single file stores its diffusion model under).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _load() -> dict[str, Family]:
     if _REGISTRY is None:
         found: dict[str, Family] = {}
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if info.name.startswith("_") or info.name in ("spec", "lora_namings"):
+            if info.name.startswith("_") or info.name in ("spec", "lora_namings", "prefixes"):
                 continue
             mod = importlib.import_module(f"{__name__}.{info.name}")
             fam = getattr(mod, "FAMILY", None)

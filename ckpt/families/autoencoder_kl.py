@@ -76,6 +76,7 @@ def identify(keys, shapes, layout):
 
 FAMILY = Family(
     family_id="autoencoder_kl",
+    kind="vae",
     label="VAE (AutoencoderKL)",
     layouts={
         ORIGINAL: Signature(at(r"(encoder_.down_.\d+_.block|decoder_.up_.\d+_.block)_.")),

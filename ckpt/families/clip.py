@@ -80,6 +80,7 @@ def lora_aliases(shapes: Shapes, layout: str) -> list[Alias]:
 
 FAMILY = Family(
     family_id="clip",
+    kind="text_encoder",
     label="CLIP text encoder",
     layouts={ORIGINAL: Signature(OPENCLIP), DIFFUSERS: Signature(HF)},
     identify=identify,

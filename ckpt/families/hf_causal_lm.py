@@ -8,6 +8,7 @@ from ckpt.families.spec import Family, Signature, at
 
 FAMILY = Family(
     family_id="hf_causal_lm",
+    kind="language_model",
     label="HF causal LM (Llama-style decoder)",
     layouts={None: Signature(at(r"layers_.\d+_.(self_attn|mlp)_.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj"
                                 r"|down_proj)"))},

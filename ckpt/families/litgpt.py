@@ -13,6 +13,7 @@ def identify(keys, shapes, layout):
 
 FAMILY = Family(
     family_id="litgpt",
+    kind="language_model",
     label="LitGPT GPT",
     # "transformer." may be stripped
     layouts={None: Signature(at(r"h_.\d+_.(attn_.(qkv|attn)|mlp_.(fc|fc_1|fc_2|proj))"))},

@@ -122,6 +122,8 @@ class Family:
     - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
       (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
     - `gguf`: how ComfyUI-GGUF stores the family (`GGUFStorage`), for `convert --to gguf-*`.
+    - `kind`: what the model is; only a "diffusion" model answers to the guarded file prefix
+      `model.model.` (`ckpt.families.prefixes`), which language-model wrappers use too.
     - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
       diffusers-layout shapes are given; what shapes do not determine comes from the family's
       `CONVENTIONS`; raises `ConventionError` where they do not apply (then `--config REF` is needed).
@@ -143,6 +145,7 @@ class Family:
     gguf: GGUFStorage | None = None  # ComfyUI-GGUF's architecture and F32 rule for this family
     diffusers_config: Callable[[Shapes], dict] | None = None
     priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
+    kind: str = "diffusion"  # "diffusion" | "text_encoder" | "language_model" | "vae": which file prefixes apply
 
     @property
     def all_ids(self) -> tuple[str, ...]:

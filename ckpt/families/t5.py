@@ -8,6 +8,7 @@ from ckpt.families.spec import Family, Signature, at
 
 FAMILY = Family(
     family_id="t5",
+    kind="text_encoder",
     label="T5 encoder",
     layouts={None: Signature(at(r"encoder_.block_.\d+_.layer_.\d+_."))},
     diffusers_class="T5EncoderModel",

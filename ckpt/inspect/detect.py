@@ -15,12 +15,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ckpt.families.prefixes import MODEL_PREFIXES, accepts  # the diffusion model's
 from ckpt.families.lora_namings import LORA_PREFIXES  # prefixes LoRA files put before module names
 
 # Prefixes that mark a bundled component (LDM / ComfyUI all-in-one files), longest match wins.
 BUNDLE_PREFIXES = [
-    (re.compile(r"^model\.diffusion_model\."), "diffusion model, LDM/ComfyUI"),
-    (re.compile(r"^diffusion_model\."), "diffusion model"),
+    *((re.compile("^" + re.escape(p)), role) for p, role in MODEL_PREFIXES.items()),  # ckpt.families.prefixes
     (re.compile(r"^model_ema\."), "EMA diffusion model, LDM"),
     (re.compile(r"^first_stage_model\."), "VAE, LDM"),
     (re.compile(r"^cond_stage_model\."), "text encoder, LDM"),
@@ -54,9 +54,10 @@ class Part:
     keys: list[str] = field(default_factory=list)
 
 
-def split_parts(names, lora: bool = False) -> list[Part]:
+def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[Part]:
     """Group names by the known prefix they start with; parts come in table order (the diffusion model
-    first), then by prefix, unprefixed keys last."""
+    first), then by prefix, unprefixed keys last. A guarded model prefix (`model.model.`) whose keys are no
+    diffusion model (`shapes` help tell) is no prefix: those keys join the unprefixed ones."""
     table = LORA_PREFIXES if lora else BUNDLE_PREFIXES
     parts: dict[str, Part] = {}
     rank: dict[str, tuple] = {"": (len(table), "")}
@@ -68,6 +69,8 @@ def split_parts(names, lora: bool = False) -> list[Part]:
                 prefix, role = m.group(0), what
                 rank[prefix] = (i, prefix)
         parts.setdefault(prefix, Part(prefix, role)).keys.append(name)
+    for prefix in [p for p in parts if p and not lora and not accepts(p, parts[p].keys, shapes)]:
+        parts.setdefault("", Part("", "")).keys.extend(parts.pop(prefix).keys)  # `model.model.` of an LLM wrapper
     return sorted(parts.values(), key=lambda p: rank[p.prefix])
 
 

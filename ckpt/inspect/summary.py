@@ -207,7 +207,7 @@ def _dtype(t) -> tuple[str, int]:
 
 def _model_parts(tensors, shapes) -> list[dict]:
     out = []
-    for p in split_parts(tensors):
+    for p in split_parts(tensors, shapes=shapes):
         stripped = [k[len(p.prefix):] for k in p.keys]
         m = families.detect(stripped, {k[len(p.prefix):]: shapes[k] for k in p.keys})
         out.append({"prefix": p.prefix, "role": p.role, "tensors": len(p.keys), **_family_fields(m)})

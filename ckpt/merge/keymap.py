@@ -4,7 +4,8 @@ This follows ComfyUI's approach (`model_lora_keys_unet/clip`): instead of parsin
 names replace every `.` with `_`, so they cannot be split back reliably), every base key is expanded into
 all the names a trainer may have given its module:
 
-- the key itself and the key without its file prefix (`model.diffusion_model.`, `cond_stage_model.`,
+- the key itself and the key without its file prefix (`model.diffusion_model.`, `model.model.`
+  (`ckpt.families.prefixes`), `cond_stage_model.`,
   `conditioner.embedders.N.`, `text_encoders.clip_l.transformer.`, pipeline `unet/`...);
 - diffusion-model spellings: `lora_unet_`/`lycoris_`/`lora_transformer_` + name with `.` -> `_`, and
   `diffusion_model.`/`transformer.`/`unet.`/`base_model.model.` + name;
@@ -30,6 +31,7 @@ from ckpt import families
 from ckpt.families import ORIGINAL, Match, Pair, Shapes, module_of
 from ckpt.families import clip as clip_family
 from ckpt.families.lora_namings import lora_target
+from ckpt.families.prefixes import MODEL_PREFIXES, accepts
 from ckpt.merge.targets import Target
 
 DM_DOTTED = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "unet.", "base_model.model.",
@@ -39,14 +41,15 @@ DM_FLAT = ("lora_unet_", "lycoris_", "lora_transformer_")
 # File prefixes of the parts of a single-file checkpoint (and pipeline folders given as `sub/key`).
 # Group 1 or 2 is the part's identity (text encoders of one identity share their kohya number); a
 # text encoder's own `transformer.`/`model.` wrapper (group 3) is stripped too.
+_DM_FILE = "|".join(re.escape(p) for p in sorted(MODEL_PREFIXES, key=len, reverse=True))  # families.prefixes
 FILE_PREFIX = re.compile(
-    r"^(?:((?:model\.)?diffusion_model\.|first_stage_model\.|model_ema\.|[a-z_0-9]+/)"
+    r"^(?:(" + _DM_FILE + r"|first_stage_model\.|model_ema\.|[a-z_0-9]+/)"
     r"|(cond_stage_model\.|conditioner\.embedders\.\d+\.|text_encoders\.[^./]+\.)((?:transformer|model)\.)?)"
 )
 TE_IDENTITY = re.compile(
     r"^(cond_stage_model\.|conditioner\.embedders\.(\d+)\.|text_encoders\.([^.]+)\.|text_encoder(?:_(\d+))?/)$"
 )
-DM_COMPONENTS = {"unet", "transformer", "prior", "decoder", "model.diffusion_model.", "diffusion_model."}
+DM_COMPONENTS = {"unet", "transformer", "prior", "decoder", *MODEL_PREFIXES}
 
 
 @dataclass
@@ -284,6 +287,10 @@ def _parts(base: Shapes, component: str | None) -> list[Part]:
         if part is None:
             part = groups[prefix] = Part(prefix, identity, {})
         part.keys[key[len(prefix):]] = shape
+    for prefix in [p for p in groups if p and not accepts(p, [p + k for k in groups[p].keys],
+                                                            {p + k: v for k, v in groups[p].keys.items()})]:
+        top = groups.setdefault("", Part("", "", {}))  # `model.model.` of a language-model wrapper: raw keys
+        top.keys.update({prefix + k: v for k, v in groups.pop(prefix).keys.items()})
     parts = list(groups.values())
     for part in parts:
         _assign_role(part, part.identity)
