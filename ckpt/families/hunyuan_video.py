@@ -33,10 +33,9 @@ where the names only differ by `.` vs `_` (`img_attn_qkv`).
 from __future__ import annotations
 
 import math
-
-from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln, fused_qkv, single_linear1
 from dataclasses import replace
 
+from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln, fused_qkv, single_linear1
 from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
                                 block_indices, blocks_count, dim, has, module_of, present, renames)
 

@@ -24,17 +24,22 @@ MODEL_PREFIXES: dict[str, str] = {
 GUARDED = frozenset({"model.model."})  # also used by non-diffusion wrappers: checked against the family
 
 
-def accepts(prefix: str, keys, shapes=None) -> bool:
-    """Whether `keys` (full names, those starting with `prefix`) are a diffusion model under `prefix`:
-    always for the unambiguous prefixes, for a guarded one only when the remainder is a diffusion family."""
+def accepts(prefix: str, inner, inner_shapes=None) -> bool:
+    """Whether the keys under `prefix` (`inner`: names without the prefix; `inner_shapes` where known)
+    are a diffusion model there: always for the unambiguous prefixes, for a guarded one only when they
+    are a diffusion family."""
     if prefix not in GUARDED:
         return True
     from ckpt import families
 
-    shapes = shapes or {}
-    inner = [k[len(prefix):] for k in keys if k.startswith(prefix)]
-    m = families.detect(inner, {k[len(prefix):]: s for k, s in shapes.items() if k.startswith(prefix)})
+    m = families.detect(inner, inner_shapes or {})
     return m is not None and m.family.kind == "diffusion"
+
+
+def under(prefix: str, keys, shapes) -> tuple[list[str], dict]:
+    """The keys starting with `prefix`, and their shapes, with the prefix stripped."""
+    inner = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+    return inner, {k[len(prefix):]: s for k, s in (shapes or {}).items() if k.startswith(prefix)}
 
 
 def model_prefix(keys, shapes=None) -> str:
@@ -42,6 +47,7 @@ def model_prefix(keys, shapes=None) -> str:
     model); the list's order decides between prefixes, as the callers have always done."""
     keys = list(keys)
     for prefix in MODEL_PREFIXES:
-        if any(k.startswith(prefix) for k in keys) and accepts(prefix, keys, shapes):
+        inner, inner_shapes = under(prefix, keys, shapes)
+        if inner and accepts(prefix, inner, inner_shapes):
             return prefix
     return ""

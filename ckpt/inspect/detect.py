@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ckpt.families.prefixes import MODEL_PREFIXES, accepts  # the diffusion model's
+from ckpt.families.prefixes import MODEL_PREFIXES, accepts, under  # the diffusion model's
 from ckpt.families.lora_namings import LORA_PREFIXES  # prefixes LoRA files put before module names
 
 # Prefixes that mark a bundled component (LDM / ComfyUI all-in-one files), longest match wins.
@@ -69,7 +69,7 @@ def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[P
                 prefix, role = m.group(0), what
                 rank[prefix] = (i, prefix)
         parts.setdefault(prefix, Part(prefix, role)).keys.append(name)
-    for prefix in [p for p in parts if p and not lora and not accepts(p, parts[p].keys, shapes)]:
+    for prefix in [p for p in parts if p and not lora and not accepts(p, *under(p, parts[p].keys, shapes))]:
         parts.setdefault("", Part("", "")).keys.extend(parts.pop(prefix).keys)  # `model.model.` of an LLM wrapper
     return sorted(parts.values(), key=lambda p: rank[p.prefix])
 

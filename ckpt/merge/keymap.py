@@ -287,8 +287,7 @@ def _parts(base: Shapes, component: str | None) -> list[Part]:
         if part is None:
             part = groups[prefix] = Part(prefix, identity, {})
         part.keys[key[len(prefix):]] = shape
-    for prefix in [p for p in groups if p and not accepts(p, [p + k for k in groups[p].keys],
-                                                            {p + k: v for k, v in groups[p].keys.items()})]:
+    for prefix in [p for p in groups if p and not accepts(p, list(groups[p].keys), groups[p].keys)]:
         top = groups.setdefault("", Part("", "", {}))  # `model.model.` of a language-model wrapper: raw keys
         top.keys.update({prefix + k: v for k, v in groups.pop(prefix).keys.items()})
     parts = list(groups.values())
