@@ -13,42 +13,98 @@ Command-specific keys: merge-lora `summary` (the lines it prints), `matched` {lo
 `changed` [base tensors], `unmatched` {lora: [every stored key that matched nothing]}; inspect `inspect`
 (the `--json` object); lora extract/resize/merge `summary`.
 
-The option is parsed before the command runs (a folder that does not exist is refused at once); the
-command records its report and output with `record`; `_dispatch` in ckpt.cli writes the file when the
-command ends, on success or CkptError.
+The path is checked while the command line is parsed, before any work (ckpt.io.side_files: new or a
+previous ckpt report, a regular file, a writable folder; never an input, never the output or inside an
+output folder); the command records its report and output with `record`; `_dispatch` in ckpt.cli writes
+the file when the command ends, on success or CkptError. A report that cannot be written after the
+command succeeded is exit code 3 (ReportNotWritten), never 2: the output stays, and the message says so.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
 import click
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, ReportNotWritten
+from ckpt.io.publish import OTHER_WRITES
+from ckpt.io.side_files import check_side_file, check_not_input, head
 
 _STATE: dict = {}
+
+
+_REPORT_HEAD = re.compile(rb'\s*\{\s*"ckpt_report"\s*:\s*1\b')
+
+
+def is_report(path: Path) -> bool:
+    """A file ckpt wrote as a report: its JSON starts with `{"ckpt_report": 1` (the first key, always)."""
+    return bool(_REPORT_HEAD.match(head(path)))
+
+
+def _check(path: Path, label: str) -> None:
+    """The side-file rules (ckpt.io.side_files): new, or a previous ckpt report; a writable folder."""
+    check_side_file(path, label, "ckpt report", is_report)
 
 
 def _remember(ctx: click.Context, param, value):
     if value:
         p = Path(value).expanduser()
-        if not p.absolute().parent.is_dir():
-            raise CkptError(f"--report {value}: folder {p.absolute().parent} does not exist")
-        if p.is_dir():
-            raise CkptError(f"--report {value}: is a folder (name a .json file)")
-        _STATE.update(path=p, command=ctx.command_path.split(" ", 1)[-1])
+        label = f"--report {value}"
+        _check(p, label)
+        _STATE.update(path=p, label=label, command=ctx.command_path.split(" ", 1)[-1])
+        OTHER_WRITES[p.absolute()] = "the --report file"
     return value
 
 
-REPORT = click.option("--report", "report_file", metavar="FILE.json", expose_value=False, callback=_remember,
-                      is_eager=True, help="Also write what the command did (inputs, output, notes, warnings, "
-                                          "counts, every unmatched key...) as one JSON object, also on errors.")
+def _check_arguments(kwargs: dict) -> None:
+    """Before the command runs: the report is none of the paths it was given (an input, --config,
+    --base, ...; nor inside an input folder) and not `-o` itself (inside an output folder is refused by
+    `ckpt.io.output.check_target`, once the output path is known)."""
+    path = _STATE.get("path")
+    if path is None:
+        return
+    label = _STATE["label"]
+    out = kwargs.get("out")
+    given = []
+    for name, value in kwargs.items():
+        if name == "out":
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, str) and v:
+                given.append(v)
+    try:
+        if out and Path(out).expanduser().absolute().resolve() == path.absolute().resolve():
+            raise CkptError(f"{label}: is the output (-o {out}); name another file for the report")
+        check_not_input(path, label, given)
+    except CkptError:
+        OTHER_WRITES.pop(path.absolute(), None)  # a refused report path is not written, not even the error
+        raise
+
+
+def REPORT(f):
+    """The `--report FILE.json` option; the command's own paths are checked against it before it runs."""
+
+    @functools.wraps(f)
+    def checked(*args, **kwargs):
+        _check_arguments(kwargs)
+        return f(*args, **kwargs)
+
+    return click.option("--report", "report_file", metavar="FILE.json", expose_value=False, callback=_remember,
+                        is_eager=True,
+                        help="Also write what the command did (inputs, output, notes, warnings, counts, every "
+                             "unmatched key...) as one JSON object, also on errors. FILE is new or a previous "
+                             "ckpt report; never an input, the output, or a file ckpt did not write.")(checked)
 
 
 def reset(argv) -> None:
+    path = _STATE.get("path")
+    if path is not None:
+        OTHER_WRITES.pop(path.absolute(), None)
     _STATE.clear()
     _STATE["argv"] = list(argv) if argv is not None else None
 
@@ -67,9 +123,10 @@ def record(report=None, *, inputs=(), output=None, status: str | None = None, **
 
 
 def finish(exit_code: int, error: str | None = None, report=None) -> None:
-    """Write the report file, if --report was given. A report that cannot be written is a CkptError."""
+    """Write the report file, if --report was given. A report that cannot be written is a
+    ReportNotWritten (exit 3: the command's own work stands; see README "--report")."""
     path = _STATE.get("path")
-    if path is None:
+    if path is None or OTHER_WRITES.pop(path.absolute(), None) is None:  # none, or the path was refused
         return
     report = report if report is not None else _STATE.get("report")
     import sys
@@ -92,10 +149,17 @@ def finish(exit_code: int, error: str | None = None, report=None) -> None:
         data.update(report.facts())
     data.update(_STATE.get("facts", {}))
     _STATE.pop("path")
+    label = _STATE.get("label", f"--report {path}")
+    done = "" if error is not None else "; the command itself succeeded" + (
+        f" and wrote {data['output']}" if data["output"] and data["status"] == "ok" else "")
     tmp = path.absolute().parent / f".{path.name}.ckpt-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _check(path, label)  # again: something may have appeared at the path while the command ran
+    except CkptError as e:
+        raise ReportNotWritten(f"{e}{done}") from None
     try:
         tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False, default=str) + "\n")
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise CkptError(f"--report {path}: cannot write ({e.strerror or e})") from None
+        raise ReportNotWritten(f"{label}: cannot write it ({e.strerror or e}){done}") from None

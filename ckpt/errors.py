@@ -14,3 +14,10 @@ class CkptError(Exception):
 def file_error(path, problem: str) -> CkptError:
     """An error about one input file, worded `PATH: problem`."""
     return CkptError(f"{path}: {problem}")
+
+
+class ReportNotWritten(CkptError):
+    """The command did its work (its output, if any, is published and stays), but the `--report` file
+    could not be written: exit code 3, so a script never reads it as "exit 2, nothing written"."""
+
+    exit_code = 3

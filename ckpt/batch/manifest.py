@@ -24,9 +24,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ckpt.errors import CkptError
+from ckpt.io.side_files import check_side_file, head
 
 NAME = "ckpt-batch.jsonl"  # in OUTDIR
 HIDDEN_NAME = ".ckpt-batch.jsonl"  # beside the inputs when there is no OUTDIR: hidden, so never a sidecar
+
+
+def is_manifest(path: Path) -> bool:
+    """Empty (created, nothing recorded yet), or its first line is one of our JSON records."""
+    first = head(path, 4096)
+    if not first.strip():
+        return True
+    try:
+        d = json.loads(first.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(d, dict) and {"input", "operation", "status"} <= set(d)
 
 
 @dataclass
@@ -48,6 +61,8 @@ class Manifest:
         self.path = Path(path)
         self.records: dict[tuple[str, str], Record] = {}
         self._fh = None
+        # appended to in place: the side-file rules (a regular file ckpt wrote, or new; a writable folder)
+        check_side_file(self.path, str(self.path), "ckpt batch manifest", is_manifest, check_folder=False)
         if self.path.exists():
             self._read()
 

@@ -21,8 +21,10 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.pipeline import BandPipeline
 from ckpt.io.plan import OutTensor, Plan, name_single_file
-from ckpt.io.publish import Staging, missing_parents
+from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
+from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
 from ckpt.io.writer import SafetensorsWriter
+from ckpt.report import plural
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
@@ -34,11 +36,13 @@ def _exists(out: Path) -> bool:
 
 
 def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bool | None = None,
-                 dry_run: bool = False) -> None:
-    """Refuse an OUT that is, contains or replaces an input, or lies inside an input folder; that exists
+                 dry_run: bool = False, planned: set[str] | None = None) -> None:
+    """Refuse an OUT that is, contains or replaces an input, or lies inside an input folder; that is or
+    holds another file this run writes (the --report file, `ckpt.io.publish.OTHER_WRITES`); that exists
     (without --overwrite; a dry run only reports it, see `target_state`); that is a folder a single file
-    would replace; or whose nearest existing parent is not a writable folder. Missing parent folders are
-    fine: `execute` creates them."""
+    would replace, or a folder holding files ckpt did not write and the new output (`planned` relpaths)
+    does not rewrite (`ckpt.io.previous_output`); or whose nearest existing parent is not a writable
+    folder. Missing parent folders are fine: `execute` creates them."""
     out_r = out.resolve()
     resolved = [(Path(p), Path(p).resolve()) for p in inputs]
     for p, p_r in resolved:
@@ -47,11 +51,24 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
     for p, p_r in resolved:
         if p_r in out_r.parents and p.is_dir():
             raise CkptError(f"{out}: is inside the input folder {p}; choose an output outside it")
+    for p, what in list(OTHER_WRITES.items()):
+        p_r = p.resolve()
+        if p_r == out_r or out_r in p_r.parents:
+            del OTHER_WRITES[p]  # refused: it is not written either (the --report file is written only if listed)
+            raise CkptError(f"{out}: would replace {what} ({p}); name another output or report")
     if _exists(out):
         if not overwrite and not dry_run:
             raise CkptError(f"{out}: already exists (pass --overwrite to replace it)")
         if single_file and out.is_dir() and not out.is_symlink():
             raise CkptError(f"{out}: is a folder; refusing to replace it with a single file (name a file)")
+        if not single_file and out.is_dir() and not out.is_symlink():
+            foreign = foreign_files(out, planned or set())
+            if foreign:
+                shown = ", ".join(foreign[:MAX_LISTED]) + (f", ... ({len(foreign) - MAX_LISTED} more)"
+                                                           if len(foreign) > MAX_LISTED else "")
+                raise CkptError(f"{out}: holds {plural(len(foreign), 'file')} ckpt did not write and the new "
+                                f"output does not replace ({shown}); refusing to delete "
+                                f"{'it' if len(foreign) == 1 else 'them'} (move them, or name another -o)")
     missing = missing_parents(out)
     home = missing[0].parent if missing else out.absolute().parent
     if not home.is_dir():
@@ -81,7 +98,7 @@ def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fa
     out = Path(out)
     name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
-    check_target(out, inputs, overwrite, plan.single_file, dry_run)
+    check_target(out, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan))
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
     missing = missing_parents(out)
     free = shutil.disk_usage(missing[0].parent if missing else out.absolute().parent).free

@@ -37,6 +37,11 @@ from ckpt.interrupts import signals_deferred
 
 PUBLISHED: list[Path] = []  # every output this process published, in order
 
+# Files this run writes besides its output (the --report file, a batch manifest): absolute path -> what
+# it is. `ckpt.io.output.check_target` refuses an output that is, or holds, one of them, so a report can
+# never be swapped away with (or written into) the temp output that replaces it.
+OTHER_WRITES: dict[Path, str] = {}
+
 # `.NAME.ckpt-tmp-PID-8hex` (a temp output) and `.NAME.ckpt-old-PID-8hex` (a replaced output being removed)
 _TEMP_TAIL = re.compile(r"ckpt-(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
 
