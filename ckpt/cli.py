@@ -9,7 +9,7 @@ import sys
 import click
 
 from ckpt import __version__
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, ReportNotWritten
 from ckpt.interrupts import load
 from ckpt.io.hub import check_lora, check_source
 from ckpt.report import Report
@@ -209,10 +209,11 @@ def _dispatch(argv, handler: _Signals, since: int) -> None:
         handler.active = False
         finish_report(0)  # --report FILE.json (a failure to write it is the CkptError below)
     except CkptError as e:
-        try:
-            finish_report(e.exit_code, str(e), getattr(e, "report", None))
-        except CkptError:  # the command's own error is the one line to print
-            pass
+        if not isinstance(e, ReportNotWritten):  # else the command succeeded and only its report failed
+            try:
+                finish_report(e.exit_code, str(e), getattr(e, "report", None))
+            except CkptError:  # the command's own error is the one line to print
+                pass
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):

@@ -19,6 +19,7 @@ from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
+from ckpt.io.previous_output import is_previous_output, planned_relpaths
 from ckpt.io.tensors import Tensor
 from ckpt.progress import progress_bar
 from ckpt.report import Report, plural
@@ -114,13 +115,18 @@ def tagged(name: str, tag: str) -> str:
 
 
 def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
-    """-o as given, or the derived default. `-o folder` (an existing folder, or any path ending in "/")
-    for a one-file output puts the file in that folder under the default name (a missing folder is
-    created, like any missing parent of -o)."""
+    """-o as given, or the derived default. One rule for `-o` naming an existing folder, whatever the
+    command (ckpt.io.previous_output): the output goes inside it under the default name, unless the
+    output is a folder and that folder is a previous ckpt output (then it is the output itself, which
+    --overwrite replaces). `-o path/` (ending in "/") for a one-file output also means "inside" (a missing
+    folder is created, like any missing parent of -o)."""
     if not out:
         return derived
     p = Path(out).expanduser()
-    if plan.single_file and ((p.is_dir() and not p.is_symlink()) or str(out).endswith(("/", os.sep))):
+    is_dir = p.is_dir() and not p.is_symlink()
+    if plan.single_file and (is_dir or str(out).endswith(("/", os.sep))):
+        return p / derived.name
+    if not plan.single_file and is_dir and not is_previous_output(p, planned_relpaths(plan)):
         return p / derived.name
     return p
 
