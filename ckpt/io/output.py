@@ -23,6 +23,7 @@ from ckpt.io.pipeline import BandPipeline
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
+from ckpt.io.side_files import check_not_input
 from ckpt.io.writer import SafetensorsWriter
 from ckpt.report import plural
 
@@ -44,13 +45,7 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
     does not rewrite (`ckpt.io.previous_output`); or whose nearest existing parent is not a writable
     folder. Missing parent folders are fine: `execute` creates them."""
     out_r = out.resolve()
-    resolved = [(Path(p), Path(p).resolve()) for p in inputs]
-    for p, p_r in resolved:
-        if p_r == out_r or out_r in p_r.parents:
-            raise CkptError(f"{out}: refusing to write over an input ({p})")
-    for p, p_r in resolved:
-        if p_r in out_r.parents and p.is_dir():
-            raise CkptError(f"{out}: is inside the input folder {p}; choose an output outside it")
+    check_not_input(out, str(out), inputs)
     for p, what in list(OTHER_WRITES.items()):
         p_r = p.resolve()
         if p_r == out_r or out_r in p_r.parents:

@@ -90,18 +90,22 @@ def _read_only(path: Path) -> bool:
 
 
 def check_not_input(path: Path, label: str, inputs) -> None:
-    """Refuse a side file that is one of `inputs` (paths as given; missing ones are skipped) or lies
-    inside an input folder: inputs are never written, and a folder input never gains a file."""
+    """Refuse a path ckpt would write that is one of `inputs` (paths as given; missing ones are skipped),
+    holds one (a folder output around an input), or lies inside an input folder: inputs are never
+    written, and a folder input never gains a file. The output (`ckpt.io.output.check_target`) and the
+    side files share this check."""
     p = Path(path).expanduser().absolute().resolve()
+    resolved = []
     for given in inputs:
         q = Path(given).expanduser()
         try:
-            if not (q.exists() or q.is_symlink()):
-                continue
-            q_r = q.resolve()
+            if q.exists() or q.is_symlink():
+                resolved.append((given, q, q.resolve()))
         except OSError:
             continue
-        if p == q_r:
-            raise CkptError(f"{label}: is an input ({given}); refusing to write over it")
-        if q_r in p.parents:
+    for given, q, q_r in resolved:
+        if q_r == p or p in q_r.parents:
+            raise CkptError(f"{label}: refusing to write over an input ({given})")
+    for given, q, q_r in resolved:
+        if q_r in p.parents and q.is_dir():
             raise CkptError(f"{label}: is inside the input folder {given}; choose a path outside it")
