@@ -9,8 +9,15 @@ before anything is written, naming the keys.
 
 Outputs: `--layout diffusers` writes a diffusers model folder (`config.json` derived from the shapes and
 the family's CONVENTIONS, or taken from `--config REF`; `diffusion_pytorch_model.safetensors`, sharded with
-an index past `--max-shard-size`); `--layout original` writes one safetensors file with the reference
-model's keys (no `model.diffusion_model.`/`model.model.` prefix: ComfyUI and the reference code load bare keys).
+an index past `--max-shard-size`, by default past diffusers' own `save_pretrained` limit); `--layout original`
+writes one safetensors file with the reference model's keys (no `model.diffusion_model.`/`model.model.`
+prefix: ComfyUI and the reference code load bare keys).
+
+A layout is names *and* a container: the original layout is one file, the diffusers layout a model folder
+with its config.json. So a conversion is a no-op only when the input already has both; names already right
+(a family with one naming, Qwen-Image and HiDream, whose files use diffusers' names; or a diffusers-named
+single file) make the correspondence the identity, and the rest (prefix, config, sharding) is the same
+path. A LoRA is not a model: it is refused with the command that converts LoRAs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
 from ckpt.report import plural
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
+# diffusers' ModelMixin.save_pretrained(max_shard_size="10GB"), decimal as huggingface_hub counts: a folder
+# written here is sharded as diffusers itself would write it unless --max-shard-size says otherwise.
+DIFFUSERS_MAX_SHARD = 10 * 10**9
 SHOW = 8
 
 
@@ -105,12 +115,34 @@ def _one(name: str, pieces: list[Tensor]) -> Tensor:
         raise CkptError(str(e)) from None
 
 
+def one_naming(family: Family) -> bool:
+    """A family whose only naming is diffusers' (Qwen-Image, HiDream): its original single files hold the
+    same names, so its two layouts differ in the container alone. (Families whose one naming is None, T5 or
+    language models, have no diffusers model folder to write.)"""
+    return family.pairs is None and set(family.layouts) == {DIFFUSERS}
+
+
+def correspondence(family: Family, shapes, src: str, dst: str) -> list[Pair]:
+    """The Pairs from layout `src` to `dst` of the keys in `shapes`: the family's table, or the identity where
+    the names are already `dst`'s (one naming, or a diffusers-named single file made a folder). The identity
+    keeps only keys the family's table knows in that layout, where it has one, so a stray tensor is still
+    refused as having no counterpart. (Not the family's `pairs`: those say which names a model has, which
+    LoRA tools read; an identity over whatever keys are given would claim every name.)"""
+    if one_naming(family):
+        return [Pair(k, k) for k in shapes]
+    if src != dst:
+        return family.pairs(shapes, src)
+    side = (lambda p: p.original) if src == ORIGINAL else (lambda p: p.diffusers)
+    known = {side(p) for p in family.pairs(shapes, src)}
+    return [Pair(k, k) for k in shapes if k in known]
+
+
 def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> tuple[dict[str, Tensor], list[str]]:
     """The tensors of layout `dst` made from `tensors` (keys in layout `src`, file prefix stripped), and
     the keys dropped because they exist in `src` only. Raises CkptError before anything is read when a
     tensor has no counterpart or a fused tensor is incomplete."""
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
-    pairs = family.pairs(shapes, src)
+    pairs = correspondence(family, shapes, src, dst)
     covered: set[str] = set()
     dropped: list[str] = []
     out: dict[str, Tensor] = {}
@@ -163,14 +195,48 @@ def _strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
     return dict(tensors), ""
 
 
+def _convertible(f: Family) -> bool:
+    return bool(f.pairs and len(f.layouts) > 1) or one_naming(f)
+
+
 def _match(tensors: dict[str, Tensor], where) -> families.Match:
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     m = families.detect(shapes, shapes)
-    if m is None or m.family.pairs is None or m.layout is None:
-        what = f"{m.label}, which has one naming" if m is not None else "no known model family"
+    if m is None or m.layout is None or not _convertible(m.family):
+        what = f"{m.label}, which has no diffusers model folder" if m is not None else "no known model family"
         raise CkptError(f"{where}: {what} (keys such as {_listed(tensors, 4)}); --layout converts "
-                        + ", ".join(f.family_id for f in families.all_families() if f.pairs and len(f.layouts) > 1))
+                        + ", ".join(f.family_id for f in families.all_families() if _convertible(f)))
     return m
+
+
+def _container(ckpt, comp) -> str:
+    """The layout the input's container is: a diffusers model folder (a config.json naming a class, or
+    weights named `diffusion_pytorch_model*`) is the diffusers one; a file or a set of shards is original."""
+    if ckpt.kind == "file":
+        return ORIGINAL
+    if isinstance(comp.config, dict) and "_class_name" in comp.config:
+        return DIFFUSERS
+    return DIFFUSERS if all(f.relpath.startswith(DIFFUSERS_STEM) for f in comp.files) else ORIGINAL
+
+
+def _refuse_lora(ckpt, layout: str) -> None:
+    """A LoRA passed to --layout matches a family by its module names and then fails on every factor key;
+    say what it is instead, with the command that converts a LoRA's naming (inspect's and merge-lora's
+    rule decides what a LoRA is)."""
+    from ckpt.merge.command import _looks_like_lora
+
+    if not _looks_like_lora(ckpt):
+        return
+    import shlex
+
+    names = sorted(n for c in ckpt.components for n in c.tensors)
+    example = next((n for n in names if not n.endswith(".alpha")), names[0])
+    # the LoRA namings whose module names are the layout's: diffusers', ComfyUI's (the original names)
+    fmt = "diffusers" if layout == DIFFUSERS else "comfy"
+    others = ", ".join(f for f in ("kohya", "peft", "diffusers", "comfy") if f != fmt)
+    raise CkptError(f"{ckpt.spec} is a LoRA, not a model ({plural(len(names), 'key')} such as {example}): --layout "
+                    f"converts a model's weights; convert a LoRA with `ckpt lora convert {shlex.quote(ckpt.spec)} "
+                    f"--format {fmt}` (or {others}); nothing was written")
 
 
 def load_config_ref(ref: str) -> dict:
@@ -201,6 +267,7 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
     output tensor into OutTensors (the dtype choice)."""
     if layout not in (DIFFUSERS, ORIGINAL):
         raise CkptError(f"--layout {layout}: choose diffusers or original")
+    _refuse_lora(ckpt, layout)
     from ckpt.convert import pipeline
 
     kind = pipeline.pipeline_kind(ckpt)
@@ -220,21 +287,28 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
         raise CkptError(f"{ckpt.path}: --layout converts one model (a single file, a sharded set or a model "
                         f"folder); this holds {len(ckpt.components)} ({', '.join(c.subdir or '.' for c in ckpt.components)})")
     comp, view = ckpt.components[0], views[0]
-    tensors, _prefix = _strip_prefix(view.tensors)
+    tensors, prefix = _strip_prefix(view.tensors)
     m = _match(tensors, comp.where)
-    if m.layout == layout:
-        raise CkptError(f"{comp.where}: already in the {layout} layout ({m.label})")
+    container = _container(ckpt, comp)
+    # the names' layout; one naming serves both, so the container says which one the input is in
+    src = container if one_naming(m.family) else m.layout
+    if src == layout and container == layout:
+        where, held = (comp.where, "one file") if layout == ORIGINAL else (ckpt.path, "a diffusers model folder")
+        raise CkptError(f"{where}: already in the {layout} layout ({m.label}, {held}); nothing to convert")
     if layout == DIFFUSERS and file_format != "safetensors":
         raise CkptError("--layout diffusers writes safetensors (diffusers model folders hold no torch pickles)")
-    out, dropped = relayout(tensors, m.family, m.layout, layout)
+    out, dropped = relayout(tensors, m.family, src, layout)
     metadata = {k: v for f in comp.files for k, v in f.metadata.items() if k not in view.drop_metadata}
     metadata.setdefault("format", "pt")
     metadata.update(provenance(operation))
     outs = [o for t in out.values() for o in make(t)]
-    notes = list(view.notes) + [f"{m.label} -> {layout} layout: {plural(len(out), 'tensor')} from {len(tensors):,}"]
+    same = src == layout or one_naming(m.family)
+    notes = list(view.notes) + [f"{m.label} -> {layout} layout: {plural(len(out), 'tensor')} from {len(tensors):,}"
+                                + (" (the same names)" if same else "")
+                                + (f", without the file's {prefix!r} prefix" if prefix else "")]
     if dropped:
         one = len(dropped) == 1
-        notes.append(f"{plural(len(dropped), 'tensor')} {'exists' if one else 'exist'} in the {m.layout} layout only "
+        notes.append(f"{plural(len(dropped), 'tensor')} {'exists' if one else 'exist'} in the {src} layout only "
                      f"and {'is' if one else 'are'} not written: {_listed(dropped)}")
     if layout == ORIGINAL:
         if max_shard_size is None:
@@ -260,8 +334,9 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
             why = str(e) if isinstance(e, ConventionError) else f"tensor {e} is missing"
             raise CkptError(f"{comp.where}: cannot derive the diffusers config.json ({why}); pass --config REF "
                             "(a diffusers config.json, model folder or hub id)") from None
-    files, index = shard(outs, max_shard_size, DIFFUSERS_STEM) if max_shard_size else (
-        {f"{DIFFUSERS_STEM}.safetensors": outs}, None)
+        notes.append(f"config.json derived from the shapes; what no weight holds follows the {m.family.label} "
+                     "releases (pass --config REF for a model that differs)")
+    files, index = shard(outs, max_shard_size or DIFFUSERS_MAX_SHARD, DIFFUSERS_STEM)
     plan = Plan(single_file=False, files=[OutFile(fn, dict(metadata), ts) for fn, ts in files.items()])
     if index is not None:
         plan.indexes[f"{DIFFUSERS_STEM}.safetensors.index.json"] = index
