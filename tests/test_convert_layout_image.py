@@ -1,5 +1,6 @@
 """`ckpt convert --layout` facts of the image families beyond tests/test_convert_layout.py's round trips:
-the original files' unused `norm_final.weight` (Lumina 2, Z-Image), and the families with one naming."""
+the original files' unused `norm_final.weight` (Lumina 2, Z-Image). The families with one naming (HiDream,
+Qwen-Image), whose --layout changes only the container: tests/test_convert_layout_container.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import original_from_pairs, state_dict, tiny_hidream, tiny_lumina2, tiny_qwen_image, \
-    tiny_z_image, with_constants
+from families_util import original_from_pairs, state_dict, tiny_lumina2, tiny_z_image, with_constants
 from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
@@ -46,18 +46,6 @@ def _config(tmp_path, make):
     """The tiny model's own config (its head size is not a release's, so no convention applies)."""
     make().save_config(tmp_path / "cfg")
     return tmp_path / "cfg" / "config.json"
-
-
-@pytest.mark.parametrize("make", [tiny_hidream, tiny_qwen_image], ids=["hidream", "qwen_image"])
-def test_one_naming_families_are_refused(tmp_path, run_ckpt, make):
-    """HiDream and Qwen-Image files already use diffusers' names: there is no other layout to convert to."""
-    sd = state_dict(make())
-    save_file({"model.diffusion_model." + k: v for k, v in sd.items()}, tmp_path / "m.safetensors")
-    for layout in ("diffusers", "original"):
-        code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--layout", layout, "-o", tmp_path / "o")
-        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-        assert "one naming" in err, err
-        assert not (tmp_path / "o").exists()
 
 
 def test_config_conventions_refuse_unknown_head_sizes(tmp_path, run_ckpt):
