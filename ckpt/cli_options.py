@@ -1,16 +1,106 @@
 """Click options shared by the single commands and `ckpt batch`, defined once so both spell and
-document them the same way."""
+document them the same way; the checks of the paths and sizes they take, made as the command line is
+read (before torch is imported, before any input is opened); and the command classes that make click's
+usage errors one `error: ...` line."""
 
 from __future__ import annotations
 
 import click
 
+from ckpt.errors import CkptError
+
+
+class OneLine:
+    """Turns click's usage errors (a missing argument, an unknown option, a value not in a choice) into a
+    CkptError, printed as one line `error: ckpt batch convert: ...` with exit 2 by ckpt.cli.main, like
+    every other bad input, instead of click's usage block and `Error: ...`."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # a group alone: its help text, as `ckpt` alone prints it
+        except click.UsageError as e:
+            raise CkptError(f"{command_path(info_name, parent)}: {' '.join(e.format_message().split())}") from None
+
+
+def command_path(info_name, parent) -> str:
+    path = [info_name]
+    while parent is not None:
+        path.insert(0, parent.info_name)
+        parent = parent.parent
+    return " ".join(p for p in path if p)
+
+
+class OneLineCommand(OneLine, click.Command):
+    pass
+
+
+class OneLineGroup(OneLine, click.Group):
+    """A group whose subcommands are OneLineCommands, and whose unknown subcommand is one line too."""
+
+    command_class = OneLineCommand
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise CkptError(f"{ctx.command_path}: {' '.join(e.format_message().split())}") from None
+
+
+def check_size(ctx, param, value):
+    """--max-shard-size: a number with a unit (`ckpt.io.plan.parse_size`), refused as it is read; the text
+    itself is passed on (the commands' options hold it as given)."""
+    if value is not None:
+        from ckpt.io.plan import parse_size
+
+        parse_size(value, f"--{param.name.replace('_', '-')}")
+    return value
+
+
+def check_source_option(ctx, param, value):
+    """An option naming a checkpoint that is local or a hub id (--shapes-from, --config): a folder on the way
+    that cannot be entered is "permission denied", a local-looking path that is missing "no such file"."""
+    if value is not None:
+        from ckpt.io.hub import check_source
+
+        check_source(value, f"{param.opts[0]} ")
+    return value
+
+
+def check_local_input(ctx, param, value):
+    """A path that must exist here (batch FOLDER, --lora, --base): "permission denied" for a folder on the
+    way that cannot be entered or an input that cannot be read; a missing one is left to the command."""
+    if value is not None:
+        from ckpt.io.hub import check_readable, local_path
+
+        what = "" if param.param_type_name == "argument" else f"{param.opts[0]} "
+        p = local_path(value, what)
+        if p is not None:
+            check_readable(p, what)
+    return value
+
+
+def check_output(ctx, param, value):
+    """-o (and --csv): "permission denied" when a folder on the way cannot be entered or the place the
+    output goes takes no new file, before anything is read or written."""
+    if value is not None:
+        from ckpt.io.hub import check_writable
+
+        check_writable(value, f"{param.opts[0]} ")
+    return value
+
 DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
                       help="Where the math runs; every operand of an operation is on this device.")
 QUIET = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no notes (warnings still print).")
 OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace an existing output (never an input).")
-MAX_SHARD_SIZE = click.option("--max-shard-size",
-                              help='Shard the output, e.g. "5GB" (5e9 bytes). Default: keep the input layout.')
+SIZE_HELP = ("a number with a unit: KB, MB, GB, TB (powers of 1000, as huggingface_hub counts), KiB, MiB, GiB, TiB "
+             "(powers of 1024) or B, in any case; a number alone is refused")
+MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE", callback=check_size,
+                              help=f'Shard the output, e.g. "5GB" (5e9 bytes): {SIZE_HELP}. '
+                                   "Default: keep the input layout.")
+BATCH_MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE", callback=check_size,
+                                    help=f'Shard each output, e.g. "5GB": {SIZE_HELP}.')
 FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
                       help="Output file format: safetensors, or torch (the zip torch.save writes, e.g. LitGPT's "
                            "lit_model.pth). Default: from -o's suffix (.pth/.pt/.bin/.ckpt = torch), else safetensors.")
@@ -39,7 +129,7 @@ CONVERT_TO_HELP = ("Target dtype of floating tensors, or a ComfyUI quantized for
 DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),
                           help="Output dtype of floating tensors (default: each weight's original dtype, "
                                "the scale's dtype).")
-SHAPES_FROM = click.option("--shapes-from", metavar="REF",
+SHAPES_FROM = click.option("--shapes-from", metavar="REF", callback=check_source_option,
                            help="Local checkpoint or hub id whose headers give the original shapes.")
 QTYPE = click.option("--qtype", type=click.Choice(["qint8", "qint4", "qint2", "qfloat8", "qfloat8_e4m3fn",
                                                    "qfloat8_e5m2", "qfloat8_e4m3fnuz", "int8", "int4", "int2",

@@ -73,14 +73,26 @@ def file_ext(fmt: str) -> str:
     return ".pth" if fmt == "torch" else ".safetensors"
 
 
+FOLDER_FORMAT_TAGS = {".pth": "torch"}  # default_output: a folder output's format, named (safetensors: untagged)
+
+
 def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: str = ".safetensors") -> Path:
     """Where the output goes when -o is not given, named after SRC with `-{suffix}`:
     `x.safetensors` / `x.ckpt` -> `x-fp16.safetensors` beside it (`x-fp16/` when the output is a
     folder); a folder `d` (or an index file in `d`) -> `d-fp16/` beside it; a hub id -> `./name-fp16`
     (`./name-sub-fp16` for a subfolder) in the current folder, never inside the hub cache. A name
-    starting with "checkpoint" takes the suffix in front instead (`fp16-checkpoint-500/`, see `tagged`)."""
+    starting with "checkpoint" takes the suffix in front instead (`fp16-checkpoint-500/`, see `tagged`).
+
+    The name carries what tells two outputs of SRC apart, so that runs differing only in that never meet
+    at one default name ("already exists"): the target (in `suffix`) and the format. A file's format is
+    its extension (`x-fp16.safetensors`, `x-fp16.pth`, `x-Q8_0.gguf`); a folder has none, so a folder in
+    torch format is tagged (`d-fp16-torch/` beside `d-fp16/`)."""
+    if folder and ext != ".safetensors":
+        suffix = f"{suffix}-{FOLDER_FORMAT_TAGS.get(ext, ext.lstrip('.'))}"
+    from ckpt.io.hub import local_path
+
     p = Path(src).expanduser()
-    if not p.exists():  # hub id: name it after the repo (and subfolder), write it here
+    if local_path(src) is None:  # hub id: name it after the repo (and subfolder), write it here
         from ckpt.io.hub import parse_repo_spec
 
         repo, _, sub = parse_repo_spec(src)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli_options import ALLOW_UNMATCHED, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, MERGE_TO, QTYPE, SHAPES_FROM
+from ckpt.cli_options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE,
+                              MERGE_TO, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
 from ckpt.report import plural
@@ -34,7 +35,8 @@ def _executor_options(f):
                           "Kubernetes, GNU parallel) and record them as started; run nothing.")(f)
     f = click.option("--ray-address", metavar="ADDR", expose_value=False, callback=_remember,
                      help="With --executor ray: the cluster (as ray.init takes it; default: RAY_ADDRESS, else "
-                          "a cluster started on this machine, else a local instance).")(f)
+                          "a cluster started on this machine, else a local instance). Given up on after "
+                          "CKPT_RAY_TIMEOUT seconds (default 30) without an answer.")(f)
     f = click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
                      expose_value=False, callback=_remember,
                      help="Where jobs run: worker processes here, or one Ray task each (pip install 'ckpt[ray]').")(f)
@@ -52,11 +54,11 @@ def _batch_options(f):
                           "free RAM); with --executor ray: at most N tasks at once (default: what the cluster holds).")(f)
     f = click.option("--glob", "pattern", metavar="PATTERN",
                      help='Only checkpoints whose name, or a folder above them, matches (e.g. "checkpoint-*").')(f)
-    f = click.argument("folder", type=click.Path(path_type=Path))(f)
+    f = click.argument("folder", type=click.Path(path_type=Path), callback=check_local_input)(f)
     return f
 
 
-OUTDIR = click.option("-o", "--output", "outdir", type=click.Path(path_type=Path),
+OUTDIR = click.option("-o", "--output", "outdir", type=click.Path(path_type=Path), callback=check_output,
                       help="Output folder mirroring FOLDER's tree (default: beside each input, default names). "
                            "Holds the manifest ckpt-batch.jsonl.")
 
@@ -108,7 +110,7 @@ def _run(op_name: str, params: dict, folder, outdir, pattern, jobs, dry_run, ove
         click.echo(f"note: no checkpoints found under {folder}", err=True)
 
 
-@click.group()
+@click.group(cls=OneLineGroup)
 def batch():
     """Run one operation over every checkpoint under FOLDER (resumable: see the manifest)."""
 
@@ -120,7 +122,7 @@ def batch():
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype.")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
-@click.option("--max-shard-size", help='Shard each output, e.g. "5GB".')
+@BATCH_MAX_SHARD_SIZE
 @DEVICE
 def convert_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, keep, clamp, scaled, max_shard_size,
                 device):
@@ -131,7 +133,7 @@ def convert_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, ke
 
 @batch.command("inspect")
 @_batch_options
-@click.option("--csv", "csv", type=click.Path(path_type=Path), help="Write one row per checkpoint to this CSV file.")
+@click.option("--csv", "csv", type=click.Path(path_type=Path), callback=check_output, help="Write one row per checkpoint to this CSV file.")
 @click.option("--scan", is_flag=True, help="Also read every value and count NaN/Inf (slower).")
 def inspect_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, csv, scan):
     """`ckpt inspect` on every checkpoint under FOLDER; a summary table, or a CSV with --csv."""
@@ -146,7 +148,7 @@ def inspect_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, csv, scan):
 @DEQUANT_TO
 @SHAPES_FROM
 @QTYPE
-@click.option("--max-shard-size", help='Shard each output, e.g. "5GB".')
+@BATCH_MAX_SHARD_SIZE
 @DEVICE
 def dequant_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, shapes_from, qtype, max_shard_size,
                 device):
@@ -158,8 +160,8 @@ def dequant_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, sh
 @batch.command("merge-lora")
 @_batch_options
 @OUTDIR
-@click.option("--lora", type=click.Path(path_type=Path), help="Merge this LoRA into every base under FOLDER.")
-@click.option("--base", type=click.Path(path_type=Path), help="Merge every LoRA under FOLDER into this base.")
+@click.option("--lora", type=click.Path(path_type=Path), callback=check_local_input, help="Merge this LoRA into every base under FOLDER.")
+@click.option("--base", type=click.Path(path_type=Path), callback=check_local_input, help="Merge every LoRA under FOLDER into this base.")
 @click.option("--ratio", type=float, default=None, help="Strength of the LoRA (default 1.0).")
 @MERGE_TO
 @ALLOW_UNMATCHED

@@ -63,10 +63,14 @@ def _entries(d: Path) -> tuple[list[Path], list[Path]]:
     for p in children:
         if p.name.startswith("."):
             continue
-        if p.is_dir():
-            dirs.append(p)
-        elif p.is_file():
-            files.append(p)
+        try:  # a folder that may be listed but not entered (mode r without x) raises here, not above
+            if p.is_dir():
+                dirs.append(p)
+            elif p.is_file():
+                files.append(p)
+        except OSError as e:
+            why = "permission denied (cannot enter it)" if isinstance(e, PermissionError) else (e.strerror or str(e))
+            raise CkptError(f"{d}: {why}") from None
     return files, dirs
 
 

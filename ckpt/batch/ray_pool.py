@@ -15,6 +15,12 @@ removed by the driver once its process is provably gone. Ray delivers the cancel
 `_thread.interrupt_main()`, not a signal: `ckpt.interrupts.signals_deferred` holds it back all the same
 while a task publishes or removes its temp output.
 
+Connecting is bounded (CKPT_RAY_TIMEOUT seconds, default 30): an explicit address (--ray-address or
+RAY_ADDRESS) is first probed with a plain TCP connection, so "nothing listens there" is one line at once;
+Ray's own connection timeouts are set (before ray is imported) so that one attempt fits the budget, and
+Ray retries that attempt once, not 20 times (~14 minutes). Ray's core prints its retries straight to
+stderr: that output is held while connecting, and shown only if the connection succeeds.
+
 Ray is imported only here, and only with `--executor ray` (an optional extra: `pip install ckpt[ray]`).
 """
 
@@ -24,6 +30,8 @@ import contextlib
 import glob
 import os
 import signal
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -36,15 +44,99 @@ INSTALL_HINT = "--executor ray needs Ray: pip install 'ckpt[ray]' (or pip instal
 POLL_S = 0.2  # ray.wait timeout: a Ctrl-C is delivered between polls
 STOP_TIMEOUT_S = 60  # how long cancelled tasks get to remove their temp outputs before they are killed
 KILL_TIMEOUT_S = 20  # how long a killed task's worker gets to be gone (its temp output removed then)
+TIMEOUT_ENV = "CKPT_RAY_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 30.0  # how long reaching a Ray cluster may take before the batch is refused
+
+
+def connect_timeout() -> float:
+    """CKPT_RAY_TIMEOUT in seconds (default 30)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        t = float(text)
+        assert 0 < t < float("inf")
+    except (ValueError, AssertionError):
+        raise CkptError(f"{TIMEOUT_ENV}={text}: not a positive number of seconds") from None
+    return t
+
+
+def _ray_timeouts(timeout: float) -> dict[str, str]:
+    """Ray's core timeouts for one attempt to reach a cluster's GCS within `timeout`: two connects (GCS and
+    its pubsub) and the wait for the cluster id. Ray's core reads them once, as ray is imported."""
+    connect = max(1, min(5, int(timeout // 6)))
+    return {"RAY_gcs_rpc_server_connect_timeout_s": str(connect),
+            "RAY_py_gcs_connect_timeout_s": str(max(1, int(timeout) - 2 * connect - 3))}
 
 
 def require():
-    """The ray module, or a one-line CkptError saying how to install it."""
+    """The ray module, or a one-line CkptError saying how to install it. Imported with Ray's connection
+    timeouts bounded (`_ray_timeouts`; a user's own RAY_* settings win); they are set for the import only,
+    so the processes of a local instance started later keep Ray's defaults."""
+    knobs = {}
+    if sys.modules.get("ray") is None:
+        knobs = {k: v for k, v in _ray_timeouts(connect_timeout()).items() if k not in os.environ}
+    os.environ.update(knobs)
     try:
         import ray
     except ImportError:
         raise CkptError(INSTALL_HINT) from None
+    finally:
+        for k in knobs:
+            os.environ.pop(k, None)
     return ray
+
+
+def _host_port(address: str | None) -> tuple[str, int] | None:
+    """(host, port) of an explicit cluster address (`host:port`, `ray://host:port`); None for none, "auto",
+    "local", or a form Ray itself will judge."""
+    if not address or address in ("auto", "local"):
+        return None
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.split("/", 1)[0].rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def probe(address: str, where: str, timeout: float) -> None:
+    """Refuse at once an address where nothing accepts a connection (Ray would retry it for minutes)."""
+    hp = _host_port(address)
+    if hp is None:
+        return
+    try:
+        with socket.create_connection(hp, timeout=min(timeout, 10.0)):
+            pass
+    except OSError as e:
+        why = "no answer within {:g} s".format(min(timeout, 10.0)) if isinstance(e, TimeoutError) else \
+            (e.strerror or str(e) or type(e).__name__)
+        raise CkptError(f"{where}: no Ray cluster answers at {hp[0]}:{hp[1]} ({why[:1].lower() + why[1:]}); "
+                        "start one there with `ray start --head`, or check the address") from None
+
+
+@contextlib.contextmanager
+def _stderr_held():
+    """Ray's core logs each failed connection attempt to file descriptor 2 itself (not through Python):
+    held in a temp file while connecting, written out only if the connection succeeds (a failure is the
+    one `error:` line instead)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                data = held.read()
+                if data:
+                    os.write(2, data)
 
 
 def run_task(spec: dict) -> dict:
@@ -131,17 +223,29 @@ class RayPool:
         # instance's workers in it): a `./ckpt/` there, a common name for a checkpoint folder, would be
         # imported instead of the installed package. Connect from an empty folder of our own instead
         # (kept until close(): a local instance's workers live in it).
+        target = address or os.environ.get("RAY_ADDRESS") or None
+        where = f"--ray-address {address}" if address else f"RAY_ADDRESS={target}" if target else "--executor ray"
+        timeout = connect_timeout()
+        explicit = _host_port(target) is not None
+        probe(target, where, timeout)
+        # An explicit address names a running cluster: Ray tries it once (its default is 20 attempts of
+        # ~40 s each); a local instance being started keeps Ray's own patience.
+        knob = "RAY_gcs_server_port_wait_time_s"
+        restore = os.environ.get(knob)
+        if explicit and restore is None:
+            os.environ[knob] = "1"
         self.scratch = tempfile.mkdtemp(prefix="ckpt-ray-")
         try:
-            with _in_folder(self.scratch):
+            with _in_folder(self.scratch), (_stderr_held() if explicit else contextlib.nullcontext()):
                 ray.init(address=address, include_dashboard=False, log_to_driver=False,
                          logging_level=logging.WARNING)
         except Exception as e:
             self.close()
-            where = f"--ray-address {address}" if address else "--executor ray"
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise CkptError(f"{where}: cannot start or reach a Ray cluster ({first})") from None
         finally:
+            if explicit and restore is None:
+                os.environ.pop(knob, None)
             for s, h in handlers.items():  # ray.init replaces SIGTERM's: ours turns it into Ctrl-C
                 signal.signal(s, h)
         self.connected = True

@@ -106,12 +106,14 @@ class Checkpoint:
 
 def open_checkpoint(spec: str) -> Checkpoint:
     """Open SRC: a local file, a local folder, or a hub id `owner/name[@rev][/subfolder]`."""
-    path = Path(spec).expanduser()
-    if not path.exists():
-        from ckpt.io.hub import check_source, resolve_repo
+    from ckpt.io.hub import check_readable, check_source, local_path, resolve_repo
 
+    path = local_path(spec)  # a folder on the way that cannot be entered: "permission denied"
+    if path is None:
         check_source(spec)
         path = resolve_repo(spec)
+    else:
+        check_readable(path)
     handles = FileHandles()
     try:
         if path.is_file() and path.name.endswith(".index.json"):
@@ -226,14 +228,46 @@ def _config(folder: Path) -> dict | None:
         raise file_error(p, f"invalid JSON ({e})") from None
 
 
-def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, notes: list) -> WeightFile:
+def sniff(path: Path) -> str | None:
+    """What a file holds by its first bytes: "safetensors" (an 8-byte little-endian header length, then
+    the JSON header's "{"), "gguf" (its magic), "pickle" (torch.save's zip, or a legacy pickle stream), or
+    None. For a file whose name does not say (`q4`, `model.v2`): the content decides, as loaders do."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if head[:4] == b"PK\x03\x04":
+        return "pickle"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2:
+        return "safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
+    return None
+
+
+def file_kind(path: Path) -> str | None:
+    """"safetensors" | "pickle" | "gguf" by the file's suffix, else by its content (`sniff`)."""
     if path.suffix in SAFETENSORS:
+        return "safetensors"
+    if path.suffix in PICKLES or path.name.endswith(LITGPT_LORA):
+        return "pickle"
+    if path.suffix == GGUF:
+        return "gguf"
+    return sniff(path)
+
+
+def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, notes: list) -> WeightFile:
+    kind = file_kind(path)
+    if kind == "safetensors":
         h = read_header(path)
         _no_duplicates(path, h.tensors, tensors)
         for name, info in h.tensors.items():
             tensors[name] = RawTensor(info, handles, relpath)
         return WeightFile(relpath, path, "safetensors", h.metadata, list(h.tensors))
-    if path.suffix in PICKLES or path.name.endswith(LITGPT_LORA):
+    if kind == "pickle":
         sd, note, mapped = load_pickle_state_dict(path)
         if note:
             notes.append(note)
@@ -241,13 +275,15 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
         for name, value in sd.items():
             tensors[name] = PickleTensor(name, value, relpath, mapped)
         return WeightFile(relpath, path, "pickle", {"format": "pt"}, list(sd))
-    if path.suffix == GGUF:
+    if kind == "gguf":
         from ckpt.io.gguf import read_gguf_header
 
         h = read_gguf_header(path, handles, relpath)
         _no_duplicates(path, h.tensors, tensors)
         tensors.update(h.tensors)
         return WeightFile(relpath, path, "gguf", {}, list(h.tensors), gguf=h)
+    if not path.suffix:
+        raise file_error(path, "no file-name suffix, and its content is not safetensors, GGUF or a torch pickle")
     raise file_error(path, f"unsupported file type {path.suffix!r} (expected .safetensors, .gguf or a torch pickle)")
 
 

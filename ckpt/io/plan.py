@@ -82,21 +82,28 @@ class Plan:
         return sum(f.nbytes for f in self.files)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE_UNITS = "KB, MB, GB, TB (powers of 1000, as huggingface_hub counts), KiB, MiB, GiB, TiB (powers of 1024), B"
 
 
-def parse_size(text: str | int) -> int:
-    """"5GB" -> 5e9 bytes (decimal units, as huggingface_hub counts); "5GiB" -> 5 * 2**30; "1000" bytes."""
+def parse_size(text: str | int, what: str = "") -> int:
+    """"5GB" -> 5e9 bytes (decimal units, as huggingface_hub counts); "5GiB" -> 5 * 2**30; "1000B" bytes;
+    units in any case. A number without a unit is refused, never read as bytes: `--max-shard-size 5`
+    meant gigabytes, and bytes gave one shard per tensor. (A Python int is a count of bytes: its caller
+    said so.) `what` names the option in the message (e.g. "--max-shard-size")."""
+    bad = f"{what} {text}" if what else f"invalid size {text!r}"
     if isinstance(text, int) and not isinstance(text, bool):
         n = text
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+        if m and not m[2]:
+            raise CkptError(f"{bad}: no unit; write e.g. {m[1]}GB or {m[1]}MB (units: {SIZE_UNITS})")
         if not m or m[2].upper() not in _UNITS:
-            raise CkptError(f"invalid size {text!r} (use e.g. 5GB, 500MB, 2GiB)")
+            raise CkptError(f"{bad}: not a size; write e.g. 5GB, 500MB, 2GiB (units: {SIZE_UNITS})")
         n = int(float(m[1]) * _UNITS[m[2].upper()])
     if n <= 0:
-        raise CkptError(f"invalid size {text!r}: must be positive")
+        raise CkptError(f"{bad}: must be positive")
     return n
 
 
