@@ -126,6 +126,10 @@ def inspect(src, as_json, scan, quiet):
 @click.option("-o", "--output", "out", help="Output file or folder (default: BASE-merged beside BASE).")
 @click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
               help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
+@click.option("--alpha", "alphas", type=float, multiple=True, metavar="A",
+              help="Alpha of modules whose LoRA gives none (no alpha key, adapter_config.json or "
+                   "lora_adapter_metadata): once for all LoRAs or once per LoRA. Without it alpha = rank "
+                   "(scale 1) is assumed, with a warning.")
 @MERGE_TO
 @ALLOW_UNMATCHED
 @FORMAT
@@ -137,7 +141,8 @@ def inspect(src, as_json, scan, quiet):
 @OVERWRITE
 @QUIET
 @REPORT
-def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, keep_format, dry_run, device, overwrite, quiet):
+def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_format, dry_run, device, overwrite,
+               quiet):
     """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
 
     A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
@@ -148,8 +153,9 @@ def merge_lora(base, loras, out, ratios, to, allow_unmatched, fmt, keep_format, 
     load("ckpt.merge.command")
     from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
 
-    opts = MergeOptions(ratios=list(ratios), to=to, device=device, allow_unmatched=allow_unmatched,
-                        dry_run=dry_run, overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format)
+    opts = MergeOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
+                        allow_unmatched=allow_unmatched, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
+                        format=fmt, keep_format=keep_format)
     try:
         path, report = run(base, list(loras), out, opts)
     except MergeError as e:

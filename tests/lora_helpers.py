@@ -83,3 +83,13 @@ def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> bool:
     """Relative Frobenius distance below `rel` (fp32 factors against an fp64 oracle)."""
     w = want.double().reshape(want.shape[0], -1)
     return float((got.double().reshape(w.shape) - w).norm()) <= rel * float(w.norm())
+
+
+def refused(run_ckpt, tmp_path, args, culprit, problem):
+    """Bad input: one `error: CULPRIT...` line naming PROBLEM, exit 2, nothing written (the existing
+    `assert_refused`), and every input file byte for byte as it was."""
+    from test_bad_quant_and_pickles import assert_refused
+
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert_refused(run_ckpt, tmp_path, args, culprit, problem)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

@@ -71,6 +71,18 @@ def _reformat(f):
     return f
 
 
+SKIP_NONFINITE = click.option("--skip-nonfinite", is_flag=True,
+                              help="Leave out (and count, as a warning) modules whose values or alpha hold NaN/Inf "
+                                   "where they must be computed with; default: refuse them, naming the tensor.")
+
+
+def _alpha(f):
+    return click.option("--alpha", "alphas", type=float, multiple=True, metavar="A",
+                        help="Alpha of modules whose LoRA gives none (no alpha key, adapter_config.json or "
+                             "lora_adapter_metadata); without it alpha = rank (scale 1) is assumed, with a "
+                             "warning. lora merge: once for all inputs or once per input.")(f)
+
+
 def _common(f):
     from ckpt.cli_report import REPORT
 
@@ -121,9 +133,10 @@ def lora():
 @click.option("--lowrank", is_flag=True, help="torch.svd_lowrank instead of the full SVD (faster; the measured "
                                               "error is reported per module).")
 @click.option("--niter", type=int, default=2, show_default=True, help="Power iterations of --lowrank.")
+@SKIP_NONFINITE
 @_common
 def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, min_diff, fmt,
-            exclude, lowrank, niter, dry_run, device, overwrite, quiet):
+            exclude, lowrank, niter, skip_nonfinite, dry_run, device, overwrite, quiet):
     """A LoRA approximating TUNED - BASE (truncated SVD of each weight's delta, one weight at a time)."""
     for spec in (base, tuned):  # refused before torch is imported
         check_source(spec)
@@ -132,7 +145,7 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
                     clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, lowrank=lowrank, niter=niter,
-                    device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+                    device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet, skip_nonfinite=skip_nonfinite)
     path, report = run(base, tuned, out, opts, min_diff=min_diff, exclude=list(exclude))
     _show(report, path, quiet, dry_run, _print_report)
 
@@ -143,16 +156,19 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
 @click.option("--rank", "-r", type=int, help="New rank (the cap with --dynamic; default cap: each module's rank).")
 @_rank_options
 @_reformat
+@_alpha
+@SKIP_NONFINITE
 @_common
-def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt, base, dry_run, device, overwrite,
-           quiet):
+def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt, base, alphas, skip_nonfinite, dry_run,
+           device, overwrite, quiet):
     """Lower a LoRA's rank by SVD of each module's up @ down, keeping its effective scale."""
     check_lora(lora_file)
     from ckpt.cli import _print_report
     from ckpt.lora.resize import resize as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold, save_dtype=save_dtype,
-                    format=fmt, device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+                    format=fmt, device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
+                    alphas=tuple(alphas), skip_nonfinite=skip_nonfinite)
     path, report = run(lora_file, out, opts, base=base)
     _show(report, path, quiet, dry_run, _print_report)
 
@@ -169,9 +185,11 @@ def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt,
 @_rank_options
 @CLAMP
 @_reformat
+@_alpha
+@SKIP_NONFINITE
 @_common
 def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_quantile, save_dtype, fmt, base,
-          dry_run, device, overwrite, quiet):
+          alphas, skip_nonfinite, dry_run, device, overwrite, quiet):
     """One LoRA equal to applying A, B, ... in order (with their ratios)."""
     for spec in loras:
         check_lora(spec)
@@ -180,7 +198,8 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
                     clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, device=device,
-                    dry_run=dry_run, overwrite=overwrite, quiet=quiet)
+                    dry_run=dry_run, overwrite=overwrite, quiet=quiet, alphas=tuple(alphas),
+                    skip_nonfinite=skip_nonfinite)
     path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode, base=base)
     _show(report, path, quiet, dry_run, _print_report)
 
@@ -197,14 +216,16 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
               help="Turn LoHa/LoKr/full modules the target naming has no form for into plain LoRA by SVD.")
 @click.option("--save-dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="dtype of factors that are recut (split, fused, folded); renamed modules keep theirs.")
+@_alpha
+@SKIP_NONFINITE
 @_common
-def convert(lora_file, fmt, base, out, to_lora, save_dtype, dry_run, device, overwrite, quiet):
+def convert(lora_file, fmt, base, out, to_lora, save_dtype, alphas, skip_nonfinite, dry_run, device, overwrite, quiet):
     """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI): fused <-> split q/k/v, alpha placed."""
     check_lora(lora_file)
     from ckpt.cli import _print_report
     from ckpt.lora.convert import convert as run
 
     opts = _options(format=fmt, save_dtype=save_dtype, device=device, dry_run=dry_run, overwrite=overwrite,
-                    quiet=quiet)
+                    quiet=quiet, alphas=tuple(alphas), skip_nonfinite=skip_nonfinite)
     path, report = run(lora_file, out, opts, base=base, to_lora=to_lora)
     _show(report, path, quiet, dry_run, _print_report)

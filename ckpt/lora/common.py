@@ -13,7 +13,8 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
-from ckpt.report import Report, plural
+from ckpt.merge.checks import AdapterReport, finite
+from ckpt.report import plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHOW = 10  # names listed in one summary line
@@ -34,9 +35,13 @@ class LoraOptions:
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
+    alphas: tuple[float, ...] = ()  # --alpha: for modules whose file gives none (ckpt.merge.checks.alphas)
+    skip_nonfinite: bool = False  # leave out (and count) modules with NaN/Inf instead of refusing them
 
     def check(self, rank_required: bool = True) -> None:
         """Usage errors, one line each, before any file is opened."""
+        finite("--threshold", self.threshold)
+        finite("--clamp-quantile", self.clamp_quantile)
         if self.rank is None and rank_required and self.dynamic is None:
             raise CkptError("give --rank R (or --dynamic METHOD --threshold X, with --rank as the cap)")
         for flag, v in (("--rank", self.rank), ("--conv-rank", self.conv_rank)):
@@ -88,13 +93,16 @@ class ModuleResult:
 
 
 @dataclass
-class LoraReport(Report):
+class LoraReport(AdapterReport):
     """Report plus the lines every run prints on stdout: one per module (unless --quiet), a summary."""
 
     modules: list[ModuleResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # modules whose delta is below --min-diff
     capped: list[str] = field(default_factory=list)  # modules whose rank was capped by the layer
     kept: list[str] = field(default_factory=list)  # modules passed through unchanged
+    noop: list[str] = field(default_factory=list)  # rank-0 / empty modules left out (they change nothing)
+    nonfinite: list[str] = field(default_factory=list)  # modules left out for NaN/Inf (--skip-nonfinite)
+    empty: list[str] = field(default_factory=list)  # extract: weights with no elements (nothing to extract)
     summary: list[str] = field(default_factory=list)
 
     def module_lines(self) -> list[str]:
@@ -131,10 +139,55 @@ class LoraReport(Report):
                                 f"{_listed(self.skipped)}")
         if self.kept:
             self.summary.append(f"{plural(len(self.kept), 'module')} passed through unchanged: {_listed(self.kept)}")
+        if self.nonfinite:
+            self.summary.append(f"{plural(len(self.nonfinite), 'module')} left out for NaN/Inf values "
+                                f"(--skip-nonfinite): {_listed(self.nonfinite)}")
+        if self.noop:
+            n = len(self.noop)
+            self.warn(f"{plural(n, 'module')} of rank 0 or with an empty factor change{'s' * (n == 1)} nothing and "
+                      f"{'was' if n == 1 else 'were'} left out (loaders divide by the rank): {_listed(self.noop)}")
+        if self.empty:
+            n = len(self.empty)
+            self.note(f"{plural(n, 'weight')} with no elements {'has' if n == 1 else 'have'} no delta to extract "
+                      f"(skipped): {_listed(self.empty)}")
 
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOW]) + (f", ... ({len(names) - SHOW} more)" if len(names) > SHOW else "")
+
+
+def is_noop(src) -> bool:
+    """A module of rank 0, or whose delta has no rows or columns: it changes nothing (a trainer's leftover)."""
+    if src.family not in ("lora", "loha", "lokr", "full"):
+        return False
+    rows, cols = src.shape2d
+    return src.rank == 0 or rows == 0 or cols == 0
+
+
+def usable(src, name: str, opts: LoraOptions, report: LoraReport) -> bool:
+    """Whether a module the command computes with (SVD, stacking, folding its scale) can be used: its
+    factors and alpha finite. A NaN/Inf makes every SVD fail and every recut factor meaningless: a one-line
+    error naming the tensor, or with --skip-nonfinite the module left out and its values counted. Modules
+    written as stored are not checked here; the write counts their NaN/Inf as convert does."""
+    bad = src.adapter.nonfinite()
+    if not bad:
+        return True
+    if not opts.skip_nonfinite:
+        key, n = next(iter(bad.items()))
+        raise CkptError(f"{src.module.source}: {key} holds {plural(n, 'NaN/Inf value')}: module {name!r} cannot be "
+                        "computed with; nothing written (pass --skip-nonfinite to leave such modules out)")
+    for key, n in bad.items():
+        report.count("nonfinite_skipped", key, n)
+    if name not in report.nonfinite:
+        report.nonfinite.append(name)
+    return False
+
+
+def nothing_left(spec: str, modules: list, report: LoraReport) -> None:
+    """Every module left out (rank 0, NaN/Inf with --skip-nonfinite): an error, not an empty LoRA."""
+    if not modules:
+        why = "; ".join(x for x in (report.noop and "rank 0 or empty", report.nonfinite and "NaN/Inf") if x)
+        raise CkptError(f"{spec}: every module was left out ({why or 'none usable'}); nothing written")
 
 
 def early_target_check(out: Path, inputs: list[Path], overwrite: bool, single_file: bool,

@@ -23,6 +23,10 @@ otherwise each contributor's scale is folded into its up factor and alpha' = ran
 LoHa / LoKr / full modules and DoRA magnitudes are carried over on renames to formats that have them
 (kohya, comfy: LyCORIS keys); elsewhere they are refused by name, or turned into plain LoRA modules by
 SVD with --to-lora RANK (error reported per module).
+
+Rank-0 modules change nothing and are left out (warned). Renamed modules keep their values, NaN/Inf
+included and counted; a module with NaN/Inf that must be recut (split, fused, scale folded, SVD) is
+refused by name, or left out with --skip-nonfinite.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ from ckpt.errors import CkptError
 from ckpt.families.lora_namings import naming_of
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
-from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_target_check, is_noop, nothing_left,
+                              usable)
 from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, factor_shapes, open_lora, stored
 from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
+from ckpt.merge.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
@@ -80,9 +86,10 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
     if to_lora is not None and to_lora < 1:
         raise CkptError(f"--to-lora {to_lora}: a rank is at least 1")
     opts.check(rank_required=False)
+    alpha = check_alphas(opts.alphas, 1)[0]
     device = resolve_device(opts.device, heavy=to_lora is not None)  # renames, or SVDs for --to-lora
     with contextlib.ExitStack() as stack:
-        f = open_lora(spec)
+        f = open_lora(spec, alpha, report)
         stack.callback(f.close)
         if f.unknown:
             raise CkptError(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no "
@@ -116,9 +123,10 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
         modules = _build(outs, fmt, layout, opts, to_lora, store, report)
+        nothing_left(spec, modules, report)
         report.finish("wrote")
         op = f"lora convert {Path(spec).name} --format {fmt}" + (f" --base {Path(base).name}" if base else "")
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, report=report)
         write(plan, out_path, inputs=inputs, report=report, desc="lora convert", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -255,6 +263,7 @@ def _resolve(module, renamed, namings, comps):
 def _build(outs: list[_Out], fmt: str, layout: Layout, opts: LoraOptions, to_lora, store, report) -> list[OutModule]:
     modules: list[OutModule] = []
     dtype = opts.dtype
+    screened: dict[int, bool] = {}  # id(Source) -> finite (`usable`)
     with progress_bar(len(outs), "lora convert", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for o in outs:
             bar.update(1)
@@ -263,6 +272,10 @@ def _build(outs: list[_Out], fmt: str, layout: Layout, opts: LoraOptions, to_lor
                 p0, p1 = piece.rows or (0, total)
                 cs = sorted((c for c in o.contributions if c.stack_rows[0] < p1 and c.stack_rows[1] > p0),
                             key=lambda c: c.stack_rows)
+                for c in cs:  # rank 0: changes nothing, left out (once per input module)
+                    if is_noop(c.src) and c.src.module.name not in report.noop:
+                        report.noop.append(c.src.module.name)
+                cs = [c for c in cs if not is_noop(c.src)]
                 if not cs:
                     continue
                 renamed = _as_renamed(cs, piece, p0, p1, fmt, layout, store)
@@ -272,6 +285,11 @@ def _build(outs: list[_Out], fmt: str, layout: Layout, opts: LoraOptions, to_lor
                     rows, cols = src.shape2d
                     report.modules.append(ModuleResult(piece.name, (rows, cols), src.rank or 0, min(rows, cols), 0.0,
                                                        0.0, note=f"renamed from {src.module.name}"))
+                    continue
+                for c in cs:  # recut: computed with, so checked (once per input module, every piece it has)
+                    if id(c.src) not in screened:
+                        screened[id(c.src)] = usable(c.src, c.src.module.name, opts, report)
+                if not all(screened[id(c.src)] for c in cs):
                     continue
                 modules.append(_combined(cs, piece, p0, p1, fmt, layout, to_lora, dtype, store, report))
             for c in o.contributions:

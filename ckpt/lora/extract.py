@@ -12,7 +12,9 @@ header-first (`ckpt.lora.store`).
 Which weights: the floating `.weight` tensors of 2 or more dimensions (Linear, Conv; conv layers as
 LoCon: down [r, in, kh, kw], up [out, r, 1, 1]) of the diffusion model and text encoders; every other
 tensor that changed (biases, norms, a VAE) is listed, never silently dropped. A weight whose delta has
-max |dW| <= --min-diff (default 0: unchanged) is skipped and listed.
+max |dW| <= --min-diff (default 0: unchanged) is skipped and listed; a weight with no elements ([32, 0])
+has no delta and is skipped with a note. A NaN/Inf in either weight makes its SVD fail: a one-line error
+naming the file and weight, or with --skip-nonfinite the weight is left out and its values counted.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from ckpt.io.buffers import Buffers
 from ckpt.io.output import bands
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
-from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check, nothing_left
 from ckpt.lora.formats import FORMATS, Layout, OutModule, plan_lora
 from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
+from ckpt.merge.checks import finite
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
 from ckpt.report import plural
@@ -47,6 +50,7 @@ def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *,
     """Extract TUNED - BASE as a LoRA; returns (output path, report). Raises CkptError on bad input."""
     report = report or LoraReport()
     opts.check()
+    finite("--min-diff", min_diff)
     if min_diff < 0:
         raise CkptError(f"--min-diff {min_diff}: at least 0")
     if opts.format is not None and opts.format not in FORMATS:
@@ -68,14 +72,16 @@ def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *,
         if opts.dry_run:
             return _dry_run(jobs, opts, fmt, layout, out_path, report), report
         store = stack.enter_context(FactorStore(out_path))
-        modules = _decompose(jobs, opts, layout, device, store, report, min_diff)
+        modules = _decompose(jobs, opts, layout, device, store, report, min_diff, (base, tuned))
         _changed_others(others, device, report)
         report.finish("extracted")
+        if not modules and report.nonfinite:
+            nothing_left(tuned, modules, report)
         if not modules:
             raise CkptError(f"{tuned}: no weight differs from {base} by more than --min-diff {min_diff:g}; "
                             "nothing to extract, nothing written")
         meta = _kohya_metadata(opts) if fmt == "kohya" else {}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
         write(plan, out_path, inputs=inputs, report=report, desc="lora extract", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -197,18 +203,31 @@ def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
     return out_path
 
 
-def _read_delta(job: _Job, device, buffers: Buffers) -> torch.Tensor:
+def _read_delta(job: _Job, device, buffers: Buffers) -> tuple[torch.Tensor, dict[tuple[int, str], int]]:
     """tuned - base in fp32 on `device`, [rows, prod(shape[1:])], filled one row band at a time (the
-    weights of a fused group one below the other)."""
+    weights of a fused group one below the other), and the NaN/Inf values each read band held, as
+    (0 = base / 1 = tuned, weight name) -> count: a delta with any cannot be decomposed."""
     delta = torch.empty((job.shape[0], math.prod(job.shape[1:])), dtype=torch.float32, device=device)
+    bad: dict[tuple[int, str], int] = {}
     at = 0
-    for bt, tt in zip(job.bases, job.tuneds):
+    for key, bt, tt in zip(job.keys, job.bases, job.tuneds):
         for a, b in bands(tt):
-            delta[at + a:at + b].copy_(tt.read(a, b, device, buffers).reshape(b - a, -1))
+            band = delta[at + a:at + b]
+            band.copy_(tt.read(a, b, device, buffers).reshape(b - a, -1))
+            _count_nonfinite(band, bad, (1, key))
         for a, b in bands(bt):
-            delta[at + a:at + b].sub_(bt.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32))
+            x = bt.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32)
+            _count_nonfinite(x, bad, (0, key))
+            delta[at + a:at + b].sub_(x)
         at += bt.shape[0]
-    return delta
+    if not bad and delta.numel() and not bool(torch.isfinite(delta).all()):  # finite - finite overflowing fp32
+        bad[(1, job.keys[0])] = int((~torch.isfinite(delta)).sum())
+    return delta, bad
+
+
+def _count_nonfinite(x: torch.Tensor, bad: dict, where) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad[where] = bad.get(where, 0) + int((~torch.isfinite(x)).sum())
 
 
 def _max_abs(x: torch.Tensor) -> float:
@@ -217,15 +236,27 @@ def _max_abs(x: torch.Tensor) -> float:
 
 
 def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorStore, report: LoraReport,
-               min_diff: float) -> list[OutModule]:
+               min_diff: float, specs: tuple[str, str]) -> list[OutModule]:
     modules: list[OutModule] = []
     buffers = Buffers()
     total = sum(j.source_bytes for j in jobs)
     dtype = opts.dtype
     with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for job in jobs:
-            delta = _read_delta(job, device, buffers)
+            delta, bad = _read_delta(job, device, buffers)
             bar.update(job.source_bytes)
+            if not delta.numel():  # a [32, 0] weight: no values, no delta
+                report.empty.append(job.key)
+                continue
+            if bad:  # an SVD of NaN/Inf fails; a LoRA of it would be NaN
+                if not opts.skip_nonfinite:
+                    (side, key), n = next(iter(sorted(bad.items(), key=lambda kv: -kv[0][0])))
+                    raise CkptError(f"{specs[side]}: {key} holds {plural(n, 'NaN/Inf value')}: its delta cannot be "
+                                    "decomposed; nothing written (pass --skip-nonfinite to leave such weights out)")
+                for (side, key), n in bad.items():
+                    report.count("nonfinite_skipped", key, n)
+                report.nonfinite.append(job.key)
+                continue
             if _max_abs(delta) <= min_diff:
                 report.skipped.append(job.key)
                 continue

@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ckpt.cast import Caster
+from ckpt.dtypes import is_float
 from ckpt.io.layout import provenance
 from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.report import Report
 
 FORMATS = ("kohya", "peft", "diffusers")
 PEFT_PREFIX = "base_model.model."
@@ -171,20 +174,28 @@ def _num(x: float):
 
 
 def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str,
-              extra_metadata: dict[str, str] | None = None) -> Plan:
+              extra_metadata: dict[str, str] | None = None, report: Report | None = None) -> Plan:
     """The output plan: one safetensors file (kohya / diffusers / a kept single-file layout) or a PEFT
     adapter folder. `dtype_of(tensor)` is the dtype each factor is written in (the scratch store
-    already holds them in it; input tensors passed through keep theirs)."""
+    already holds them in it; input tensors passed through keep theirs).
+
+    With `report`, every floating tensor goes through the `Caster` that convert and merge-lora write
+    with, so NaN/Inf values a LoRA carries (factors and alphas passed through as stored) are counted
+    the same way there as here (`nonfinite_input`), never copied without a word."""
     outs: list[OutTensor] = []
     peft_entries: dict[str, list[tuple[str, int, float]]] = {}
     seen: set[str] = set()
+    casters: dict[torch.dtype, Caster] = {}
 
     def add(key: str, t: Tensor, dtype=None):
         if key in seen:
             raise ValueError(f"two output tensors named {key!r}")
         seen.add(key)
         dt = dtype or t.dtype
-        if dt == t.dtype:
+        if report is not None and is_float(t.dtype):
+            c = casters.setdefault(dt, Caster(dt, report))
+            outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, n=key, c=c: c(x, n, b), stateless=True))
+        elif dt == t.dtype:
             outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b: x))
         else:
             outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, d=dt: x.to(d), stateless=True))
@@ -203,6 +214,8 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
         if layout.alphas in ("config", "metadata") and m.rank is not None:
             group, key = layout.peft_key(m.name)
             alpha = m.alpha if m.down is not None else m.peft_alpha
+            if report is not None and alpha is not None and not math.isfinite(alpha):  # into the config, counted
+                report.count("nonfinite_input", f"{m.name}.alpha", 1)
             peft_entries.setdefault(group, []).append((key, m.rank, alpha if alpha is not None else m.rank))
 
     meta = {k: v for k, v in layout.metadata.items() if k not in STALE_METADATA and k != META_KEY}

@@ -8,7 +8,9 @@ svd_merge_lora: each module's summed delta sum_i ratio_i scale_i dW_i is re-fact
 (or a --dynamic rank), alpha = R; sums of plain LoRAs are decomposed from their stacked factors
 without forming the product, LoHa / LoKr / full modules through their delta. A module only one input
 has, with ratio 1, is passed through unchanged in --concat mode. DoRA, (IA)^3, GLoRA and replacement
-modules cannot be combined with anything: refused by name.
+modules cannot be combined with anything: refused by name. A rank-0 module adds nothing and is left out
+(warned); one with NaN/Inf that must be stacked or summed is refused by name, or left out with
+--skip-nonfinite.
 
 The output keeps the first input's naming and alpha placement; with --format F every input is
 converted to F first (`ckpt.lora.reformat`), which also merges inputs written in different namings.
@@ -25,10 +27,12 @@ from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
-from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_target_check, is_noop, nothing_left,
+                              usable)
 from ckpt.lora.formats import Layout, OutModule, plan_lora
-from ckpt.lora.modules import Source, open_lora, stored, to_layout
+from ckpt.lora.modules import Source, as_stored, open_lora, to_layout
 from ckpt.lora.store import FactorStore
+from ckpt.merge.checks import alphas as check_alphas, ratios as check_ratios
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
@@ -52,10 +56,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         opts.check(rank_required=False)
     if opts.lowrank:
         raise CkptError("--lowrank: merge decomposes stacked factors exactly; nothing to speed up")
-    ratios = list(ratios) or [1.0] * len(specs)
-    if len(ratios) != len(specs):
-        raise CkptError(f"--ratio given {plural(len(ratios), 'time')} for {plural(len(specs), 'LoRA')} "
-                        "(give one per LoRA, in order)")
+    ratios = check_ratios(ratios, len(specs))
+    alphas = check_alphas(opts.alphas, len(specs))
     if opts.format is not None:  # every input converted first, then merged in that naming
         from ckpt.lora.reformat import with_format
 
@@ -64,8 +66,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
     device = resolve_device(opts.device, heavy=mode == "svd")  # --concat stacks factors
     with contextlib.ExitStack() as stack:
         files = []
-        for spec in specs:
-            f = open_lora(spec)
+        for spec, alpha in zip(specs, alphas):
+            f = open_lora(spec, alpha, report)
             stack.callback(f.close)
             if f.unknown:
                 raise CkptError(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no "
@@ -88,11 +90,12 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
         modules = _merge_modules(groups, mode, opts, layout, device, store, report)
+        nothing_left(specs[0], modules, report)
         report.finish("merged")
         names = " ".join(f"{Path(s).name}@{r:g}" for s, r in zip(specs, ratios))
         op = f"lora merge {names} --{mode}" + (f" --rank {opts.rank}" if mode == "svd" and opts.rank else "")
         meta = {"ss_network_dim": "Dynamic", "ss_network_alpha": "Dynamic"} if "ss_network_dim" in layout.metadata else {}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
         write(plan, out_path, inputs=inputs, report=report, desc="lora merge", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -121,16 +124,25 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
     with progress_bar(total, f"lora merge ({mode})", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for name, group in groups.items():
             bar.update(sum(t.source_bytes for m, _, _ in group for t in m.parts.values()))
+            srcs = [(Source(m, device), ratio, spec) for m, ratio, spec in group]
+            for s, _, _ in srcs:
+                if is_noop(s):  # rank 0: adds nothing to the stack or the sum
+                    report.noop.append(f"{name} ({s.module.source})")
+                    s.release()
+            group = [g for g, (s, _, _) in zip(group, srcs) if not is_noop(s)]
+            srcs = [x for x in srcs if not is_noop(x[0])]
+            if not srcs:
+                continue
             if mode == "concat" and len(group) == 1 and group[0][1] == 1.0:
                 m = group[0][0]
-                src = Source(m, device) if m.family == "lora" else None
                 report.kept.append(name)
-                alpha = m.alpha() if src is not None else None
-                out.append(OutModule(name, extra=stored(m), peft_rank=src.rank if src else None,
-                                     peft_alpha=alpha if alpha is not None else (src.rank if src else None)))
+                out.append(as_stored(m, layout, store, srcs[0][0] if m.family == "lora" else None))
                 continue
-            srcs = [(Source(m, device), ratio, spec) for m, ratio, spec in group]
             _check_combinable(name, srcs, mode)
+            if not all([usable(s, name, opts, report) for s, _, _ in srcs]):  # every input's NaN/Inf counted
+                for s, _, _ in srcs:
+                    s.release()
+                continue
             first = srcs[0][0]
             rows, cols = first.shape2d
             tail = first.weight_tail()

@@ -11,15 +11,24 @@ import torch
 
 from ckpt.errors import CkptError
 from ckpt.merge.adapters import make_adapter
+from ckpt.merge.checks import settle_alphas
 from ckpt.merge.loading import load_lora
 
 
-def open_lora(spec: str):
+def open_lora(spec: str, alpha: float | None = None, report=None):
+    """The LoRA file, with modules that carry no alpha given `alpha` (--alpha) or, with a warning in
+    `report`, alpha = rank, as merge-lora does (`ckpt.merge.checks.settle_alphas`)."""
     f = load_lora(spec)
     if f.litgpt is not None:
         f.close()
         raise CkptError(f"{spec}: a LitGPT LoRA; ckpt lora reads kohya, PEFT, diffusers and LyCORIS files "
                         "(merge it with ckpt merge-lora)")
+    if report is not None:
+        try:
+            settle_alphas(f, alpha, report)
+        except BaseException:
+            f.close()
+            raise
     return f
 
 
@@ -31,6 +40,27 @@ def keys_by_role(m) -> dict[str, str]:
 def stored(m) -> dict[str, object]:
     """stored key -> logical tensor of every part of a module (for passing it through unchanged)."""
     return dict(zip(m.keys, m.parts.values()))
+
+
+def as_stored(m, layout, store, src=None):
+    """A module written exactly as stored (`ckpt.lora.formats.OutModule` with its tensors as `extra`), its
+    scale kept: an alpha only --alpha gave (none stored) goes where the output keeps alphas (a `.alpha`
+    tensor; PEFT's config and diffusers' metadata take `peft_alpha`), or is folded into up where it keeps
+    none (a PEFT-style file without metadata)."""
+    from ckpt.lora.formats import OutModule, _alpha_tensor
+
+    extra = stored(m)
+    rank = src.rank if src is not None else None
+    alpha = m.alpha() if src is not None else None
+    if src is not None and "alpha" not in m.parts and m.config_alpha is not None and src.family == "lora":
+        if layout.alphas == "tensor":
+            key = f"{m.name}.alpha"
+            extra[key] = _alpha_tensor(key, alpha)
+        elif layout.alphas == "none" and src.scale != 1.0:
+            key = src.roles[src.adapter.up_role]
+            extra[key] = store.put(key, (src.adapter.part(src.adapter.up_role) * src.scale).to(m.parts[
+                src.adapter.up_role].dtype))
+    return OutModule(m.name, extra=extra, peft_rank=rank, peft_alpha=alpha if alpha is not None else rank)
 
 
 class Source:

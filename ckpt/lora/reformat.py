@@ -19,6 +19,7 @@ from ckpt.io.plan import Plan
 from ckpt.io.publish import temp_name
 from ckpt.lora.common import LoraOptions, LoraReport, early_target_check
 from ckpt.lora.store import ScratchDir
+from ckpt.merge.checks import alphas as check_alphas
 from ckpt.report import plural
 from ckpt.run import default_output, output_path
 
@@ -39,20 +40,41 @@ def with_format(specs: list[str], out, opts: LoraOptions, verb: str, suffix: str
     out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
     inputs = [Path(s).expanduser() for s in specs if Path(s).expanduser().exists()]
     early_target_check(out_path, inputs, opts.overwrite, not folder, opts.dry_run)
-    inner = dataclasses.replace(opts, format=None)
-    copts = LoraOptions(format=fmt, device=opts.device, quiet=True, dry_run=opts.dry_run)
+    alphas = check_alphas(opts.alphas, len(specs))
+    inner = dataclasses.replace(opts, format=None, alphas=())  # the converted files carry every alpha
+
+    def copts(alpha):
+        return LoraOptions(format=fmt, device=opts.device, quiet=True, dry_run=opts.dry_run,
+                           alphas=(alpha,) if alpha is not None else (), skip_nonfinite=opts.skip_nonfinite)
+
     names = [f"{i}-{fmt}" + ("" if folder else ".safetensors") for i in range(len(specs))]
     if opts.dry_run:  # every input's conversion planned (its errors found), nothing made
-        for spec, name in zip(specs, names):
-            convert(spec, out_path.parent / temp_name(name), copts, base=base, to_lora=FULL_RANK)
+        for spec, name, alpha in zip(specs, names, alphas):
+            _said(convert(spec, out_path.parent / temp_name(name), copts(alpha), base=base, to_lora=FULL_RANK)[1],
+                  report)
         report.summary.append(f"would convert {plural(len(specs), 'input')} to the {fmt} naming, "
                               f"then {verb} {'them' if len(specs) > 1 else 'it'}; ranks and errors are known "
                               "after the SVDs")
         return out_path, report
     with contextlib.ExitStack() as stack:
         scratch = stack.enter_context(ScratchDir(out_path))
-        converted = [str(convert(spec, scratch.path / name, copts, base=base, to_lora=FULL_RANK)[0])
-                     for spec, name in zip(specs, names)]
+        converted = []
+        for spec, name, alpha in zip(specs, names, alphas):
+            path, creport = convert(spec, scratch.path / name, copts(alpha), base=base, to_lora=FULL_RANK)
+            converted.append(str(path))
+            _said(creport, report)
         path, report = run(converted, out_path, inner, report)
     report.summary.insert(0, f"inputs converted to the {fmt} naming first (exact)")
     return path, report
+
+
+def _said(converted: LoraReport, report: LoraReport) -> None:
+    """What converting an input found that the user must hear (an assumed alpha, modules left out): the
+    conversion's own report is not printed. NaN/Inf kept as stored are counted by the final write."""
+    for w in converted.said:
+        report.warn(w)
+    report.notes += [n for n in converted.notes if n not in report.notes]
+    report.noop += converted.noop
+    report.nonfinite += converted.nonfinite
+    for key, n in converted.counts.get("nonfinite_skipped", {}).items():
+        report.count("nonfinite_skipped", key, n)

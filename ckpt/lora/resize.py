@@ -6,7 +6,10 @@ the r x r core, `ckpt.lora.svd.svd_product`) and cut to its new rank; alpha beco
 A module whose new rank would not be lower than its rank is passed through unchanged. LoHa and LoKr
 modules are formed into their delta first and leave as plain LoRA modules (kohya lora_down/lora_up
 keys under the same module name); a DoRA module keeps its magnitude vector and has its low-rank part
-resized. (IA)^3, GLoRA, full-weight (`diff`) and replacement modules have no rank and pass through.
+resized. (IA)^3, GLoRA, full-weight (`diff`) and replacement modules have no rank and pass through. A module of
+rank 0 (or with an empty factor) changes nothing and is left out with a warning (kohya-style loaders divide
+by its rank); one with NaN/Inf in what is decomposed is refused by name, or left out with --skip-nonfinite
+(`ckpt.lora.common.usable`). Modules passed through keep their values; NaN/Inf among them are counted.
 
 The output keeps the input's naming, module names, alpha placement and container
 (`ckpt.lora.formats.Layout.like`), unless --format F is given: the input is then converted to F
@@ -24,10 +27,12 @@ from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
-from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check
+from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_target_check, is_noop, nothing_left,
+                              usable)
 from ckpt.lora.formats import Layout, OutModule, plan_lora
-from ckpt.lora.modules import Source, open_lora, stored, to_layout
+from ckpt.lora.modules import Source, as_stored, open_lora, to_layout
 from ckpt.lora.store import FactorStore
+from ckpt.merge.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write
@@ -39,6 +44,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
            base: str | None = None) -> tuple[Path, LoraReport]:
     report = report or LoraReport()
     opts.check()
+    alpha = check_alphas(opts.alphas, 1)[0]
     if opts.lowrank:
         raise CkptError("--lowrank: resize decomposes each module exactly from its r x r core; nothing to speed up")
     if opts.format is not None:  # convert first, then resize the converted modules
@@ -48,7 +54,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
                            lambda specs, o, op, r: resize(specs[0], o, op, r), report)
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
-        f = open_lora(spec)
+        f = open_lora(spec, alpha, report)
         stack.callback(f.close)
         if f.unknown:
             report.note(f"{spec}: {plural(len(f.unknown), 'key')} {'is' if len(f.unknown) == 1 else 'are'} no adapter part; "
@@ -65,6 +71,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
         modules = _resize_modules(f, opts, layout, device, store, report)
+        nothing_left(spec, modules, report)
         for key in f.unknown:
             modules.append(OutModule(key, extra={key: f.ckpt.components[0].tensors[key]}))
         report.finish("resized")
@@ -74,7 +81,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
         if "ss_network_dim" in layout.metadata:
             dim = "Dynamic" if opts.dynamic else str(opts.rank)
             meta = {"ss_network_dim": dim, "ss_network_alpha": "Dynamic"}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
         write(plan, out_path, inputs=f.inputs, report=report, desc="lora resize", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -89,9 +96,13 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
         for m in f.modules.values():
             bar.update(sum(t.source_bytes for t in m.parts.values()))
             if m.family not in RESIZABLE:
-                out.append(_passed(m, layout, report))
+                out.append(_passed(m, layout, report, store))
                 continue
             src = Source(m, device)
+            if is_noop(src):
+                report.noop.append(m.name)
+                src.release()
+                continue
             rows, cols = src.shape2d
             cap = min(rows, cols)
             rule = opts.rule(src.conv(), cap)
@@ -99,20 +110,28 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
                 left, right = src.factors()
                 r = left.shape[1]
                 if rule.method is None and min(rule.rank, cap) >= r:
-                    out.append(_passed(m, layout, report, src))
+                    out.append(_passed(m, layout, report, store, src))
+                    src.release()
+                    continue
+                if not usable(src, m.name, opts, report):
                     src.release()
                     continue
                 U, sv, Vh = S.svd_product(left, right)
                 k = rule.choose(sv, min(cap, r))
                 if k >= r:
-                    out.append(_passed(m, layout, report, src))
+                    out.append(_passed(m, layout, report, store, src))
                     src.release()
                     continue
                 up, down = S.truncate(U, sv, Vh, k)
                 up, down = up.to(dtype), down.to(dtype)
                 err, norm = S.error_of_product(left, right, up.float(), down.float())
                 scale = src.scale
+                if not layout.stores_alpha:  # no alpha in the output: the scale goes into up
+                    up, scale = (up.float() * scale).to(dtype), 1.0
             else:  # LoHa / LoKr: the delta itself (scale included), then plain LoRA factors
+                if not usable(src, m.name, opts, report):
+                    src.release()
+                    continue
                 d = src.delta()
                 r = None
                 U, sv, Vh = S.svd(d, cap, S.SvdOptions())
@@ -136,10 +155,7 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
     return out
 
 
-def _passed(m, layout: Layout, report: LoraReport, src: Source | None = None) -> OutModule:
-    """A module written exactly as stored (rank already at or below the target, or no rank at all)."""
+def _passed(m, layout: Layout, report: LoraReport, store, src: Source | None = None) -> OutModule:
+    """A module written as stored (rank already at or below the target, or no rank at all)."""
     report.kept.append(m.name)
-    rank = src.rank if src is not None else None
-    alpha = m.alpha() if src is not None else None
-    return OutModule(m.name, extra=stored(m), peft_rank=rank,
-                     peft_alpha=alpha if alpha is not None else rank)
+    return as_stored(m, layout, store, src)

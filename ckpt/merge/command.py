@@ -5,6 +5,11 @@ decodes FP8 layouts), LoRA modules are matched to base tensors with the key map 
 own keys, matched tensors become `MergedTensor`s, and `plan_checkpoint` + `execute` write the result
 with the input's layout, metadata and per-tensor dtypes. Every problem with the inputs (unmatched or
 ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
+
+A matched module whose delta is zero (rank 0, an untrained all-zero lora_B) gets no patch: the summary names
+it, and a LoRA made only of such modules is reported as the no-op it is rather than as tensors "changed".
+Modules are counted by their stored name (LitGPT's q/k/v pieces of one `attn.qkv` module are one module,
+as `ckpt inspect` counts them).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
 from ckpt.io.layout import plan_checkpoint
 from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
+from ckpt.merge.checks import AdapterReport, alphas as check_alphas, ratios as check_ratios, settle_alphas
 from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
-from ckpt.report import Report, plural
+from ckpt.report import plural
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
                      write)
 
@@ -38,6 +44,7 @@ SHOW_UNMATCHED = 10  # keys listed in the summary; --report FILE.json holds all 
 @dataclass
 class MergeOptions:
     ratios: list[float] = field(default_factory=list)  # one per LoRA; empty = all 1.0
+    alphas: list[float] = field(default_factory=list)  # --alpha: once, or one per LoRA; for modules without one
     to: str | None = None
     device: str = "cpu"
     allow_unmatched: bool = False
@@ -49,12 +56,13 @@ class MergeOptions:
 
 
 @dataclass
-class MergeReport(Report):
+class MergeReport(AdapterReport):
     """Report plus the matching summary every run prints (stdout, also with --quiet)."""
 
     summary: list[str] = field(default_factory=list)
     matched: dict[str, int] = field(default_factory=dict)  # LoRA -> modules matched
     changed: list[str] = field(default_factory=list)  # base tensors changed
+    zero: dict[str, list[str]] = field(default_factory=dict)  # LoRA -> matched modules whose delta is zero
     unmatched: dict[str, list[str]] = field(default_factory=dict)  # LoRA -> stored keys that matched nothing
     meters: list = field(default_factory=list)  # --keep-format: one ErrorMeter per re-encoded tensor
     requantization: dict = field(default_factory=dict)  # --keep-format: mean and per-tensor relative RMS
@@ -63,7 +71,7 @@ class MergeReport(Report):
         """merge-lora's part of `--report FILE.json` (ckpt.cli_report): every unmatched key, not the first few;
         with --keep-format, the requantization error of every re-encoded tensor."""
         return {"summary": self.summary, "matched": self.matched, "changed": self.changed, "unmatched": self.unmatched,
-                "requantization": self.requantization or None}
+                "zero_delta": self.zero, "requantization": self.requantization or None}
 
 
 class MergeError(CkptError):
@@ -87,10 +95,8 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
     if not loras:
         raise CkptError("merge-lora: give at least one LoRA (or a LitGPT finetune folder holding "
                         f"{litgpt.LORA_FILE})")
-    ratios = list(opts.ratios) or [1.0] * len(loras)
-    if len(ratios) != len(loras):
-        raise CkptError(f"--ratio given {plural(len(ratios), 'time')} for {plural(len(loras), 'LoRA')} "
-                        "(give one per LoRA, in order)")
+    ratios = check_ratios(opts.ratios, len(loras))
+    alphas = check_alphas(opts.alphas, len(loras))
     if opts.to is not None and opts.to not in MERGE_TARGETS:
         raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")
     if opts.keep_format and opts.to is not None:
@@ -101,7 +107,7 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
         ckpt = stack.enter_context(open_checkpoint(base))
         base_dir = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         files: list[LoraFile] = []
-        for spec in loras:
+        for spec, alpha in zip(loras, alphas):
             try:
                 f = load_lora(spec, base_dir)
             except CkptError as e:  # `ckpt merge-lora lora.safetensors model.safetensors`: say so
@@ -110,6 +116,7 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                     raise CkptError(f"{e}{hint}") from None
                 raise
             stack.callback(f.close)
+            settle_alphas(f, alpha, report)
             files.append(f)
         if opts.keep_format:
             fmt = _keep_container(ckpt, opts, out)
@@ -176,7 +183,12 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     for f, ratio in zip(files, ratios):
         _match(f, ratio, views, keymaps, where, patches, bases, report)
     report.changed = sorted(bases[i].name for i in patches)
-    report.summary.append(f"base tensors changed: {len(report.changed)}")
+    zero = sum(len(z) for z in report.zero.values())
+    if zero and not patches:
+        report.summary.append("base tensors changed: 0 (the merge is a no-op: every matched module's delta is zero)")
+        report.warn("the merge changes nothing: every matched LoRA module's delta is zero (the output equals the base)")
+    else:
+        report.summary.append(f"base tensors changed: {len(report.changed)}")
     swapped = _swapped_hint(ckpt)
     bad = {s: u for s, u in report.unmatched.items() if u}
     if bad and not opts.allow_unmatched:
@@ -185,7 +197,7 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         raise MergeError(f"{s}: {plural(len(u), 'LoRA key')} match{'es' * (len(u) == 1)} no base tensor (e.g. {u[0]!r}; "
                          f"{family_note(f.modules.values(), keymaps)}){swapped}; nothing was written "
                          "(pass --allow-unmatched to merge the rest)", report)
-    if not patches:
+    if not patches and not zero:
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
     names = [Path(f.spec).name for f in files]
@@ -243,9 +255,10 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
     """Resolve every module of one LoRA to its base tensors, check shapes, queue its patches, and add
     its lines to the report."""
     unmatched = list(f.unknown)
-    n_matched = 0
-    kinds: dict[str, int] = {}
-    no_alpha = 0
+    matched: set[str] = set()  # stored module names: LitGPT's q/k/v pieces of one attn.qkv module count once
+    kinds: dict[str, set[str]] = {}
+    zero: set[str] = set()
+    nonzero: set[str] = set()  # a LitGPT attn.qkv module is zero only if each of its pieces is
     ordered = sorted(f.modules.values(), key=lambda m: m.family != "replace")  # replacements first
     for m in ordered:
         hit = _resolve(m, keymaps, where, f)
@@ -257,6 +270,13 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
         if m.rows is not None:
             targets = [_narrow(t, m, view.tensors, f) for t in targets]
         adapter = _fit(m, targets, view.tensors, f)
+        kind = adapter.family + ("+dora" if getattr(adapter, "dora", None) is not None else "")
+        kinds.setdefault(kind, set()).add(m.name)
+        matched.add(m.name)
+        if adapter.is_zero():  # rank 0, an untrained lora_B...: no patch, and said so
+            zero.add(m.name)
+            continue
+        nonzero.add(m.name)
         for target in targets:
             offset = target.part[0] if target.part else 0
             if adapter.has_weight:
@@ -265,18 +285,23 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
             if adapter.bias_rows is not None:
                 _add(patches, bases, _bias_of(adapter, target, view.tensors, f),
                      Patch(adapter, ratio, target.rows, target.transform, bias=True, offset=offset))
-        n_matched += 1
-        kind = adapter.family + ("+dora" if getattr(adapter, "dora", None) is not None else "")
-        kinds[kind] = kinds.get(kind, 0) + 1
-        no_alpha += adapter.family in ("lora", "loha", "lokr", "glora") and m.alpha() is None
+    n_matched = len(matched)
+    zero -= nonzero
     report.matched[f.spec] = n_matched
     report.unmatched[f.spec] = unmatched
-    detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+    detail = ", ".join(f"{k} {len(v)}" for k, v in sorted(kinds.items()))
     report.summary.append(f"{f.spec}: {plural(n_matched, 'LoRA module')} matched (ratio {ratio:g}"
                           + (f"; {detail})" if detail else ")"))
-    if no_alpha:
-        report.note(f"{f.spec}: {plural(no_alpha, 'module')} carr{'y' if no_alpha != 1 else 'ies'} no alpha (no alpha key, adapter_config.json or "
-                    "lora_adapter_metadata): scale 1")
+    if zero:
+        names = sorted(zero)
+        report.zero[f.spec] = names
+        shown = ", ".join(names[:SHOW_UNMATCHED]) + (f", ... ({len(names) - SHOW_UNMATCHED} more)"
+                                                      if len(names) > SHOW_UNMATCHED else "")
+        every = "all of them: " if len(zero) == n_matched else ""
+        one = len(zero) == 1
+        report.summary.append(f"{f.spec}: {plural(len(zero), 'module')} {'has' if one else 'have'} a zero delta "
+                              f"(rank 0 or an all-zero factor, e.g. an untrained lora_B) and change{'s' * one} "
+                              f"nothing: {every}{shown}")
     if unmatched:
         more = len(unmatched) - SHOW_UNMATCHED
         shown = ", ".join(unmatched[:SHOW_UNMATCHED]) + (

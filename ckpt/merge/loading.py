@@ -4,7 +4,8 @@ A stored key is a module name plus a suffix naming its part (`x.lora_down.weight
 `down`). The suffix table below is the whole vocabulary; keys it does not cover are reported as
 unmatched, never dropped silently. Alpha comes from, in order: the module's own `alpha` tensor, the
 PEFT `adapter_config.json` (lora_alpha, alpha_pattern, use_rslora), or the diffusers safetensors
-metadata `lora_adapter_metadata`; without any, the scale is 1.
+metadata `lora_adapter_metadata`; without any, the commands give it --alpha or assume alpha = rank (scale 1)
+with a warning (`ckpt.merge.checks.settle_alphas`).
 
 Tensors are read through `ckpt.io` (validated headers, pread on demand): a LoRA is never loaded whole.
 """

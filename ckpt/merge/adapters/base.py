@@ -90,13 +90,46 @@ class Adapter:
     def release(self) -> None:
         self._cache.clear()
 
+    # -- what the commands must say about a module ---------------------------------------------------
+    zero_if_any: tuple[str, ...] = ()  # roles of which one all-zero tensor makes the weight delta zero
+
+    def is_zero(self) -> bool:
+        """The module changes nothing: rank 0, or an all-zero factor of the product its delta is (an
+        untrained PEFT lora_B is zeros), and no bias delta. merge-lora says so instead of counting the
+        tensors it "changed". Read from the stored tensors, not kept; DoRA re-normalises even a zero delta."""
+        if not self.zero_if_any or getattr(self, "dora", None) is not None:
+            return False
+        weight = not self.has_weight or any(_all_zero(self.module.parts[r]) for r in self.zero_if_any if self.has(r))
+        bias = self.bias_role is None or not self.has(self.bias_role) or _all_zero(self.module.parts[self.bias_role])
+        return weight and bias
+
+    def nonfinite(self) -> dict[str, int]:
+        """stored key -> NaN/Inf values of every part (alpha included) that holds any, read from storage."""
+        out = {}
+        for key, t in zip(self.module.keys, self.module.parts.values()):
+            x = t.read_all(torch.device("cpu"))
+            if x.is_floating_point() and x.numel():
+                n = int((~torch.isfinite(x.float() if x.element_size() == 1 else x)).sum())  # fp8: no isfinite
+                if n:
+                    out[key] = n
+        cfg = self.module.config_alpha
+        if "alpha" not in self.module.parts and cfg is not None and not math.isfinite(cfg):
+            out["lora_alpha (adapter_config.json / lora_adapter_metadata)"] = 1
+        return out
+
     def error(self, problem: str) -> CkptError:
         return CkptError(f"{self.module.source}: module {self.module.name!r}: {problem}")
 
 
+def _all_zero(t) -> bool:
+    x = t.read_all(torch.device("cpu"))
+    return x.numel() == 0 or not bool((x.float() if x.element_size() == 1 else x).any())
+
+
 def alpha_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
-    """kohya/LyCORIS convention: no alpha (or alpha 0) means alpha = rank, i.e. scale 1."""
-    if alpha is None or alpha == 0:
+    """kohya/LyCORIS convention: no alpha (or alpha 0) means alpha = rank, i.e. scale 1. A rank-0 module's
+    delta is zero whatever its scale: 1, rather than a division by zero."""
+    if alpha is None or alpha == 0 or rank == 0:
         return 1.0
     return alpha / (math.sqrt(rank) if rslora else rank)
 

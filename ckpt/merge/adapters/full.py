@@ -8,6 +8,7 @@ from ckpt.merge.adapters.base import Adapter
 
 
 class Full(Adapter):
+    zero_if_any = ("diff",)  # the delta itself
     bias_role = "diff_b"
     family = "full"
 

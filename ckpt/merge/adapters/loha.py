@@ -14,6 +14,7 @@ ROLES = ("w1a", "w1b", "w2a", "w2b")
 
 
 class LoHa(LowRankFamily):
+    zero_if_any = ("w1a", "w1b", "w2a", "w2b", "t1", "t2")  # the delta is a product of these
     family = "loha"
 
     def __init__(self, module):

@@ -18,6 +18,7 @@ from ckpt.merge.adapters.base import LowRankFamily, alpha_scale
 
 
 class LoKr(LowRankFamily):
+    zero_if_any = ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")  # the delta is a product of these
     family = "lokr"
 
     def __init__(self, module):

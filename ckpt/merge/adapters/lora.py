@@ -51,6 +51,10 @@ class LoRA(LowRankFamily):
         self.scale = alpha_scale(module.alpha(), self.rank, module.rslora)
         super().__init__(module)
 
+    @property
+    def zero_if_any(self) -> tuple[str, ...]:
+        return (self.up_role, self.down_role, "mid")  # up first: an untrained lora_B is the usual zero
+
     @staticmethod
     def _missing(module, role):
         from ckpt.errors import CkptError
