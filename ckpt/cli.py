@@ -16,7 +16,8 @@ from ckpt.report import Report
 
 from ckpt.cli_report import REPORT, finish as finish_report, record, reset as reset_report
 from ckpt.cli_options import (ALLOW_UNMATCHED, CONVERT_OR_GGUF, CONVERT_TO_HELP, DEQUANT_TO, DEVICE, DRY_RUN, FORMAT,
-                              MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QTYPE, QUIET, SHAPES_FROM)
+                              MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QTYPE, QUIET, SHAPES_FROM, OneLineGroup,
+                              check_output, check_source_option)
 
 
 def _print_report(report: Report, quiet: bool) -> None:
@@ -27,7 +28,7 @@ def _print_report(report: Report, quiet: bool) -> None:
         click.echo(w, err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def cli():
     """Convert, decode and merge checkpoints tensor by tensor, with bounded memory."""
@@ -35,13 +36,14 @@ def cli():
 
 @cli.command()
 @click.argument("src")
-@click.option("-o", "--output", "out", help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
+@click.option("-o", "--output", "out", callback=check_output,
+              help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
 @click.option("--to", "to", type=CONVERT_OR_GGUF,
               help=CONVERT_TO_HELP + " gguf-*: a ComfyUI-GGUF file. Optional with --layout (then each tensor keeps its dtype).")
 @click.option("--layout", type=click.Choice(["diffusers", "original"]),
               help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
                    "original layout (one file with the reference keys).")
-@click.option("--config", "config", metavar="REF",
+@click.option("--config", "config", metavar="REF", callback=check_source_option,
               help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
                    "instead of the one derived from the shapes.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype (repeatable).")
@@ -73,7 +75,8 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
 
 @cli.command()
 @click.argument("src")
-@click.option("-o", "--output", "out", help="Output file or folder (default: derived from SRC, e.g. x-dequant.safetensors).")
+@click.option("-o", "--output", "out", callback=check_output,
+              help="Output file or folder (default: derived from SRC, e.g. x-dequant.safetensors).")
 @DEQUANT_TO
 @SHAPES_FROM
 @QTYPE
@@ -123,7 +126,8 @@ def inspect(src, as_json, scan, quiet):
 @cli.command("merge-lora")
 @click.argument("base")
 @click.argument("loras", nargs=-1)
-@click.option("-o", "--output", "out", help="Output file or folder (default: BASE-merged beside BASE).")
+@click.option("-o", "--output", "out", callback=check_output,
+              help="Output file or folder (default: BASE-merged beside BASE).")
 @click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
               help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
 @click.option("--alpha", "alphas", type=float, multiple=True, metavar="A",

@@ -315,7 +315,7 @@ def test_torch_format_shards_like_transformers(tmp_path, run_ckpt):
     sd = {"a": torch.randn(4, 4), "b": torch.randn(4, 4)}
     save_file(sd, tmp_path / "m.safetensors")
     code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "fp16", "--format", "torch",
-                              "--max-shard-size", "40", "-o", tmp_path / "out", "-q")
+                              "--max-shard-size", "40B", "-o", tmp_path / "out", "-q")
     assert code == 0, err
     index = json.loads((tmp_path / "out" / "m.bin.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == ["m-00001-of-00002.bin", "m-00002-of-00002.bin"]

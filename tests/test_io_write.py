@@ -96,7 +96,7 @@ def test_writer_refuses_short_or_long_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("text,n", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30),
-                                    ("1000", 1000), ("1.5kb", 1500)])
+                                    ("1000B", 1000), ("1.5kb", 1500)])
 def test_parse_size_units(text, n):
     assert parse_size(text) == n
 

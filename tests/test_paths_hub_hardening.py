@@ -329,6 +329,13 @@ def locked():
     (["dequant", "open/in.safetensors", "--shapes-from", "locked/ro/in.safetensors"],
      "--shapes-from locked/ro/in.safetensors"),
     (["merge-lora", "open/in.safetensors", "locked/ro/lora.safetensors"], "locked/ro/lora.safetensors"),
+    (["convert", "open/in.safetensors", "--to", "fp16", "-o", "locked/ro/out.safetensors"],
+     "-o locked/ro/out.safetensors"),
+    (["dequant", "open/in.safetensors", "-o", "locked/ro/out"], "-o locked/ro/out"),
+    (["merge-lora", "open/in.safetensors", "open/in.safetensors", "-o", "locked/ro/m.safetensors"],
+     "-o locked/ro/m.safetensors"),
+    (["convert", "open/in.safetensors", "--layout", "diffusers", "--config", "locked/ro"], "--config locked/ro"),
+    (["inspect", "open/in.safetensors", "--report", "locked/ro/r.json"], "--report locked/ro/r.json"),
 ], ids=lambda a: " ".join(a[:2]) if isinstance(a, list) else None)
 def test_a_folder_that_cannot_be_entered_is_permission_denied(locked, args, culprit):
     before = tree(locked)

@@ -52,8 +52,14 @@ def check_side_file(path: Path, label: str, kind: str, is_ours: Callable[[Path],
     parent = path.absolute().parent
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         st = None
+    except PermissionError:  # a folder on the way that cannot be entered: said as for every other path
+        from ckpt.io.hub import local_path
+
+        option, _, given = label.rpartition(" ")
+        local_path(given, f"{option} " if option else "")
+        raise CkptError(f"{label}: permission denied") from None
     except OSError as e:
         raise CkptError(f"{label}: cannot check it ({_why(e)})") from None
     if st is not None:
