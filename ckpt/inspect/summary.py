@@ -26,8 +26,12 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
                         "base_model": ss_base_model_version / modelspec.architecture | null,
                         "network_module": ss_network_module | null},
         "encodings": ["plain"] | ["fp8_e4m3fn (plain, no scales)", "optimum-quanto qint8", ...],
-        "tensors": n, "parameters": n (stored elements), "bytes": n (stored tensor bytes),
-        "dtypes": {"fp16": {"tensors": n, "parameters": n, "bytes": n}, ...} (GGUF block types by name: "Q8_0"),
+        "tensors": n (stored tensors),
+        "parameters": n (the plain model's: decoded shapes of quantized weights, their scales and other
+                      companions 0; stored elements where ckpt cannot decode the layout),
+        "bytes": n (stored tensor bytes),
+        "dtypes": {"fp16": {"tensors": n, "parameters": n, "bytes": n}, ...} (by stored dtype, a quantized
+                  weight's parameters under its codes' dtype; GGUF block types by name: "Q8_0"),
         "metadata": {safetensors __metadata__ (GGUF: its key-values, long arrays summarized), merged over files},
         "warnings": [...], "notes": [...],
         "scan": null | {"tensors": n scanned, "nan": {name: count}, "inf": {name: count}}}],
@@ -139,12 +143,13 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     family_id, layout = _family_id(parts, comp.config)
 
     dtypes: dict[str, dict[str, int]] = {}
-    for t in (comp.tensors if gguf else tensors).values():
+    logical = _logical_params(comp.tensors, view) if view is not None and not gguf else {}
+    for name, t in (comp.tensors if gguf else tensors).items():
         if isinstance(t, GGUFStored):  # stored blocks: the GGUF type, the values they hold, their bytes
             kind, n, size = t.type_name if t.quantized else _dtype(t)[0], t.logical_numel, t.info.nbytes
         else:
             kind, itemsize = _dtype(t)
-            n, size = t.numel, t.numel * itemsize
+            n, size = logical.get(name, t.numel), t.numel * itemsize
         d = dtypes.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
         d["tensors"] += 1
         d["parameters"] += n
@@ -194,6 +199,22 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "notes": notes,
         "scan": scan_result,
     }
+
+
+def _logical_params(stored: dict, view) -> dict[str, int]:
+    """Stored key -> the parameters it stands for in the plain model: a decoded tensor's logical shape
+    (a bitsandbytes or nvfp4 pack holds two values per byte, a padded comfy_quant weight more than its
+    logical shape), its codes' key when they are stored under another name (quanto `X.weight._data`),
+    and 0 for what the decoders consume beside the codes (scales, absmax, code tables, markers). Counting
+    stored elements instead showed a 1.86M-parameter NF4 model as 1.13M."""
+    out = {}
+    for key in stored:
+        if key in view.consumed:
+            name = view.anchors.get(key)
+            out[key] = view.tensors[name].numel if name in view.tensors else 0
+        elif key in view.tensors:
+            out[key] = view.tensors[key].numel
+    return out
 
 
 def _dtype(t) -> tuple[str, int]:
@@ -375,13 +396,17 @@ def scan_tensors(tensors: dict) -> dict:
     return {"tensors": scanned, "nan": nan, "inf": inf}
 
 
-def _json(path: Path):
+def _json(path: Path) -> dict | None:
+    """A sidecar JSON object (quanto_qmap.json, adapter_config.json, model_index.json), None when it is
+    absent, unreadable or not an object: every caller reads it with `.get`, and inspect reports what the
+    tensors say rather than failing on a sidecar (config.json itself is checked when the folder opens)."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        v = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError):
         return None
+    return v if isinstance(v, dict) else None
 
 
 def _pipeline_class(path: Path) -> str | None:

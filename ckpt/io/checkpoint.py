@@ -219,13 +219,25 @@ def _without_variants(paths: list[Path]) -> list[Path]:
 
 
 def _config(folder: Path) -> dict | None:
+    """The folder's config.json as a dict. Everything downstream (inspect, convert, --layout, the decoders)
+    reads it with `.get`, so a file that is not a JSON object (a list, a string, broken JSON, unreadable)
+    is refused here, once, naming the file, rather than failing later as an AttributeError."""
     p = folder / "config.json"
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise file_error(p, f"invalid JSON ({e})") from None
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise file_error(p, f"invalid JSON ({type(e).__name__ if isinstance(e, RecursionError) else e})") from None
+    except OSError as e:
+        raise file_error(p, f"cannot be read ({e.strerror or e})") from None
+    if not isinstance(cfg, dict):
+        raise file_error(p, f"holds a JSON {_json_kind(cfg)}, not the JSON object a model config is")
+    return cfg
+
+
+def _json_kind(v) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(v), "null")
 
 
 def sniff(path: Path) -> str | None:

@@ -116,7 +116,7 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
     if isinstance(obj, dict):
         for key in NESTED:
             inner = obj.get(key)
-            if isinstance(inner, dict) and any(isinstance(v, torch.Tensor) for v in inner.values()):
+            if isinstance(inner, dict) and _has_tensors(inner):
                 others = [k for k in obj if k != key]
                 nested = f"{path.name}: using the nested {key!r} ({plural(len(inner), 'entry')})" + (
                     f"; not weights, left out: {', '.join(map(str, others[:8]))}" if others else "")
@@ -125,6 +125,13 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
                 break
     if not isinstance(obj, dict):
         raise file_error(path, f"holds a {type(obj).__name__}, not a state dict of tensors")
+    flat = flatten(obj, path)
+    grouped = [k for k, v in flat.items() if k not in obj and isinstance(v, torch.Tensor)]
+    if grouped:
+        nested = (f"{path.name}: {plural(len(grouped), 'tensor')} stored in nested dicts, named with dots as a "
+                  f"state dict names them ({', '.join(grouped[:3])}{', ...' if len(grouped) > 3 else ''})")
+        note = f"{note}; {nested}" if note else nested
+    obj = flat
     tensors = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     other = [str(k) for k, v in obj.items() if not isinstance(v, torch.Tensor)]
     if not tensors:
@@ -137,6 +144,44 @@ def load_pickle_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str | N
         raise file_error(path, f"{plural(len(meta), 'tensor')} {'has' if len(meta) == 1 else 'have'} no data (meta device): "
                                f"{', '.join(meta[:8])}")
     return tensors, note, zipped
+
+
+def _has_tensors(d: dict) -> bool:
+    """Whether a dict holds tensors, directly or in nested dicts with string keys (what `flatten` reads)."""
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, dict) and _groupable(v) and _has_tensors(v))
+               for v in d.values())
+
+
+def _groupable(d: dict) -> bool:
+    return bool(d) and all(isinstance(k, str) for k in d)
+
+
+def flatten(obj: dict, path: Path) -> dict:
+    """{"lin.weight": {"_data": t, "_scale": s}} -> {"lin.weight._data": t, "lin.weight._scale": s}.
+
+    Some savers group a module's tensors in nested dicts (a legacy optimum-quanto weight as a dict of its
+    parts); leaving such an entry out as "not a tensor" dropped the weight from the state dict and made
+    inspect count only what stayed flat. A nested dict with string keys holding tensors is read as the
+    state dict it spells, its keys joined with dots (its non-tensor leaves too: legacy quanto strings).
+    Dicts with other keys (an optimizer's {0: {...}}), lists and other values stay single entries. Two
+    spellings of one name are refused."""
+    out: dict = {}
+
+    def put(name, v):
+        if name in out:
+            raise file_error(path, f"holds {name!r} twice (once flat, once in nested dicts)")
+        out[name] = v
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, dict) and _groupable(v) and _has_tensors(v):
+                walk(name + ".", v)
+            else:
+                put(name if prefix else k, v)
+
+    walk("", obj)
+    return out
 
 
 def load(path: Path, zipped: bool | None = None):

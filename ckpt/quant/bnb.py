@@ -36,7 +36,7 @@ from ckpt.lazy import torch
 
 from ckpt.dtypes import is_float
 from ckpt.io.tensors import Tensor
-from ckpt.quant.fp8 import _natural, _refuse, _st
+from ckpt.quant.fp8 import _natural, _quant_config, _refuse, _st, companion
 from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.view import DecodeContext, Decoded
 
@@ -163,6 +163,7 @@ class Int8RowWeight(Tensor):
 
 
 def _state(ctx, key) -> dict:
+    companion(ctx, key, "bitsandbytes quant state", dtypes=(torch.uint8,))  # UTF-8 JSON bytes
     try:
         st = json.loads(ctx.remaining[key].read_all(torch.device("cpu")).numpy().tobytes())
         if not isinstance(st, dict):
@@ -173,6 +174,9 @@ def _state(ctx, key) -> dict:
 
 
 def decode_4bit(ctx: DecodeContext) -> Decoded | None:
+    """Every key of a Params4bit is checked against what bitsandbytes writes (`companion`): the packed
+    codes hold exactly the bytes the shape needs, absmax is F32 [blocks] (or U8 [blocks] codes with F32
+    nested absmax and a 256-entry F32 nested code table), the code table F32 [16]."""
     found = [(m.group(1), m.group(2), k) for k in ctx.remaining if (m := QUANT_STATE.match(k))]
     if not found:
         return None
@@ -190,9 +194,7 @@ def decode_4bit(ctx: DecodeContext) -> Decoded | None:
         if w is None:
             raise _refuse(ctx, skey, f"bitsandbytes quant state {skey!r} has no packed weight {p!r}")
         n = math.prod(shape)
-        if w.numel * w.dtype.itemsize < (n + 1) // 2:
-            raise _refuse(ctx, p, f"{p!r} holds {w.numel * w.dtype.itemsize} bytes; the {qt} weight of shape {shape} "
-                                  f"needs {(n + 1) // 2} (truncated packed data)")
+        _check_packed(ctx, p, w, qt, shape, n)
         aux = {s: f"{p}.{s}" for s in ("absmax", "quant_map", "nested_absmax", "nested_quant_map")}
         absmax = ctx.remaining.get(aux["absmax"])
         blocks = -(-n // bs)
@@ -201,18 +203,20 @@ def decode_4bit(ctx: DecodeContext) -> Decoded | None:
                                   f"{aux['absmax']!r}" + ("" if absmax is None else f", not {absmax.numel}"))
         qmap = ctx.remaining.get(aux["quant_map"])
         if qmap is not None:
-            if qmap.numel != 16 or not torch.equal(qmap.read_all(torch.device("cpu")).to(torch.float32).reshape(-1),
-                                                   code_table(qt)):
+            companion(ctx, aux["quant_map"], f"{qt} code table of {p!r}", dtypes=(torch.float32,), shape=(16,))
+            if not torch.equal(qmap.read_all(torch.device("cpu")).reshape(-1), code_table(qt)):
                 raise _refuse(ctx, aux["quant_map"], f"{aux['quant_map']!r} is not bitsandbytes' {qt} code table")
             consumed[aux["quant_map"]] = f"code table of {p}"
         nested = None
-        if "nested_offset" in st or aux["nested_absmax"] in ctx.remaining:
+        if "nested_offset" in st or aux["nested_absmax"] in ctx.remaining or aux["nested_quant_map"] in ctx.remaining:
             nested = _nested(ctx, p, st, aux, absmax, blocks)
             consumed[aux["nested_absmax"]] = f"nested absmax of {p}"
             consumed[aux["nested_quant_map"]] = f"nested code table of {p}"
         elif not is_float(absmax.dtype):
             raise _refuse(ctx, aux["absmax"], f"{aux['absmax']!r} is {_st(absmax.dtype)} but {skey!r} names no "
                                               "nested quantization")
+        else:  # read per block: [blocks] exactly (a reshaped absmax would be read by the wrong rows)
+            companion(ctx, aux["absmax"], f"block absmax of {p!r}", dtypes=(torch.float32,), shape=(blocks,))
         consumed[aux["absmax"]] = f"block absmax of {p}"
         consumed[skey] = f"bitsandbytes quant state of {p}"
         tensors[p] = Bnb4bitWeight(p, w, absmax, qt, bs, shape, natural, nested)
@@ -220,21 +224,61 @@ def decode_4bit(ctx: DecodeContext) -> Decoded | None:
     return Decoded("bitsandbytes " + "+".join(sorted(kinds)), tensors, consumed)
 
 
+def _check_packed(ctx, p, w, qt, shape, n):
+    """The packed codes: two per byte, (n + 1) // 2 bytes, in uint8 or another `quant_storage` dtype
+    holding those bytes (rounded up to whole elements), shaped [elements, 1] as Params4bit stores them.
+    A tensor holding more bytes is not packed codes (e.g. the uint8 codes cast to float32: four times the
+    bytes, decoded to garbage before)."""
+    need = (n + 1) // 2
+    isz = w.dtype.itemsize
+    have = w.numel * isz
+    if have < need:
+        raise _refuse(ctx, p, f"{p!r} holds {have} bytes; the {qt} weight of shape {shape} needs {need} "
+                              "(truncated packed data)")
+    if have != -(-need // isz) * isz or len(w.shape) != 2 or w.shape[1] != 1:
+        raise _refuse(ctx, p, f"packed {qt} codes {p!r} are {_st(w.dtype)} {list(w.shape)} ({have} bytes); expected "
+                              f"{need} bytes for the shape {shape} (two 4-bit codes per byte: U8 [{need}, 1] as "
+                              "bitsandbytes saves them, or the same bytes in its quant_storage dtype)")
+
+
 def _nested(ctx, p, st, aux, absmax, blocks):
     n_absmax, n_map = ctx.remaining.get(aux["nested_absmax"]), ctx.remaining.get(aux["nested_quant_map"])
     n_bs, offset = st.get("nested_blocksize"), st.get("nested_offset")
-    if n_absmax is None or n_map is None or n_bs not in BLOCKSIZES or not isinstance(offset, (int, float)):
+    if n_absmax is None or n_map is None or n_bs not in BLOCKSIZES or not isinstance(offset, (int, float)) \
+            or isinstance(offset, bool) or not math.isfinite(offset):
         raise _refuse(ctx, p, f"{p!r} is nested-quantized but lacks {aux['nested_absmax']!r}, "
                               f"{aux['nested_quant_map']!r} or nested_blocksize/nested_offset in its quant state")
     if absmax.dtype != torch.uint8 or n_map.numel != 256 or n_absmax.numel != -(-blocks // n_bs):
         raise _refuse(ctx, p, f"nested absmax of {p!r} does not fit: {aux['absmax']!r} {_st(absmax.dtype)} "
                               f"{list(absmax.shape)}, {aux['nested_absmax']!r} {list(n_absmax.shape)}, "
                               f"{aux['nested_quant_map']!r} {list(n_map.shape)} (blocks of {n_bs})")
+    companion(ctx, aux["absmax"], f"nested absmax codes of {p!r}", dtypes=(torch.uint8,), shape=(blocks,))
+    companion(ctx, aux["nested_absmax"], f"nested absmax of {p!r}", dtypes=(torch.float32,),
+              shape=(-(-blocks // n_bs),))
+    companion(ctx, aux["nested_quant_map"], f"nested code table of {p!r}", dtypes=(torch.float32,), shape=(256,))
     return n_absmax, n_map, n_bs, float(offset)
 
 
 def decode_int8(ctx: DecodeContext) -> Decoded | None:
+    """LLM.int8: `X.SCB` F32 [out] beside an int8 `X.weight`. An int8 weight that has lost its SCB is
+    refused rather than written as if its codes were values: one whose `X.weight_format` is still there,
+    or any int8 `.weight` when other layers carry SCB or config.json says load_in_8bit."""
     keys = [k for k in ctx.remaining if k == "SCB" or k.endswith(".SCB")]
+    qc = _quant_config(ctx)
+    int8_config = str(qc.get("quant_method", "")).lower() == "bitsandbytes" and bool(qc.get("load_in_8bit"))
+    for key in ctx.remaining:
+        if key == "weight_format" or key.endswith(".weight_format"):
+            layer = key[: -len("weight_format")]
+            if f"{layer}SCB" not in ctx.remaining and f"{layer}weight" in ctx.remaining:
+                raise _refuse(ctx, key, f"LLM.int8 layer {layer[:-1]!r} has {key!r} but no row scales "
+                                        f"{layer + 'SCB'!r}: its int8 codes cannot be decoded")
+    if keys or int8_config:
+        for key, t in ctx.remaining.items():
+            layer = key[: -len("weight")]
+            is_weight = key == "weight" or key.endswith(".weight")
+            if is_weight and t.dtype == torch.int8 and f"{layer}SCB" not in ctx.remaining:
+                raise _refuse(ctx, key, f"{key!r} is an int8 weight without row scales {layer + 'SCB'!r} in an "
+                                        "LLM.int8 checkpoint: its codes cannot be decoded")
     if not keys:
         return None
     natural, tensors, consumed = _natural(ctx), {}, {}
@@ -242,15 +286,18 @@ def decode_int8(ctx: DecodeContext) -> Decoded | None:
         layer = key[: -len("SCB")]
         wkey, fkey = f"{layer}weight", f"{layer}weight_format"
         w, scb = ctx.remaining.get(wkey), ctx.remaining[key]
-        if w is None or w.dtype != torch.int8 or len(w.shape) < 2:
+        if w is None or w.dtype != torch.int8 or len(w.shape) != 2:
             raise _refuse(ctx, key, f"LLM.int8 scale {key!r} needs an int8 matrix {wkey!r}"
                                     + ("" if w is None else f", not {_st(w.dtype)} {list(w.shape)}"))
         if scb.numel != w.shape[0] or not is_float(scb.dtype):
             raise _refuse(ctx, key, f"LLM.int8 scale {key!r} {_st(scb.dtype)} {list(scb.shape)} is not one value per "
                                     f"row of {wkey!r} {list(w.shape)}")
+        companion(ctx, key, f"LLM.int8 row scales of {wkey!r}", dtypes=(torch.float32,), shape=(w.shape[0],))
         if fkey in ctx.remaining:
+            companion(ctx, fkey, f"LLM.int8 layout of {wkey!r}", numel=1,
+                      dtypes=(torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
             f = ctx.remaining[fkey].read_all(torch.device("cpu"))
-            if f.numel() != 1 or int(f.reshape(-1)[0]) != 0:
+            if int(f.reshape(-1)[0]) != 0:
                 raise _refuse(ctx, fkey, f"{fkey!r} is not the row layout (0) that bitsandbytes saves")
             consumed[fkey] = f"layout of {wkey} (row)"
         tensors[wkey] = Int8RowWeight(wkey, w, scb, natural)

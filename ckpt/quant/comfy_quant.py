@@ -38,12 +38,13 @@ from dataclasses import dataclass
 
 from ckpt.lazy import torch
 
-from ckpt.dtypes import FP8, ST_TO_TORCH, is_float
+from ckpt.dtypes import FP8, ST_TO_TORCH
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.quant import microscaling as mx
 from ckpt.quant.encoding import Encoding
-from ckpt.quant.fp8 import ScaledTensor, _activation_keys, _natural, _refuse, _scaled, _st, _weight_key
+from ckpt.quant.fp8 import (ScaledTensor, _activation_keys, _natural, _refuse, _scaled, _st, _weight_key, companion,
+                             float_scale)
 from ckpt.quant.view import DecodeContext, Decoded
 from ckpt.report import Report
 
@@ -78,9 +79,10 @@ class BlockedScales:
     def __init__(self, t: Tensor, rows: int, blocks: int):
         self.t, self.blocks = t, blocks
         self.grid = mx.scale_grid(rows, blocks)
-        if t.numel != math.prod(self.grid):
+        if tuple(t.shape) not in (self.grid, (math.prod(self.grid),)):
             raise ValueError(f"has shape {list(t.shape)}; {rows} rows of {blocks} blocks need "
-                             f"{self.grid[0]} x {self.grid[1]} blocked scales")
+                             f"{self.grid[0]} x {self.grid[1]} blocked scales ({list(self.grid)}, or "
+                             f"[{math.prod(self.grid)}] flattened)")
         self.flat = tuple(t.shape) != self.grid
 
     def rows(self, a: int, b: int, device) -> torch.Tensor:
@@ -144,6 +146,7 @@ def layer_configs(ctx: DecodeContext) -> tuple[dict[str, dict], dict[str, str]]:
     layers: dict[str, dict] = {}
     consumed: dict[str, str] = {}
     for key in [k for k in ctx.remaining if k.endswith(".comfy_quant")]:
+        companion(ctx, key, "ComfyUI layer quantization config (UTF-8 JSON bytes)", dtypes=(torch.uint8,))
         try:
             conf = json.loads(ctx.remaining[key].read_all(torch.device("cpu")).numpy().tobytes())
             if not isinstance(conf, dict):
@@ -194,11 +197,14 @@ def decode(ctx: DecodeContext) -> Decoded | None:
 
 
 def _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed):
-    if w.dtype not in FP8:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}")
+    if w.dtype not in FP8 or w.dtype_name != FP8_FORMATS[fmt]:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}, "
+                                 f"not {FP8_FORMATS[fmt]}")
+    _require_2d(ctx, layer, wkey, w, fmt)
     skey = f"{layer}.weight_scale"
     if skey not in ctx.remaining:
         return None  # plain fp8 codes: cast as they are
+    companion(ctx, skey, f"{fmt} scale of {wkey!r}", dtypes=float_scale)
     t = _scaled(ctx, wkey, w, skey, ctx.remaining[skey], natural)
     consumed[skey] = f"scale of {wkey}"
     t.spec = QuantSpec(fmt)
@@ -213,14 +219,17 @@ def _int8_layer(ctx, layer, conf, wkey, w, natural, consumed):
     if w.dtype != torch.int8:
         raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise but {wkey!r} is stored as "
                                  f"{_st(w.dtype)}, not I8")
+    _require_2d(ctx, layer, wkey, w, "int8_tensorwise")
     skey = f"{layer}.weight_scale"
     s = ctx.remaining.get(skey)
     if s is None:
         raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (int8_tensorwise) has no scale {skey!r}")
+    companion(ctx, skey, f"int8_tensorwise scale of {wkey!r}", dtypes=float_scale)
     t = _scaled(ctx, wkey, w, skey, s, natural)
-    if t.layout.kind not in ("tensor", "row"):
+    if t.layout.kind not in ("tensor", "row") or (t.layout.kind == "row" and tuple(s.shape) != (w.shape[0], 1)):
         raise _refuse(ctx, skey, f"scale {skey!r} has shape {list(s.shape)}: int8_tensorwise scales are one value "
-                                 f"or one per row of {wkey!r} {list(w.shape)}")
+                                 f"or one per row of {wkey!r} {list(w.shape)} ([{w.shape[0]}, 1], as comfy-kitchen "
+                                 "saves them)")
     consumed[skey] = f"scale of {wkey}"
     t.spec = QuantSpec("int8_tensorwise", rowwise=t.layout.kind == "row")
     return t
@@ -231,9 +240,7 @@ def _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed):
     if w.dtype != want:
         raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}, "
                                  f"not {_st(want)}")
-    if len(w.shape) != 2:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is a {len(w.shape)}-D {fmt} weight "
-                                 f"{list(w.shape)} (expert banks are not decoded by ckpt; 2-D Linear weights are)")
+    _require_2d(ctx, layer, wkey, w, fmt)
     rows, stored_cols = w.shape
     cols = stored_cols * 2 if fmt == "nvfp4" else stored_cols
     block = BLOCK[fmt]
@@ -259,20 +266,25 @@ def _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed):
         g = ctx.remaining.get(gkey)
         if g is None:
             raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (nvfp4) has no global scale {gkey!r}")
-        if g.numel != 1 or not is_float(g.dtype):
-            raise _refuse(ctx, gkey, f"nvfp4 global scale {gkey!r} must be one floating value, not "
-                                     f"{_st(g.dtype)} {list(g.shape)}")
+        companion(ctx, gkey, f"nvfp4 global scale of {wkey!r}", dtypes=float_scale, numel=1)
         consumed[gkey] = f"global scale of {wkey}"
     shape = _logical_shape(ctx, layer, conf, wkey, (rows, cols), block)
     if fmt == "nvfp4":
         pkey = f"{layer}.pre_quant_scale"
         col = ctx.remaining.get(pkey)
         if col is not None:
-            if col.numel != shape[1] or not is_float(col.dtype):
-                raise _refuse(ctx, pkey, f"{pkey!r} {list(col.shape)} is not one input scale per column of {wkey!r} "
-                                         f"{list(shape)}")
+            companion(ctx, pkey, f"input smoothing (one scale per column) of {wkey!r} {list(shape)}",
+                      dtypes=float_scale, numel=shape[1])
             consumed[pkey] = f"input smoothing of {wkey} (folded into its columns)"
     return BlockQuantWeight(wkey, QuantSpec(fmt), w, scales, shape, natural, g, col)
+
+
+def _require_2d(ctx, layer, wkey, w, fmt):
+    """comfy_quant layers are Linear weights (ComfyUI quantizes its Linear ops, comfy-kitchen's layouts
+    are 2-D): any other rank is refused rather than decoded into a tensor no module takes."""
+    if len(w.shape) != 2:
+        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r}: {wkey!r} is a {len(w.shape)}-D {fmt} weight "
+                                 f"{list(w.shape)} (expert banks are not decoded by ckpt; 2-D Linear weights are)")
 
 
 def _stored_values_shape(w: Tensor, fmt: str) -> tuple[int, ...]:

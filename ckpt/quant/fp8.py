@@ -26,6 +26,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.fp8_encode import ComfyScaledFP8Encoding, KohyaFP8Encoding
 from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.report import plural
 
 DEFAULT_BLOCK = (128, 128)  # HF fine-grained FP8 / DeepSeek-V3 default weight_block_size
 
@@ -172,6 +173,44 @@ def _st(dtype) -> str:
     return TORCH_TO_ST.get(dtype, str(dtype))
 
 
+def float_scale(dtype) -> bool:
+    """A scale stored as a plain float (fp32/fp16/bf16/fp64): what every scaled layout writes. An fp8 scale
+    is a block scale of another format (NVFP4's e4m3), e8m0 an exponent-only one: each layout that takes
+    those says so itself."""
+    return dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def companion(ctx: DecodeContext, key: str, what: str, dtypes=None, shape=None, numel: int | None = None) -> Tensor:
+    """The stored tensor `key` a decoder consumes beside its codes (a scale, absmax, shift, code table,
+    JSON config), refused unless it has one of `dtypes` (a tuple of dtypes, or `float_scale`), the
+    `shape` and `numel` values (each checked only when given).
+
+    Why one checker: a companion of the wrong dtype or shape still reads as numbers, and a decoder that
+    only checked that it exists wrote garbage with exit 0 (an int64 nested absmax, packed codes stored as
+    float32). Every decoder (bitsandbytes, comfy_quant, the FP8 layouts, optimum-quanto) calls this for
+    every key it consumes, so each refusal is worded the same: the key, what it is, what was found, what
+    was expected."""
+    t = ctx.remaining.get(key)
+    if t is None:
+        raise _refuse(ctx, key, f"{what} {key!r} is missing")
+    problems, wanted = [], []
+    if dtypes is float_scale:
+        wanted.append("a floating dtype")
+        problems.append(not float_scale(t.dtype))
+    elif dtypes is not None:
+        wanted.append(" or ".join(_st(d) for d in dtypes))
+        problems.append(t.dtype not in dtypes)
+    if shape is not None:
+        wanted.append(f"shape {list(shape)}")
+        problems.append(tuple(t.shape) != tuple(shape))
+    if numel is not None:
+        wanted.append(plural(numel, "value"))
+        problems.append(t.numel != numel)
+    if any(problems):
+        raise _refuse(ctx, key, f"{what} {key!r} is {_st(t.dtype)} {list(t.shape)}; expected {', '.join(wanted)}")
+    return t
+
+
 def _quant_config(ctx: DecodeContext) -> dict:
     qc = (ctx.config or {}).get("quantization_config")
     return qc if isinstance(qc, dict) else {}
@@ -201,7 +240,7 @@ def _scaled(ctx, wkey, w, skey, s, natural, block=None, extra=None) -> ScaledTen
     if layout is None:
         raise _refuse(ctx, skey, f"scale {skey!r} has shape {list(s.shape)}, which fits no known layout for "
                                  f"{wkey!r} {list(w.shape)}")
-    if not (is_float(s.dtype) or s.dtype == torch.float8_e8m0fnu):
+    if not (float_scale(s.dtype) or s.dtype == torch.float8_e8m0fnu):
         raise _refuse(ctx, skey, f"scale {skey!r} is stored as {_st(s.dtype)} (packed/swizzled block scales, e.g. "
                                  "MXFP8 or NVFP4), which ckpt cannot decode")
     return ScaledTensor(w, s, natural, layout, extra)
@@ -225,6 +264,17 @@ def _other_format(ctx, wkey, w) -> str:
     if w.dtype in (torch.int8, torch.uint8, torch.int32):
         return "integer quantization (int8 / packed ints), which ckpt cannot decode"
     return "ckpt cannot pair a scale with a non-FP8 weight"
+
+
+def _no_unscaled(ctx: DecodeContext, tensors: dict, what: str) -> None:
+    """In a layout whose every FP8 weight carries its scale (kohya fp8_scaled, HF block FP8, weight_scale
+    FP8), an FP8 `.weight` without one has lost it: casting its codes as plain values would be garbage
+    written with exit 0, so it is refused (a plain FP8 file, where no weight has a scale, is cast as is)."""
+    for key, t in ctx.remaining.items():
+        if (key == "weight" or key.endswith(".weight")) and t.dtype in FP8 and key not in tensors:
+            raise _refuse(ctx, key, f"FP8 weight {key!r} has no scale, yet {plural(len(tensors), 'other FP8 weight')} "
+                                    f"of this {what} checkpoint {'has' if len(tensors) == 1 else 'have'} one: its "
+                                    "codes cannot be decoded")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,6 +318,8 @@ def kohya_scaled(ctx: DecodeContext) -> Decoded | None:
         s = ctx.remaining[key]
         tkey = _layer(key, ".scale_weight") + ".scale_weight_tensor"
         extra = ctx.remaining.get(tkey)
+        if extra is not None:  # read as one scalar: anything else broadcast wrongly or failed mid-write
+            companion(ctx, tkey, f"tensor-level scale of {wkey!r}", dtypes=float_scale, numel=1)
         natural = s.dtype if s.dtype in (torch.float16, torch.bfloat16, torch.float32) else _natural(ctx)
         tensors[wkey] = _scaled(ctx, wkey, w, key, s, natural, extra=extra)
         tensors[wkey].encoding = KohyaFP8Encoding(wkey, w, key, s, tensors[wkey].layout,
@@ -275,6 +327,7 @@ def kohya_scaled(ctx: DecodeContext) -> Decoded | None:
         consumed[key] = f"scale of {wkey}"
         if extra is not None:
             consumed[tkey] = f"tensor-level scale of {wkey}"
+    _no_unscaled(ctx, tensors, "kohya fp8_scaled")
     return Decoded("kohya-fp8-scaled", tensors, consumed)
 
 
@@ -302,11 +355,19 @@ def hf_block_fp8(ctx: DecodeContext) -> Decoded | None:
         layer = _layer(key, ".weight_scale_inv")
         wkey = _weight_key(layer)
         w = _require_fp8_weight(ctx, wkey, key, "block FP8")
+        if len(w.shape) < 2:
+            raise _refuse(ctx, wkey, f"block FP8 weight {wkey!r} is {list(w.shape)}: blocks tile the last two "
+                                     "dimensions of a matrix (or a bank of them)")
         tensors[wkey] = _scaled(ctx, wkey, w, key, ctx.remaining[key], natural, block)
+        if tensors[wkey].layout.kind not in ("block", "tensor"):  # a per-row or group fit is no block scale
+            need = [*w.shape[:-2], -(-w.shape[-2] // block[0]), -(-w.shape[-1] // block[1])]
+            raise _refuse(ctx, key, f"block scale {key!r} has shape {list(ctx.remaining[key].shape)}; {wkey!r} "
+                                    f"{list(w.shape)} in blocks of {list(block)} needs {need}")
         tensors[wkey].encoding = NoEncoder("HF block FP8", "ckpt decodes HF fine-grained / DeepSeek block FP8 "
                                                            "but has no encoder for it")
         consumed[key] = f"block scale of {wkey}"
         consumed.update(_activation_keys(ctx, layer))
+    _no_unscaled(ctx, tensors, "block FP8")
     return Decoded("hf-block-fp8", tensors, consumed)
 
 
@@ -337,6 +398,7 @@ def weight_scale(ctx: DecodeContext) -> Decoded | None:
                                                                "AutoFP8 / Mistral FP8 but has no encoder for them")
         consumed[key] = f"scale of {wkey}"
         consumed.update(_activation_keys(ctx, layer))
+    _no_unscaled(ctx, tensors, "scaled FP8")
     method = str(_quant_config(ctx).get("quant_method") or "")
     if any(k.endswith(".qscale_weight") for k in keys):
         fmt = "mistral-fp8"

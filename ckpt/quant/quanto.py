@@ -33,6 +33,7 @@ from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
+from ckpt.quant.fp8 import companion
 from ckpt.quant.view import DecodeContext, Decoded
 
 QMAP_NAME = "quanto_qmap.json"
@@ -230,7 +231,7 @@ def _config_qtype(ctx: DecodeContext) -> str | None:
 def _legacy_strings(ctx: DecodeContext, prefixes) -> dict[str, str]:
     """optimum-quanto <= 0.2.2 pickles store qtype/size/bits as strings beside the tensors; the
     component keeps tensors only, so read the strings again (safely, weights_only)."""
-    from ckpt.io.pickles import NESTED, load
+    from ckpt.io.pickles import NESTED, flatten, load
 
     out: dict[str, str] = {}
     for f in ctx.component.files:
@@ -239,6 +240,7 @@ def _legacy_strings(ctx: DecodeContext, prefixes) -> dict[str, str]:
         obj = load(f.path)  # the component loader already read this file the same safe way
         dicts = [obj] + [obj[k] for k in NESTED if isinstance(obj, dict) and isinstance(obj.get(k), dict)]
         for d in dicts:
+            d = flatten(d, f.path) if isinstance(d, dict) else d  # nested dicts named as the loader names them
             if isinstance(d, dict):
                 out.update({str(k): v for k, v in d.items() if isinstance(v, str)
                             and any(str(k).startswith(p + ".") for p in prefixes)})
@@ -284,6 +286,10 @@ def decode(ctx: DecodeContext) -> Decoded | None:
             raise CkptError(f"{where}: {p!r} is stored both plain and quantized ({e.data_key!r}); nothing was written")
         declared = _declared_qtype(p, e, legacy, qmap, cfg_qtype, opt_qtype, where)
         _check_shapes(e, where)
+        # quanto computes in the scale's dtype, the module's: an fp8 or fp64 scale is no quanto file
+        companion(ctx, p + "._scale", f"scale of {p!r}", dtypes=(torch.float32, torch.float16, torch.bfloat16))
+        if e.shift is not None:  # float (the scale's dtype: `scale * data - shift`) or integer zero point
+            companion(ctx, e.shift_key, f"shift of {p!r}", dtypes=(e.scale.dtype, torch.uint8, torch.int8))
         if not e.packed:
             qtype = _bytes_qtype(e, declared, where)
             tensors[p] = QBytesWeight(p, e.data, e.scale)
@@ -373,7 +379,10 @@ def _check_shapes(e: _Entry, where: str) -> None:
     if not e.scale.dtype.is_floating_point:
         raise CkptError(f"{where}: {e.prefix}._scale is {e.scale.dtype}, expected a float scale; nothing was written")
     if not e.packed:
-        if math.prod(s) == 1 or (len(s) <= len(d) and all(a in (1, b) for a, b in zip(s, d))):
+        # same rank (quanto's own [rows, 1]), or a 1-D [rows]: a scale of another lower rank is aligned to the
+        # leading dims here but to the trailing ones by quanto's `scale * data`, so its values are ambiguous
+        if math.prod(s) == 1 or (len(s) in (1, len(d)) and len(s) <= len(d)
+                                 and all(a in (1, b) for a, b in zip(s, d))):
             return
         raise CkptError(f"{where}: {e.prefix}._scale {list(s)} does not fit {e.data_key!r} {list(d)} (optimum-quanto "
                         f"stores one scale, or one per row: [{d[0] if d else 1}, 1]); nothing was written")

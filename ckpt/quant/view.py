@@ -46,6 +46,7 @@ class View:
     dequantized: bool
     notes: list[str]
     config: dict | None = None  # config.json made from the stored encoding (written beside the weights)
+    anchors: dict[str, str] = field(default_factory=dict)  # consumed stored key -> logical name it holds
 
 
 def _decoders():
@@ -105,4 +106,4 @@ def logical_view(component: Component, options: dict | None = None) -> View:
         elif anchors.get(key) in tensors:
             ordered[anchors[key]] = tensors.pop(anchors[key])
     ordered.update(tensors)  # decoded names with no stored key of their own (e.g. quanto X.weight)
-    return View(ordered, consumed, formats, drop_meta, dequantized, notes, config)
+    return View(ordered, consumed, formats, drop_meta, dequantized, notes, config, anchors)
