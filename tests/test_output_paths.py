@@ -233,3 +233,22 @@ def test_batch_manifest_that_is_not_ours_is_refused(tmp_path, run_ckpt):
     (out / "ckpt-batch.jsonl").unlink()
     os.mkfifo(out / "ckpt-batch.jsonl")
     refused(run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "-q"), "not a regular file")
+
+
+def test_default_names_of_two_readme_examples_in_a_row_do_not_collide(tmp_path, run_ckpt):
+    """merge-lora and merge-lora --to bf16 (and convert to a folder in each --format) get their own names."""
+    base = tmp_path / "base.safetensors"
+    save_file({"lin.weight": torch.randn(6, 4)}, base)
+    lora = tmp_path / "style.safetensors"
+    save_file({"base_model.model.lin.lora_A.weight": torch.randn(2, 4),
+               "base_model.model.lin.lora_B.weight": torch.randn(6, 2)}, lora)
+    assert run_ckpt("merge-lora", base, lora, "-q")[0] == 0
+    code, _, err = run_ckpt("merge-lora", base, lora, "--to", "bf16", "-q")
+    assert code == 0, err
+    plain, bf16 = load_file(tmp_path / "base-merged.safetensors"), load_file(tmp_path / "base-merged-bf16.safetensors")
+    assert torch.equal(plain["lin.weight"].bfloat16(), bf16["lin.weight"])
+    src = folder_model(tmp_path)
+    assert run_ckpt("convert", src, "--to", "fp16", "-q")[0] == 0
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "--format", "torch", "-q")
+    assert code == 0, err
+    assert (tmp_path / "model-fp16").is_dir() and (tmp_path / "model-fp16-torch").is_dir()

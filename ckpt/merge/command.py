@@ -134,7 +134,8 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
         else:
             ext = ".gguf" if fmt == "gguf" else file_ext(fmt)
-            derived = default_output(base, ckpt.path, "merged", folder=not plan.single_file, ext=ext)
+            tag = "merged" + (f"-{opts.to}" if opts.to else "")  # `--to bf16` beside a plain merge: no collision
+            derived = default_output(base, ckpt.path, tag, folder=not plan.single_file, ext=ext)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
