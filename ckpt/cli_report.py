@@ -10,7 +10,8 @@ The shape (`ckpt_report: 1`; keys are stable, absent facts are null or empty):
      ...command-specific keys}
 
 Command-specific keys: merge-lora `summary` (the lines it prints), `matched` {lora: modules},
-`changed` [base tensors], `unmatched` {lora: [every stored key that matched nothing]}; inspect `inspect`
+`changed` [base tensors], `unmatched` {lora: [every stored key that matched nothing]}, `zero_delta`
+{lora: [modules of rank 0 or an all-zero factor]}; inspect `inspect`
 (the `--json` object); lora extract/resize/merge `summary`.
 
 The path is checked while the command line is parsed, before any work (ckpt.io.side_files: new or a
