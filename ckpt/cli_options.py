@@ -98,7 +98,7 @@ SIZE_HELP = ("a number with a unit: KB, MB, GB, TB (powers of 1000, as huggingfa
              "(powers of 1024) or B, in any case; a number alone is refused")
 MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE", callback=check_size,
                               help=f'Shard the output, e.g. "5GB" (5e9 bytes): {SIZE_HELP}. '
-                                   "Default: keep the input layout.")
+                                   "Default: keep the input layout; --layout diffusers: 10GB, as diffusers saves.")
 BATCH_MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE", callback=check_size,
                                     help=f'Shard each output, e.g. "5GB": {SIZE_HELP}.')
 FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
