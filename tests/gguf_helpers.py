@@ -99,3 +99,24 @@ def hf_to_gguf(model, arch: str, path, qtype=T.F32, permute: bool = False):
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+LLM_KV = {"attention.head_count": 2, "attention.head_count_kv": 1, "embedding_length": 32, "feed_forward_length": 64,
+          "block_count": 1, "attention.layer_norm_rms_epsilon": 1e-6, "context_length": 64,
+          "rope.freq_base": 10000.0}
+
+
+def tiny_llm_gguf(path, arch: str = "qwen2", **kv):
+    """A one-block llama.cpp LLM GGUF (2 heads of 16, 1 kv head, hidden 32, ffn 64) with its metadata;
+    `kv` overrides or adds keys under `{arch}.` (dots as `__`; None drops a key; a (value, type) tuple
+    gives the GGUF type, as write_gguf takes it)."""
+    rng = np.random.default_rng(1)
+    meta = {f"{arch}.{k}": v for k, v in LLM_KV.items()}
+    for k, v in kv.items():
+        key = k.replace("__", ".")
+        meta[key if key.startswith(("tokenizer.", "general.")) else f"{arch}.{key}"] = v
+    tensors = {"token_embd.weight": (8, 32), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32),
+               "blk.0.attn_v.weight": (16, 32), "blk.0.ffn_up.weight": (64, 32), "output_norm.weight": (32,)}
+    write_gguf(path, arch, {n: rng.standard_normal(s).astype(np.float32) for n, s in tensors.items()},
+               kv={k: v for k, v in meta.items() if v is not None})
+    return path

@@ -11,11 +11,20 @@ work (`ckpt.quant.gguf`). Shapes are in torch order (GGUF stores dims innermost 
 
 Every way the reader rejects a file becomes one `CkptError` naming the file: not GGUF, a truncated
 header, an unknown value or tensor type, tensor data past the end of the file, a big-endian file.
+
+GGUFReader trusts every count and length in the header: an array count of 2^63 in the first key makes it
+loop (and allocate) for ever, a huge string length or dimension count reads garbage, a product of dims
+wraps around in uint64. So the header is walked once first (`prescan`), with `struct` over a memory map,
+checking each count and length against the bytes left in the file, each value and tensor type against the
+ones GGUF defines, n_dims against `MAX_DIMS` and each tensor's data against the file's end, before the
+reader is let at it: what the reader then does is bounded by the file's size (and `MAX_ARRAY_VALUES`).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +36,12 @@ from ckpt.io.header import TensorInfo
 from ckpt.io.tensors import FileHandles, RawTensor
 
 GGUF_MAGIC = b"GGUF"
+# ggml has 4 (GGML_MAX_DIMS); ComfyUI-GGUF's patched ggml writes 5-D patch embeddings (fix_5d_tensors.py).
+# Above 8 a header is garbage, not a model (and torch reshapes have their own limit).
+MAX_DIMS = 8
+# Values in all metadata arrays: GGUFReader keeps one numpy view per value (~150 bytes each, 2 per string);
+# real files hold a tokenizer of under 1.5M values (tokens, scores, types, merges of a 262k vocabulary).
+MAX_ARRAY_VALUES = 1 << 23
 
 
 def _gguf():
@@ -147,6 +162,7 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
     if magic != GGUF_MAGIC:
         raise file_error(path, "not a GGUF file (no GGUF magic)")
     gguf = _gguf()
+    prescan(path, size)
     try:
         reader = gguf.GGUFReader(path, "r")
     except OSError as e:
@@ -161,20 +177,168 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
     for t in reader.tensors:
         ggml_type = int(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        start, nbytes = int(t.data_offset), int(t.n_bytes)
-        if start + nbytes > size:  # the reader's view is short then; say it plainly
-            raise file_error(path, f"truncated: tensor {t.name!r} data ends at byte {start + nbytes} but the file "
-                                   f"has {size} bytes")
+        start, nbytes = int(t.data_offset), int(t.n_bytes)  # within the file: prescan checked it
         dtype = plain.get(ggml_type, "U8")
         read_shape = shape if ggml_type in plain else tuple(int(d) for d in t.data.shape)
         info = TensorInfo(t.name, dtype, read_shape, path, start, start + nbytes)
         tensors[t.name] = GGUFStored(info, handles, relpath, ggml_type, shape)
     fields = {k: f for k, f in reader.fields.items()}
     header = GGUFHeader(path, version, int(reader.alignment), int(reader.data_offset), tensors, fields)
-    if header.value("split.count", 1) not in (0, 1):
-        raise file_error(path, f"split GGUF ({header.value('split.count')} parts); merge the parts first "
+    split = header.value("split.count", 1)
+    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        raise file_error(path, f"metadata 'split.count' is {split!r}, not a count of parts")
+    if split not in (0, 1):
+        raise file_error(path, f"split GGUF ({split} parts); merge the parts first "
                                "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)")
     return header
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+class _Scan:
+    """A cursor over the header bytes that refuses, in one line, any read past the end of the file."""
+
+    def __init__(self, buf, path: Path, size: int):
+        self.buf, self.path, self.size, self.pos = buf, path, size, 0
+
+    def fail(self, problem: str):
+        return file_error(self.path, problem)
+
+    def need(self, n: int, what: str) -> int:
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated or corrupt: {what} at byte {self.pos} runs past the end of the file "
+                            f"({self.size} bytes)")
+        at, self.pos = self.pos, self.pos + n
+        return at
+
+    def u32(self, what: str) -> int:
+        return struct.unpack_from("<I", self.buf, self.need(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack_from("<Q", self.buf, self.need(8, what))[0]
+
+    def count(self, what: str, min_bytes: int) -> int:
+        """A count of items of at least `min_bytes` each: no more than the rest of the file can hold."""
+        at = self.pos
+        n = self.u64(what)
+        if n * min_bytes > self.size - self.pos:
+            raise self.fail(f"truncated or corrupt: {what} at byte {at} is {n}, more than the "
+                            f"{self.size - self.pos} bytes left in the file can hold")
+        return n
+
+    def skip_string(self, what: str) -> int:
+        """Past one string; returns where its bytes start (its length is `self.pos` minus that)."""
+        at = self.pos
+        n = self.u64(f"{what} length")
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated or corrupt: {what} at byte {at} is {n} bytes long, more than the "
+                            f"{self.size - self.pos} bytes left in the file")
+        return self.need(n, what)
+
+    def string(self, what: str) -> bytes:
+        start = self.skip_string(what)
+        return bytes(self.buf[start:self.pos])
+
+    def name(self, what: str) -> str:
+        at = self.pos
+        raw = self.string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"invalid GGUF header: {what} at byte {at} is not UTF-8 ({raw[:40]!r})") from None
+
+
+def prescan(path: Path, size: int) -> None:
+    """Walk the header as gguf.md lays it out, refusing in one line anything GGUFReader would take on trust
+    (module docstring): every count and length within the bytes left, value and tensor types GGUF knows,
+    no duplicate names, at most `MAX_DIMS` dims, rows of whole blocks, an alignment that is a power of two,
+    every tensor's data inside the file. Strings are not kept; only the header's pages are touched."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _prescan(_Scan(buf, path, size))
+    except OSError as e:
+        raise file_error(path, f"cannot read: {e.strerror or e}") from None
+
+
+def _prescan(s: _Scan) -> None:
+    s.need(4, "magic")
+    version = s.u32("version")
+    if version & 0xFFFF == 0:
+        raise s.fail("big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise s.fail(f"unsupported GGUF version {version} (gguf reads versions 2 and 3)")
+    n_tensors = s.count("tensor count", 8 + 4 + 4 + 8)  # name length, n_dims, type, offset
+    n_kv = s.count("key-value count", 8 + 4 + 1)  # key length, value type, the smallest value
+    keys: set[str] = set()
+    alignment, array_values = 32, 0
+    for _ in range(n_kv):
+        key = s.name("metadata key")
+        if key in keys:
+            raise s.fail(f"invalid GGUF header (duplicate metadata key {key!r})")
+        keys.add(key)
+        vtype = s.u32(f"value type of {key!r}")
+        if vtype == _ARRAY:
+            sub = s.u32(f"array type of {key!r}")
+            if sub == _ARRAY:
+                raise s.fail(f"metadata {key!r} is an array of arrays, which llama.cpp does not read either")
+            if sub != _STRING and sub not in _SCALAR_SIZES:
+                raise s.fail(f"unknown metadata value type {sub} (array of {key!r})")
+            n = s.count(f"array count of {key!r}", _SCALAR_SIZES.get(sub, 8))
+            array_values += n
+            if array_values > MAX_ARRAY_VALUES:
+                raise s.fail(f"metadata arrays hold more than {MAX_ARRAY_VALUES} values in all ({key!r} has {n}); "
+                             "ckpt reads at most that many (gguf's reader keeps an object per value)")
+            if sub == _STRING:
+                for _ in range(n):  # a tokenizer's 150k strings: no copies
+                    s.skip_string(f"a string of {key!r}")
+            else:
+                s.need(n * _SCALAR_SIZES[sub], f"values of {key!r}")
+        elif vtype == _STRING:
+            s.skip_string(f"value of {key!r}")
+        elif vtype in _SCALAR_SIZES:
+            at = s.need(_SCALAR_SIZES[vtype], f"value of {key!r}")
+            if key == "general.alignment":
+                if vtype != _UINT32:
+                    raise s.fail("invalid GGUF header: 'general.alignment' is not a UINT32")
+                alignment = struct.unpack_from("<I", s.buf, at)[0]
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise s.fail(f"invalid GGUF header: 'general.alignment' is {alignment}, not a power of two")
+        else:
+            raise s.fail(f"unknown metadata value type {vtype} (key {key!r})")
+    sizes = _gguf().GGML_QUANT_SIZES
+    names: set[str] = set()
+    spans = []
+    for _ in range(n_tensors):
+        name = s.name("tensor name")
+        if name in names:
+            raise s.fail(f"invalid GGUF header (duplicate tensor name {name!r})")
+        names.add(name)
+        n_dims = s.u32(f"n_dims of tensor {name!r}")
+        if n_dims > MAX_DIMS:
+            raise s.fail(f"tensor {name!r} has {n_dims} dims; ckpt reads GGUF tensors of at most {MAX_DIMS} "
+                         "(ggml has 4, ComfyUI-GGUF 5)")
+        dims = [s.u64(f"dims of tensor {name!r}") for _ in range(n_dims)]
+        ggml_type = s.u32(f"type of tensor {name!r}")
+        offset = s.u64(f"data offset of tensor {name!r}")
+        if ggml_type not in sizes:
+            raise s.fail(f"unknown tensor type (tensor {name!r} has type {ggml_type}); this gguf package "
+                         f"({_version()}) does not know it")
+        if any(d >= 1 << 63 for d in dims):
+            raise s.fail(f"tensor {name!r} has a dimension of {max(dims)}, past ggml's int64 limit")
+        blk, nbytes = sizes[ggml_type]
+        row = dims[0] if dims else 1
+        if row % blk:
+            raise s.fail(f"tensor {name!r} has rows of {row} values, not a whole number of "
+                         f"{type_name(ggml_type)} blocks of {blk}")
+        spans.append((name, offset, math.prod(dims) // blk * nbytes))
+    data_start = -(-s.pos // alignment) * alignment
+    for name, offset, nbytes in spans:
+        end = data_start + offset + nbytes
+        if end > s.size:
+            raise s.fail(f"truncated or corrupt: tensor {name!r} data runs past the end of the file (ends at byte "
+                         f"{end}, the file has {s.size} bytes)")
 
 
 def _reader_problem(e: Exception, size: int) -> str:

@@ -60,9 +60,9 @@ def _pack_value(value, vtype, sub_type=None) -> bytes:
     if vtype == V.STRING:
         raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
         return struct.pack("<Q", len(raw)) + raw
-    if vtype == V.ARRAY:
-        if sub_type is None or not len(value):
-            raise ValueError("a GGUF array needs an element type and at least one element")
+    if vtype == V.ARRAY:  # an empty one is valid GGUF (gguf's reader reads it; its writer will not write one)
+        if sub_type is None:
+            raise ValueError("a GGUF array needs an element type")
         return struct.pack("<IQ", int(sub_type), len(value)) + b"".join(_pack_value(v, sub_type) for v in value)
     return struct.pack(_SCALARS[vtype.name], value)
 
@@ -94,12 +94,11 @@ def fields_from(header) -> list[Field]:
         types = [V(t) for t in f.types]
         if types[0] == V.STRING:
             out.append(Field(key, bytes(f.parts[-1]), V.STRING))
-        elif types[0] == V.ARRAY:
-            if len(types) != 2:
-                raise ValueError(f"metadata {key!r}: nested arrays are not supported")
-            values = ([bytes(f.parts[i]) for i in f.data] if types[1] == V.STRING
+        elif types[0] == V.ARRAY:  # arrays of arrays were refused when read (ckpt.io.gguf.prescan)
+            sub = V(int(f.parts[-2][0]) if not f.data else types[1])  # an empty array: its stored element type
+            values = ([bytes(f.parts[i]) for i in f.data] if sub == V.STRING
                       else [f.parts[i].tolist()[0] for i in f.data])
-            out.append(Field(key, values, V.ARRAY, types[1]))
+            out.append(Field(key, values, V.ARRAY, sub))
         else:
             out.append(Field(key, f.parts[-1].tolist()[0], types[0]))
     return out

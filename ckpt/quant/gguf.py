@@ -88,6 +88,9 @@ class GGUFValues(Tensor):
         return GGUFEncoding(self.stored)
 
     def read(self, start, stop, device, scratch=None):
+        out_shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        if self.numel == 0:  # a dim of 0 (ggml allows it; gguf reads it as an empty array): nothing to read
+            return torch.empty(out_shape, dtype=self.dtype, device=device)
         per_row = math.prod(self.shape[1:]) if self.shape else 1
         e0, e1 = (start * per_row, stop * per_row) if self.shape else (0, 1)
         blk, size = block_size(self.ggml_type)
@@ -99,7 +102,6 @@ class GGUFValues(Tensor):
         if n:
             info = self.stored.info
             read_into(self.stored.handles.fd(info.path), memoryview(buf.numpy()), info.start + b0, info.path)
-        out_shape = (stop - start, *self.shape[1:]) if self.shape else ()
         if self.ggml_type in plain_types():
             vals = buf.view(self.dtype)
         else:
@@ -108,19 +110,42 @@ class GGUFValues(Tensor):
         return vals if device.type == "cpu" else vals.to(device)
 
 
+# Values per call of gguf's (de)quantize. Its dequantize keeps every 16-row piece of its result and then
+# their concatenation (two copies of a band's fp32 values), and the ErrorMeter widens what it measures to
+# float64: done per band, these temporaries were most of `merge-lora --keep-format`'s peak memory on a
+# GGUF base (about 8 fp32 bands over a plain merge). In chunks of rows they stay a few MB.
+CHUNK_ELEMS = 1 << 20
+
+
+def _row_chunks(n_rows: int, row_len: int):
+    step = max(1, CHUNK_ELEMS // max(1, row_len))
+    for a in range(0, n_rows, step):
+        yield a, min(n_rows, a + step)
+
+
 def dequantize(raw: torch.Tensor, ggml_type: int, row_len: int) -> torch.Tensor:
-    """uint8 blocks (whole rows of `row_len` elements) -> float32 values, by gguf's own dequantize."""
+    """uint8 blocks (whole rows of `row_len` elements) -> float32 values, by gguf's own dequantize, a chunk
+    of rows at a time into one output (`CHUNK_ELEMS`)."""
     blk, size = block_size(ggml_type)
     if raw.numel() == 0:
         return torch.empty(0, dtype=torch.float32)
     rows = raw.numpy().reshape(-1, row_len // blk * size)
-    return torch.from_numpy(_gguf().quants.dequantize(rows, ggml_type)).reshape(-1)
+    out = torch.empty(rows.shape[0] * row_len, dtype=torch.float32)
+    values = out.numpy().reshape(-1, row_len)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf blocks (counted where they were encoded)
+        for a, b in _row_chunks(rows.shape[0], row_len):
+            values[a:b] = _gguf().quants.dequantize(rows[a:b], ggml_type)
+    return out
 
 
 def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """One band (or a whole tensor) of values -> the bytes GGUF stores for it in `ggml_type`: uint8 blocks
     for block types, the plain dtype otherwise. Blocks run along the last dimension, which must be a
-    multiple of the block size. This is the one call that (re-)encodes a tensor in a GGUF type."""
+    multiple of the block size. This is the one call that (re-)encodes a tensor in a GGUF type.
+
+    NaN/Inf values make gguf's numpy arithmetic warn ("invalid value encountered in multiply / cast") on
+    stderr; every caller counts them into its Report (`nonfinite_input`), which says it once, so numpy's
+    warnings are silenced here."""
     gguf = _gguf()
     plain = plain_types().get(ggml_type)
     x = values.detach().to("cpu", torch.float32).contiguous()
@@ -130,8 +155,15 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     row = x.shape[-1] if x.dim() else 1
     if row % blk:
         raise ValueError(f"rows of {row} values are not a whole number of {type_name(ggml_type)} blocks of {blk}")
-    q = gguf.quants.quantize(x.numpy().reshape(-1, row), ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(q)).reshape(-1)
+    if x.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    rows = x.numpy().reshape(-1, row)
+    out = torch.empty(rows.shape[0] * (row // blk * size), dtype=torch.uint8)
+    blocks = out.numpy().reshape(rows.shape[0], -1)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for a, b in _row_chunks(rows.shape[0], row):
+            blocks[a:b] = gguf.quants.quantize(rows[a:b], ggml_type)
+    return out
 
 
 def stored_output(stored: GGUFStored, name: str | None = None):
@@ -171,8 +203,10 @@ class BlockRows(Wrapper):
         self.base, self.name, self.home = base, base.name, base.home
         self.dtype, self.shape = base.dtype, tuple(base.shape)
         per_row = math.prod(self.shape[1:]) if self.shape else 1
-        align = row_len // math.gcd(per_row, row_len)
-        self.row_align = None if base.row_align is None or not self.shape else math.lcm(base.row_align, align)
+        if base.row_align is None or not self.shape or not per_row or not row_len:  # empty: nothing to align
+            self.row_align = None
+        else:
+            self.row_align = math.lcm(base.row_align, row_len // math.gcd(per_row, row_len))
 
 
 class GGUFEncoding(Encoding):
@@ -208,10 +242,13 @@ class GGUFEncoding(Encoding):
         plain = plain_types().get(t)
 
         def cast(x, buffers):
-            v = x.to(torch.float32)
+            v = x.to(torch.float32).reshape(-1, row_len)
             report.count("nonfinite_input", s.name, int((~torch.isfinite(v)).sum()) if v.numel() else 0)
-            q = encode(v.reshape(-1, row_len), t)
-            meter.add(v, q if plain is not None else dequantize(q, t, row_len))
+            q = encode(v, t)
+            # measured a chunk of rows at a time: the meter's float64 copies of a whole band were the peak
+            decoded = q.reshape(v.shape[0], -1)
+            for a, b in _row_chunks(v.shape[0], row_len):
+                meter.add(v[a:b], decoded[a:b] if plain is not None else dequantize(decoded[a:b], t, row_len))
             return q
 
         src = BlockRows(value, row_len)

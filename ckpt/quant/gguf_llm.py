@@ -25,6 +25,7 @@ is not exported (transformers reads it from the .gguf itself).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from ckpt.errors import file_error
@@ -33,6 +34,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.view import Decoded
+from ckpt.report import plural
 
 LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")
@@ -180,57 +182,151 @@ def _uniform(header, key: str, default=None):
     return v
 
 
-def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple[dict, list[str]]:
-    """config.json for the HF model class, from the GGUF metadata and the tensor shapes; and notes."""
-    K = _gguf().Keys
-    a = arch.arch
+_MISSING = object()
 
-    def key(template: str) -> str:
-        return template.format(arch=a)
 
-    def need(template: str):
-        v = _uniform(header, key(template))
+class Meta:
+    """The metadata values config.json is made of, each checked for type and range as it is read: a GGUF
+    is input, and a head count of 0 or 'four', a block count of 2^31, a string epsilon must be one line
+    naming the key and its value, not a ZeroDivisionError, a reshape error or a loop over 2^31 blocks."""
+
+    def __init__(self, header, arch: str):
+        self.header, self.arch = header, arch
+
+    def key(self, template: str) -> str:
+        return template.format(arch=self.arch)
+
+    def bad(self, key: str, v, want: str):
+        return file_error(self.header.path, f"metadata {key!r} is {v!r}, {want}")
+
+    def _get(self, template: str, default):
+        key = self.key(template)
+        v = _uniform(self.header, key)
+        if v is None and default is _MISSING:
+            raise file_error(self.header.path, f"metadata {key!r} is missing (needed for config.json)")
+        return key, v
+
+    def integer(self, template: str, default=_MISSING, lo: int = 1) -> int:
+        """An integer of at least `lo` (GGUF BOOL is not one)."""
+        key, v = self._get(template, default)
         if v is None:
-            raise file_error(header.path, f"metadata {key(template)!r} is missing (needed for config.json)")
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise self.bad(key, v, f"not an integer of at least {lo}")
         return v
 
-    heads = int(need(K.Attention.HEAD_COUNT))
-    kv_heads = int(_uniform(header, key(K.Attention.HEAD_COUNT_KV), heads))
+    def number(self, template: str, default=_MISSING) -> float:
+        """A finite number above 0 (eps, RoPE base and factor), as the decimal it was written from."""
+        key, v = self._get(template, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise self.bad(key, v, "not a finite number above 0")
+        return _f32(v)
+
+    def string(self, template: str):
+        key, v = self._get(template, None)
+        if v is not None and not isinstance(v, str):
+            raise self.bad(key, v, "not a string")
+        return v
+
+
+def _rows(stored: dict[str, GGUFStored], suffixes: tuple[str, ...]) -> dict[str, int]:
+    """Rows (torch dim 0) of the tensors whose names end in these suffixes."""
+    return {n: t.stored_shape[0] for n, t in stored.items() if n.endswith(suffixes) and t.stored_shape}
+
+
+def _check_blocks(meta: Meta, n_blocks: int, stored: dict[str, GGUFStored]) -> None:
+    """block_count must be the blocks the file has tensors for (0..n-1, each present): the name table is
+    built per declared block, and a config with more or fewer layers than the weights does not load."""
+    key = meta.key(_gguf().Keys.LLM.BLOCK_COUNT)
+    present = {int(m.group(1)) for n in stored if (m := re.match(r"blk\.(\d+)\.", n))}
+    if len(present) != n_blocks or max(present) != n_blocks - 1:  # exactly 0..n-1 (no set of n: n may be 2^31)
+        have = f"{plural(len(present), 'block')} ({min(present)}-{max(present)})" if present else "no blk.N tensors"
+        gap = next(i for i in range(len(present) + 1) if i not in present)  # the first block with no tensor
+        more = f", none for block {gap}" if present and gap < min(n_blocks, max(present)) else ""
+        raise meta.bad(key, n_blocks, f"but the file has tensors for {have}{more}")
+
+
+def _check_heads(meta: Meta, heads: int, kv_heads: int, hidden: int, stored: dict[str, GGUFStored],
+                 arch: LLMArch) -> int:
+    """The head counts against the q/k projections they split (every block): heads divide q's rows into
+    heads of one size, kv heads k's rows into heads of the same size, and (grouped-query attention) the
+    kv heads divide the heads; llama's RoPE permutation needs an even head size. Returns the head size."""
+    K = _gguf().Keys.Attention
+    hk, kvk = meta.key(K.HEAD_COUNT), meta.key(K.HEAD_COUNT_KV)
+    if heads % kv_heads:
+        raise meta.bad(kvk, kv_heads, f"which does not divide {hk} ({heads})")
+    q_rows = _rows(stored, (".attn_q.weight", ".attn_q.bias"))
+    name, rows = next(iter(q_rows.items()), (None, hidden))
+    where = f"the {rows} rows of {name}" if name else f"embedding_length ({hidden})"
+    if rows % heads:
+        raise meta.bad(hk, heads, f"which does not divide {where} into heads")
+    head = rows // heads
+    if arch.rope_permute and head % 2:
+        raise meta.bad(hk, heads, f"giving heads of {plural(head, 'row')} (of {rows}); llama's RoPE rows come in "
+                                  "pairs")
+    for n, r in q_rows.items():
+        if r != heads * head:
+            raise meta.bad(hk, heads, f"but {n} has {r} rows, not {heads} heads of {head}")
+    for n, r in _rows(stored, (".attn_k.weight", ".attn_k.bias")).items():
+        if r != kv_heads * head:
+            raise meta.bad(kvk, kv_heads, f"but {n} has {r} rows, not {kv_heads} heads of {head}")
+    return head
+
+
+def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple[dict, list[str]]:
+    """config.json for the HF model class, from the GGUF metadata and the tensor shapes; and notes. Every
+    value is checked (`Meta`) and, where a tensor shows it, against that tensor."""
+    K = _gguf().Keys
+    m = Meta(header, arch.arch)
+    heads = m.integer(K.Attention.HEAD_COUNT)
+    kv_heads = m.integer(K.Attention.HEAD_COUNT_KV, heads)
+    hidden = m.integer(K.LLM.EMBEDDING_LENGTH)
     emb = stored.get("token_embd.weight")
-    q = stored.get("blk.0.attn_q.weight")
-    hidden = int(need(K.LLM.EMBEDDING_LENGTH))
+    if emb is not None and emb.stored_shape[-1] != hidden:
+        raise m.bad(m.key(K.LLM.EMBEDDING_LENGTH), hidden,
+                    f"but token_embd.weight has rows of {emb.stored_shape[-1]}")
+    ffn = m.integer(K.LLM.FEED_FORWARD_LENGTH)
+    for n, r in _rows(stored, (".ffn_up.weight", ".ffn_gate.weight")).items():
+        if r != ffn:
+            raise m.bad(m.key(K.LLM.FEED_FORWARD_LENGTH), ffn, f"but {n} has {r} rows")
+    n_blocks = m.integer(K.LLM.BLOCK_COUNT)
+    _check_blocks(m, n_blocks, stored)
     cfg = {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(need(K.LLM.FEED_FORWARD_LENGTH)),
-        "num_hidden_layers": int(need(K.LLM.BLOCK_COUNT)),
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_blocks,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": q.stored_shape[0] // heads if q is not None else hidden // heads,
-        "rms_norm_eps": _f32(need(K.Attention.LAYERNORM_RMS_EPS)),
-        "max_position_embeddings": int(need(K.LLM.CONTEXT_LENGTH)),
-        "rope_theta": _f32(_uniform(header, key(K.Rope.FREQ_BASE), 10000.0)),
+        "head_dim": _check_heads(m, heads, kv_heads, hidden, stored, arch),
+        "rms_norm_eps": m.number(K.Attention.LAYERNORM_RMS_EPS),
+        "max_position_embeddings": m.integer(K.LLM.CONTEXT_LENGTH),
+        "rope_theta": m.number(K.Rope.FREQ_BASE, 10000.0),
         "tie_word_embeddings": "output.weight" not in stored,
         "hidden_act": "silu",
     }
     if emb is not None:
         cfg["vocab_size"] = emb.stored_shape[0]
-    elif header.value(key(K.LLM.VOCAB_SIZE)) is not None:
-        cfg["vocab_size"] = int(header.value(key(K.LLM.VOCAB_SIZE)))
+    else:
+        vocab = m.integer(K.LLM.VOCAB_SIZE, None)
+        if vocab is not None:
+            cfg["vocab_size"] = vocab
     for field_name, suffixes in arch.bias_flags.items():
         cfg[field_name] = any(n.endswith(suffixes) for n in stored)
     for hf_key, gguf_key in (("bos_token_id", K.Tokenizer.BOS_ID), ("eos_token_id", K.Tokenizer.EOS_ID)):
-        v = header.value(gguf_key)
-        if isinstance(v, int):
+        v = m.integer(gguf_key, None, lo=0)
+        if v is not None:
             cfg[hf_key] = v
     notes = []
-    scaling = header.value(key(K.Rope.SCALING_TYPE))
-    if isinstance(scaling, str) and scaling not in ("none", ""):
-        rope = {"rope_type": scaling, "factor": _f32(_uniform(header, key(K.Rope.SCALING_FACTOR), 1.0))}
-        orig = header.value(key(K.Rope.SCALING_ORIG_CTX_LEN))
+    scaling = m.string(K.Rope.SCALING_TYPE)
+    if scaling not in (None, "none", ""):
+        rope = {"rope_type": scaling, "factor": m.number(K.Rope.SCALING_FACTOR, 1.0)}
+        orig = m.integer(K.Rope.SCALING_ORIG_CTX_LEN, None)
         if orig is not None:
-            rope["original_max_position_embeddings"] = int(orig)
+            rope["original_max_position_embeddings"] = orig
         cfg["rope_scaling"] = rope
         notes.append(f"config.json rope_scaling {rope} from the GGUF metadata; check it against the original model")
     return cfg, notes
