@@ -6,43 +6,8 @@ from __future__ import annotations
 
 import click
 
-from ckpt.cli_options import DEVICE, DRY_RUN, OVERWRITE, QUIET
-from ckpt.errors import CkptError
+from ckpt.cli_options import DEVICE, DRY_RUN, OVERWRITE, QUIET, OneLineGroup
 from ckpt.io.hub import check_lora, check_source
-
-
-class _OneLine:
-    """Turns click's usage errors into a CkptError (printed as one line by ckpt.cli.main)."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.exceptions.NoArgsIsHelpError:
-            raise  # `ckpt lora` alone: the help text, as `ckpt` alone prints it
-        except click.UsageError as e:
-            raise CkptError(f"{self._where(info_name, parent)}: {' '.join(e.format_message().split())}") from None
-
-    @staticmethod
-    def _where(info_name, parent):
-        path = [info_name]
-        while parent is not None:
-            path.insert(0, parent.info_name)
-            parent = parent.parent
-        return " ".join(p for p in path if p)
-
-
-class LoraCommand(_OneLine, click.Command):
-    pass
-
-
-class LoraGroup(_OneLine, click.Group):
-    command_class = LoraCommand
-
-    def resolve_command(self, ctx, args):
-        try:
-            return super().resolve_command(ctx, args)
-        except click.UsageError as e:
-            raise CkptError(f"ckpt lora: {' '.join(e.format_message().split())}") from None
 
 
 def _rank_options(f):
@@ -113,7 +78,7 @@ def _show(report, path, quiet, dry_run, print_report):
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
 
 
-@click.group("lora", cls=LoraGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("lora", cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def lora():
     """LoRA operations: extract from a fine-tune, resize, merge several into one, convert namings."""
 
