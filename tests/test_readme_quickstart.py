@@ -73,7 +73,7 @@ def test_quick_start_runs_as_written(tmp_path):
 
     import gguf
 
-    names = {t.name for t in gguf.GGUFReader(tmp_path / "flux1-dev-q8_0.gguf").tensors}
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "flux1-dev-Q8_0.gguf").tensors}
     assert names == set(want["original"])
     merged = load_file(tmp_path / "flux1-dev-merged.safetensors")
     k = "double_blocks.0.img_attn.proj.weight"
