@@ -223,9 +223,9 @@ def _refuse_lora(ckpt, layout: str) -> None:
     """A LoRA passed to --layout matches a family by its module names and then fails on every factor key;
     say what it is instead, with the command that converts a LoRA's naming (inspect's and merge-lora's
     rule decides what a LoRA is)."""
-    from ckpt.merge.command import _looks_like_lora
+    from ckpt.inspect.detect import looks_like_lora
 
-    if not _looks_like_lora(ckpt):
+    if not looks_like_lora(n for c in ckpt.components for n in c.tensors):
         return
     import shlex
 

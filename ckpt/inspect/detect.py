@@ -74,6 +74,21 @@ def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[P
     return sorted(parts.values(), key=lambda p: rank[p.prefix])
 
 
+def mostly_lora(kinds: dict[str, set[str]], alphas: int, n_keys: int) -> bool:
+    """The rule that calls a checkpoint a LoRA (`lora_modules`' result over its `n_keys` keys): at least
+    half of its keys are LoRA factors or alphas. inspect, merge-lora (a swapped BASE) and convert
+    --layout (a LoRA passed as a model) all decide by it."""
+    keys = sum(len(m) for m in kinds.values())
+    return bool(kinds) and (keys * 2 + alphas) >= n_keys * 0.5
+
+
+def looks_like_lora(names) -> bool:
+    """`mostly_lora` of a list of key names."""
+    names = list(names)
+    kinds, _, _, alphas = lora_modules(names, {})
+    return mostly_lora(kinds, alphas, len(names))
+
+
 def lora_modules(names, shapes: dict) -> tuple[dict[str, set[str]], dict[str, tuple], set[int], int]:
     """LoRA-family keys -> (kind -> module names, module -> base weight shape where the factors say it,
     ranks seen, number of alpha keys). Keys that are not LoRA-family are ignored."""

@@ -51,7 +51,7 @@ from ckpt.lazy import torch
 from ckpt.dtypes import FP8, ST_FLOAT, ST_FP8, ST_ITEMSIZE, is_float, short_name, st_short_name
 from ckpt.errors import CkptError
 from ckpt import families
-from ckpt.inspect.detect import family_from_config, lora_modules, split_parts
+from ckpt.inspect.detect import family_from_config, lora_modules, mostly_lora, split_parts
 from ckpt.inspect.encodings import detect_encodings
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
 from ckpt.io.gguf import GGUFStored
@@ -130,8 +130,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
     enc.aux_keys |= set(gguf)  # GGUF mixes F32 norms with F16 or quantized matrices by design
 
     kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
-    lora_keys = sum(len(m) for m in kinds.values())
-    is_lora = bool(kinds) and (lora_keys * 2 + alphas) >= len(tensors) * 0.5
+    is_lora = mostly_lora(kinds, alphas, len(tensors))
     if is_lora and "LitGPT LoRA" in kinds:
         ranks = _litgpt_rank(folder) or ranks  # hyperparameters.yaml lora_r: the fused q/k/v rows are r per projection
     if is_lora:

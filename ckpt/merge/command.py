@@ -238,12 +238,9 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
 
 def _looks_like_lora(ckpt) -> bool:
     """The base's own keys are mostly LoRA factors (inspect's rule): the arguments were probably swapped."""
-    from ckpt.inspect.detect import lora_modules
+    from ckpt.inspect.detect import looks_like_lora
 
-    names = [n for c in ckpt.components for n in c.tensors]
-    kinds, _, _, alphas = lora_modules(names, {})
-    keys = sum(len(m) for m in kinds.values())
-    return bool(names) and (keys * 2 + alphas) >= len(names) * 0.5
+    return looks_like_lora(n for c in ckpt.components for n in c.tensors)
 
 
 def _swapped_hint(ckpt) -> str:
