@@ -252,3 +252,31 @@ def test_default_names_of_two_readme_examples_in_a_row_do_not_collide(tmp_path, 
     code, _, err = run_ckpt("convert", src, "--to", "fp16", "--format", "torch", "-q")
     assert code == 0, err
     assert (tmp_path / "model-fp16").is_dir() and (tmp_path / "model-fp16-torch").is_dir()
+
+
+def test_run_job_writes_its_result_only_where_plan_only_put_it(tmp_path, run_ckpt):
+    """A hand-edited SPEC cannot make `batch run-job` replace another file with its result."""
+    root = tmp_path / "in"
+    root.mkdir()
+    one_file(root)
+    code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", tmp_path / "out", "--plan-only",
+                                 "--json")
+    assert code == 0, err
+    argv = json.loads(stdout.splitlines()[0])["argv"]
+    spec = json.loads(argv[argv.index("run-job") + 1])
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"mine": 1}')
+    for path, words in [(victim, "not a file of a .ckpt-batch-results folder"),
+                        (tmp_path / "out" / ".ckpt-batch-results" / "x.json", None)]:
+        if words is None:  # in the right folder but someone else's file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text('{"mine": 1}')
+            words = "is not a ckpt batch job result"
+        bad = {**spec, "report": {**spec["report"], "path": str(path)}}
+        refused(run_ckpt("batch", "run-job", json.dumps(bad)), words)
+        assert path.read_text() == '{"mine": 1}'
+        assert not Path(spec["out"]).exists()
+    refused(run_ckpt("batch", "run-job", json.dumps({**spec, "report": {"path": 3}})), "report is not the one")
+    code, _, err = run_ckpt("batch", "run-job", json.dumps(spec))  # the real one
+    assert code == 0, err
+    assert json.loads(Path(spec["report"]["path"]).read_text())["result"]

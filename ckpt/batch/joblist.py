@@ -24,6 +24,7 @@ from pathlib import Path
 from ckpt.batch.discover import fingerprint
 from ckpt.errors import CkptError
 from ckpt.io.publish import remove_stale_temps, temp_name
+from ckpt.io.side_files import check_side_file, head
 
 RESULTS = ".ckpt-batch-results"  # beside the manifest; hidden, so never an input
 
@@ -92,13 +93,32 @@ def run_spec_reporting(spec: dict) -> dict:
     size, mtime = fingerprint(src)  # what this run reads; --collect checks the input is still that
     if spec.get("out"):
         remove_stale_temps(Path(spec["out"]))
-    res = run_spec(spec)
     report = spec.get("report")
+    if report is not None:
+        if not (isinstance(report, dict) and all(isinstance(report.get(k), str) for k in ("path", "input", "operation"))):
+            raise CkptError("run-job: SPEC's report is not the one `ckpt batch ... --plan-only` writes")
+        check_result_path(Path(report["path"]))
+    res = run_spec(spec)
     if report:
         write_result(Path(report["path"]), {"input": report["input"], "operation": report["operation"],
                                             "size": size, "mtime_ns": mtime, "output": spec["out"],
                                             "result": res})
     return res
+
+
+def check_result_path(path: Path) -> None:
+    """The result file a spec names is replaced in place, so before the job runs it must be what
+    `--plan-only` names (a `.json` file in a `.ckpt-batch-results` folder) and, if it exists, a regular
+    file holding a job result (ckpt.io.side_files): a hand-edited spec cannot make run-job replace any
+    other file."""
+    label = f"run-job: result file {path}"
+    if path.parent.name != RESULTS or path.suffix != ".json":
+        raise CkptError(f"{label}: not a file of a {RESULTS} folder; run-job writes its result only there")
+    check_side_file(path, label, "ckpt batch job result", _is_result, check_folder=False)
+
+
+def _is_result(path: Path) -> bool:
+    return head(path, 16).startswith(b'{"input": ')  # json.dump(sort_keys=True) of write_result's keys
 
 
 def write_result(path: Path, data: dict) -> None:
