@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from ckpt.errors import CkptError
+from ckpt.io.side_files import unwritable
 
 REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.\-]+))?(?:/(?P<sub>.+))?$")
 SIDECARS = ("*.json", "*.txt", "*.model", "*.yaml", "*.tiktoken")
@@ -79,12 +80,12 @@ def check_writable(out: str | os.PathLike, what: str = "-o ") -> None:
         parent = Path(os.path.abspath(Path(out).expanduser())).parent
         while local_path(parent, what) is None and parent != parent.parent:
             parent = parent.parent
-        if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
-            raise CkptError(f"{what}{out}: permission denied (cannot create anything in {parent})")
+        folder = parent if parent.is_dir() else None
     else:  # an existing folder takes the output; an existing file is replaced by a rename in its folder
         folder = p if p.is_dir() else Path(os.path.abspath(p)).parent
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise CkptError(f"{what}{out}: permission denied (cannot create anything in {folder})")
+    why = unwritable(folder) if folder is not None else None
+    if why:
+        raise CkptError(f"{what}{out}: cannot write in {folder} ({why})")
 
 
 def _weight_suffixes() -> tuple[str, ...]:

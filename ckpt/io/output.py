@@ -23,7 +23,7 @@ from ckpt.io.pipeline import BandPipeline
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
-from ckpt.io.side_files import check_not_input
+from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.writer import SafetensorsWriter
 from ckpt.report import plural
 
@@ -68,16 +68,9 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
     home = missing[0].parent if missing else out.absolute().parent
     if not home.is_dir():
         raise CkptError(f"{out}: {home} is not a folder")
-    if not os.access(home, os.W_OK | os.X_OK):
-        why = "read-only file system" if _read_only_fs(home) else "permission denied"
+    why = unwritable(home)
+    if why:
         raise CkptError(f"{out}: cannot write in {home} ({why})")
-
-
-def _read_only_fs(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
 
 
 def target_state(out: Path, overwrite: bool) -> str:

@@ -83,16 +83,22 @@ def check_side_file(path: Path, label: str, kind: str, is_ours: Callable[[Path],
         raise CkptError(f"{label}: cannot check its folder {parent} ({_why(e)})") from None
     if not is_dir:
         raise CkptError(f"{label}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        why = "read-only file system" if _read_only(parent) else "permission denied"
+    why = unwritable(parent)
+    if why:
         raise CkptError(f"{label}: cannot write in {parent} ({why})")
 
 
-def _read_only(path: Path) -> bool:
+def unwritable(folder: Path) -> str | None:
+    """Why this user cannot create a file in `folder` ("read-only file system", "permission denied"), or
+    None when it can: the one check behind every "cannot write in FOLDER (...)" line (outputs, -o as it is
+    read, side files)."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
     try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
     except OSError:
-        return False
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
 
 
 def check_not_input(path: Path, label: str, inputs) -> None:
