@@ -219,6 +219,23 @@ def test_bad_hub_timeout_is_one_line(tmp_path, run_ckpt, monkeypatch):
                    "not a positive number of seconds")
 
 
+@pytest.mark.parametrize("name", ["CKPT_HUB_TIMEOUT", "CKPT_RAY_TIMEOUT"])
+@pytest.mark.parametrize("text", ["soon", "0", "-3", "nan", "inf"])
+def test_timeout_variables_take_positive_finite_seconds(monkeypatch, name, text):
+    from ckpt import env
+    from ckpt.batch.ray_pool import connect_timeout
+    from ckpt.io.hub import hub_timeout
+
+    read = {"CKPT_HUB_TIMEOUT": hub_timeout, "CKPT_RAY_TIMEOUT": connect_timeout}[name]
+    monkeypatch.setenv(name, text)
+    with pytest.raises(env.CkptError, match=f"^{name}={text}: not a positive number of seconds$"):
+        read()
+    monkeypatch.setenv(name, " 2.5 ")
+    assert read() == 2.5
+    monkeypatch.delenv(name)
+    assert read() == {"CKPT_HUB_TIMEOUT": 10.0, "CKPT_RAY_TIMEOUT": 30.0}[name]
+
+
 @pytest.mark.slow
 def test_hub_that_never_answers_end_to_end(tmp_path):
     """The real huggingface_hub against a loopback port that accepts and never answers: one note, one

@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from ckpt import env
 from ckpt.errors import CkptError
 from ckpt.report import plural
 
@@ -50,15 +51,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 30.0  # how long reaching a Ray cluster may take bef
 
 def connect_timeout() -> float:
     """CKPT_RAY_TIMEOUT in seconds (default 30)."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_CONNECT_TIMEOUT_S
-    try:
-        t = float(text)
-        assert 0 < t < float("inf")
-    except (ValueError, AssertionError):
-        raise CkptError(f"{TIMEOUT_ENV}={text}: not a positive number of seconds") from None
-    return t
+    return env.seconds(TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S)
 
 
 def _ray_timeouts(timeout: float) -> dict[str, str]:

@@ -24,6 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ckpt import env
 from ckpt.errors import CkptError
 from ckpt.io.side_files import unwritable
 
@@ -170,15 +171,7 @@ def _offline() -> bool:
 def hub_timeout() -> float:
     """CKPT_HUB_TIMEOUT (seconds, default 10): how long a hub look-up may take before ckpt gives up on
     the network (and answers from the cache, if it can)."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        t = float(text)
-        assert 0 < t < float("inf")
-    except (ValueError, AssertionError):
-        raise CkptError(f"{TIMEOUT_ENV}={text}: not a positive number of seconds") from None
-    return t
+    return env.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
 class _NoRetryLines(logging.Filter):
