@@ -187,6 +187,19 @@ def test_existing_foreign_folder_receives_the_output_inside_it(tmp_path, run_ckp
     assert sorted(p.name for p in of.iterdir()) == ["m-bf16.safetensors", "model-bf16", "precious.txt"]
 
 
+def test_models_folder_holding_one_ckpt_file_among_others_is_written_into(tmp_path, run_ckpt):
+    """One file ckpt once wrote there does not make a folder of other models a previous output."""
+    src = folder_model(tmp_path)
+    models = tmp_path / "models"
+    models.mkdir()
+    one_file(models, "theirs.safetensors")
+    assert run_ckpt("convert", models / "theirs.safetensors", "--to", "fp16", "-o", models, "-q")[0] == 0
+    assert (models / "theirs-fp16.safetensors").is_file()  # ckpt's, beside someone else's
+    code, _, err = run_ckpt("convert", src, "--to", "bf16", "-o", models, "-q")
+    assert code == 0, err
+    assert sorted(p.name for p in models.iterdir()) == ["model-bf16", "theirs-fp16.safetensors", "theirs.safetensors"]
+
+
 def test_overwrite_of_a_previous_output_refuses_files_ckpt_did_not_write(tmp_path, run_ckpt):
     src = folder_model(tmp_path)
     out = tmp_path / "out"

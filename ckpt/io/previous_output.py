@@ -6,9 +6,9 @@ The rule (README "Output paths"), the same for every command:
 - `-o` naming an existing folder that is not a previous output of this kind receives the output inside
   it, under the default name (a file output always does; a folder output does when the folder is empty
   or holds someone else's files).
-- A folder that is a previous ckpt output (`is_previous_output`: one of its weight files carries ckpt's
-  own metadata, or it holds a file the new output will write) is the output itself: it exists, so it
-  needs --overwrite, and --overwrite replaces it only when every file in it is ckpt's or one the new
+- A folder that is a previous ckpt output (`is_previous_output`: its safetensors/GGUF files all carry
+  ckpt's own metadata or are rewritten by the new output, and there is at least one such file) is the
+  output itself: it exists, so it needs --overwrite, and --overwrite replaces it only when every file in it is ckpt's or one the new
   output rewrites (`foreign_files`); anything else is refused by name, never deleted.
 
 ckpt marks what it writes: safetensors files carry `ckpt_version` in their metadata, GGUF files the
@@ -28,6 +28,7 @@ MAX_LISTED = 5  # foreign files named in the refusal
 _MAX_WALK = 100_000  # entries looked at before a folder counts as someone else's (-o $HOME)
 _GGUF_MARK = b"ckpt.version"
 _GGUF_HEAD = 1 << 20  # the key-value section comes first; ckpt's keys are in it
+_MARKABLE = (".safetensors", ".gguf")  # weight files that carry ckpt's mark when ckpt wrote them
 
 
 def planned_relpaths(plan) -> set[str]:
@@ -67,11 +68,18 @@ def _files(folder: Path):
 
 
 def is_previous_output(folder: Path, planned: set[str]) -> bool:
-    """`folder` holds what an earlier run of ckpt wrote (or a file the new output will write)."""
+    """`folder` holds what an earlier run of ckpt wrote: some file in it is ckpt's or one the new output
+    writes, and none of its markable weight files (safetensors, GGUF) is someone else's. A models folder
+    that merely holds one file ckpt once wrote beside others is a folder to write into, not an output."""
+    evidence = False
     for rel, p, regular in _files(folder):
-        if rel in planned or (regular and written_by_ckpt(p)):
-            return True
-    return False
+        if rel in planned:
+            evidence = True
+        elif rel.endswith(_MARKABLE):
+            if not (regular and written_by_ckpt(p)):
+                return False
+            evidence = True
+    return evidence
 
 
 def foreign_files(folder: Path, planned: set[str]) -> list[str]:
