@@ -24,6 +24,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     # kind -> tensor name -> count, e.g. "overflow" -> {"x.weight": 12}
     counts: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    # warnings that are no per-tensor count (an assumed alpha, modules that change nothing), each said once
+    warned: list[str] = field(default_factory=list)
 
     def count(self, kind: str, name: str, n: int) -> None:
         n = int(n)
@@ -33,6 +35,12 @@ class Report:
 
     def note(self, text: str) -> None:
         self.notes.append(text)
+
+    def warn(self, text: str) -> None:
+        """A warning that is no count; `warnings()` (what the CLI prints and `--report FILE.json` stores)
+        gives it first, once however often it is said."""
+        if text not in self.warned:
+            self.warned.append(text)
 
     DESCRIBE = {  # kind -> (one, several)
         "overflow": ("value overflowed to inf in the target dtype (use --clamp to saturate)",
@@ -46,10 +54,12 @@ class Report:
                                 "fp8 codes) and left out of the scales",
                                 "NaN/Inf input values were quantized (Inf saturates; NaN is stored as 0, or as NaN "
                                 "in fp8 codes) and left out of the scales"),
+        "nonfinite_skipped": ("NaN/Inf value was in a module left out of the output (--skip-nonfinite)",
+                              "NaN/Inf values were in modules left out of the output (--skip-nonfinite)"),
     }
 
     def warnings(self) -> list[str]:
-        out = []
+        out = [f"warning: {w}" for w in self.warned]
         for kind, per in self.counts.items():
             total = sum(per.values())
             worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]

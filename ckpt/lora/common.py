@@ -13,8 +13,8 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
-from ckpt.merge.checks import AdapterReport, finite
-from ckpt.report import plural
+from ckpt.merge.checks import finite
+from ckpt.report import Report, plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHOW = 10  # names listed in one summary line
@@ -93,7 +93,7 @@ class ModuleResult:
 
 
 @dataclass
-class LoraReport(AdapterReport):
+class LoraReport(Report):
     """Report plus the lines every run prints on stdout: one per module (unless --quiet), a summary."""
 
     modules: list[ModuleResult] = field(default_factory=list)

@@ -71,7 +71,7 @@ def with_format(specs: list[str], out, opts: LoraOptions, verb: str, suffix: str
 def _said(converted: LoraReport, report: LoraReport) -> None:
     """What converting an input found that the user must hear (an assumed alpha, modules left out): the
     conversion's own report is not printed. NaN/Inf kept as stored are counted by the final write."""
-    for w in converted.said:
+    for w in converted.warned:
         report.warn(w)
     report.notes += [n for n in converted.notes if n not in report.notes]
     report.noop += converted.noop

@@ -7,13 +7,12 @@ the same way, so that one LoRA gets the same answer from each of them:
   adapter_config.json, a diffusers file saved without `lora_adapter_metadata`, kohya files without `.alpha`
   keys): alpha = rank (scale 1) is assumed with a warning naming `--alpha`, which sets it instead;
 - warnings that are not per-tensor value counts (`Report.counts`) still reach the printed summary and
-  `--report FILE.json`: `AdapterReport.warn`.
+  `--report FILE.json`: `Report.warn`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from ckpt.errors import CkptError
 from ckpt.report import Report, plural
@@ -75,22 +74,3 @@ def settle_alphas(f, alpha: float | None, report: Report) -> None:
     report.warn(f"{f.spec}: {plural(n, 'module')} carr{'ies' if n == 1 else 'y'} no alpha (no alpha key, "
                 "adapter_config.json or lora_adapter_metadata): assumed alpha = rank (scale 1); pass --alpha A "
                 "to set the alpha it was trained with")
-
-
-@dataclass
-class AdapterReport(Report):
-    """Report plus warnings that are no per-tensor count (an assumed alpha, modules that change nothing).
-    `warnings()` is what the CLI prints and `--report FILE.json` stores, so these reach both."""
-
-    said: list[str] = field(default_factory=list)
-
-    DESCRIBE = {**Report.DESCRIBE,
-                "nonfinite_skipped": ("NaN/Inf value was in a module left out of the output (--skip-nonfinite)",
-                                      "NaN/Inf values were in modules left out of the output (--skip-nonfinite)")}
-
-    def warn(self, text: str) -> None:
-        if text not in self.said:
-            self.said.append(text)
-
-    def warnings(self) -> list[str]:
-        return [f"warning: {w}" for w in self.said] + super().warnings()

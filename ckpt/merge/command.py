@@ -27,12 +27,12 @@ from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
 from ckpt.io.layout import plan_checkpoint
 from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
-from ckpt.merge.checks import AdapterReport, alphas as check_alphas, ratios as check_ratios, settle_alphas
+from ckpt.merge.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
 from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
-from ckpt.report import plural
+from ckpt.report import Report, plural
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
                      write)
 
@@ -56,7 +56,7 @@ class MergeOptions:
 
 
 @dataclass
-class MergeReport(AdapterReport):
+class MergeReport(Report):
     """Report plus the matching summary every run prints (stdout, also with --quiet)."""
 
     summary: list[str] = field(default_factory=list)
