@@ -219,7 +219,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _lookup(spec: str, what: str, call, missing: str):
-    """Run `call(local_files_only)`, a huggingface_hub look-up of `spec`, as ckpt's rules say. Offline
+    """Run `call(info)`, a huggingface_hub look-up of `spec`, as ckpt's rules say. `info` is the hub's
+    `model_info` answer, or None where only the local cache may answer (`local_files_only`). Offline
     (HF_HUB_OFFLINE): the cache alone answers, at once. Online: one line says the hub is being asked; the
     hub must answer a metadata request (`model_info`) within `hub_timeout()` seconds (huggingface_hub
     retries a dead network for ~25 s, and its retry warnings are dropped); if it does not, the cache
@@ -231,7 +232,7 @@ def _lookup(spec: str, what: str, call, missing: str):
     label = f"{what}{spec}"
     if _offline():
         try:
-            return call(True)
+            return call(None)
         except CkptError:
             raise
         except Exception:  # LocalEntryNotFoundError, a revision never fetched, an unreadable cache
@@ -243,7 +244,7 @@ def _lookup(spec: str, what: str, call, missing: str):
          f"{TIMEOUT_ENV})")
     repo, rev, _ = parse_repo_spec(spec)
     try:
-        _within(timeout, lambda: _hub_api().model_info(repo, revision=rev, timeout=timeout))
+        info = _within(timeout, lambda: _hub_api().model_info(repo, revision=rev, timeout=timeout))
     except TimeoutError:  # the network hangs: the cache may still hold it
         return _from_cache(label, call, f"the Hugging Face hub did not answer within {timeout:g} s (set "
                                         f"{TIMEOUT_ENV} to wait longer)")
@@ -252,8 +253,8 @@ def _lookup(spec: str, what: str, call, missing: str):
             _refuse(label, e, missing)
         return _from_cache(label, call, f"the Hugging Face hub could not be reached ({_first_line(e)})")
     try:
-        return call(False)
-    except (CkptError, KeyboardInterrupt):
+        return call(info)
+    except CkptError:
         raise
     except Exception as e:
         _refuse(label, e, missing)
@@ -290,7 +291,7 @@ def _within(timeout: float, fn):
 def _from_cache(label: str, call, why: str):
     """The cached copy when the hub cannot answer (said in one note), else one CkptError saying why."""
     try:
-        value = call(True)
+        value = call(None)
     except CkptError:
         raise
     except Exception:
@@ -344,7 +345,8 @@ def resolve_repo(spec: str) -> Path:
         return Path(snapshot_download(repo, revision=rev, allow_patterns=patterns, cache_dir=_cache_dir(),
                                       local_files_only=local_only, etag_timeout=hub_timeout()))
 
-    def both(local_only: bool) -> Path:
+    def both(info) -> Path:
+        local_only = info is None
         root = fetch([SAFETENSORS, SIDECARS], local_only)
         path = root / sub if sub else root
         if not _has_safetensors(path):
@@ -363,9 +365,9 @@ def config_from_hub(spec: str, what: str = "--config ") -> Path:
     from huggingface_hub import hf_hub_download
 
     repo, rev, sub = parse_repo_spec(spec)
-    return _lookup(spec, what, lambda local_only: Path(hf_hub_download(
+    return _lookup(spec, what, lambda info: Path(hf_hub_download(
         repo, "config.json", subfolder=sub.strip("/") if sub else None, revision=rev, cache_dir=_cache_dir(),
-        local_files_only=local_only, etag_timeout=hub_timeout())), "no config.json")
+        local_files_only=info is None, etag_timeout=hub_timeout())), "no config.json")
 
 
 def sidecars_from_hub(spec: str, what: str = "--config ") -> Path:
@@ -373,8 +375,8 @@ def sidecars_from_hub(spec: str, what: str = "--config ") -> Path:
     from huggingface_hub import snapshot_download
 
     repo, rev, sub = parse_repo_spec(spec)
-    root = _lookup(spec, what, lambda local_only: Path(snapshot_download(
-        repo, revision=rev, allow_patterns=list(SIDECARS), cache_dir=_cache_dir(), local_files_only=local_only,
+    root = _lookup(spec, what, lambda info: Path(snapshot_download(
+        repo, revision=rev, allow_patterns=list(SIDECARS), cache_dir=_cache_dir(), local_files_only=info is None,
         etag_timeout=hub_timeout())), "no such file")
     return root / sub.strip("/") if sub else root
 
@@ -399,24 +401,23 @@ def cached_snapshot(spec: str) -> Path | None:
 def remote_safetensors_shapes(spec: str, what: str) -> dict[str, dict[str, tuple]]:
     """{subfolder relative to `spec`: {tensor: shape}} from the repository's safetensors headers, read with
     range requests (no weights downloaded). The cache is `cached_snapshot`'s business; this is the network
-    step, refused at once when offline and bounded by `_lookup`'s deadline: `model_info` lists the files,
-    `parse_safetensors_file_metadata` reads each header."""
+    step, refused at once when offline: `_lookup`'s `model_info` (given its deadline) lists the files,
+    `parse_safetensors_file_metadata` reads each header (huggingface_hub's per-request timeout, no retries)."""
     repo, rev, sub = parse_repo_spec(spec)
     sub = sub.strip("/") if sub else ""
     label = f"{what} " if what else ""
 
-    def headers(local_only: bool) -> dict[str, dict[str, tuple]]:
-        if local_only:  # `cached_snapshot` already looked in the cache: nothing more to find there
+    def headers(info) -> dict[str, dict[str, tuple]]:
+        if info is None:  # `cached_snapshot` already looked in the cache: nothing more to find there
             from huggingface_hub.errors import LocalEntryNotFoundError
 
             raise LocalEntryNotFoundError(f"{spec} is not in the local cache")
         api = _hub_api()
-        info = api.model_info(repo, revision=rev, timeout=hub_timeout())
         files = [s.rfilename for s in (info.siblings or []) if s.rfilename.endswith(".safetensors")
                  and (not sub or s.rfilename.startswith(sub + "/"))]
         by_sub: dict[str, dict[str, tuple]] = {}
         for f in files:
-            meta = api.parse_safetensors_file_metadata(repo, f, revision=rev)  # bounded by `_lookup`
+            meta = api.parse_safetensors_file_metadata(repo, f, revision=rev)
             folder = f.rsplit("/", 1)[0] if "/" in f else ""
             folder = folder[len(sub):].strip("/") if sub else folder
             by_sub.setdefault(folder, {}).update({n: tuple(i.shape) for n, i in meta.tensors.items()})
