@@ -169,8 +169,6 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
         raise file_error(path, f"cannot read: {e.strerror or e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
         raise file_error(path, _reader_problem(e, size)) from None
-    if reader.byte_order != "I":
-        raise file_error(path, "big-endian GGUF files are not supported")
     version = int(reader.fields["GGUF.version"].parts[0][0])
     tensors: dict[str, GGUFStored] = {}
     plain = plain_names()
@@ -193,7 +191,10 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
     return header
 
 
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+# GGUFValueType of each scalar (UINT8 .. FLOAT64, BOOL) -> its little-endian struct format: what the prescan
+# steps over and `ckpt.io.gguf_writer` packs
+SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_SIZES = {t: struct.calcsize(f) for t, f in SCALAR_FORMATS.items()}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 
 

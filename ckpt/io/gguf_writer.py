@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ckpt.io.gguf import SCALAR_FORMATS
 from ckpt.io.writer import Entry, RegionWriter
 
 ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
@@ -50,10 +51,6 @@ def int32_array(key: str, values) -> Field:
     return Field(key, [int(v) for v in values], V.ARRAY, V.INT32)
 
 
-_SCALARS = {"UINT8": "<B", "INT8": "<b", "UINT16": "<H", "INT16": "<h", "UINT32": "<I", "INT32": "<i",
-            "FLOAT32": "<f", "UINT64": "<Q", "INT64": "<q", "FLOAT64": "<d", "BOOL": "<?"}
-
-
 def _pack_value(value, vtype, sub_type=None) -> bytes:
     V = _gguf().GGUFValueType
     vtype = V(vtype)
@@ -64,7 +61,7 @@ def _pack_value(value, vtype, sub_type=None) -> bytes:
         if sub_type is None:
             raise ValueError("a GGUF array needs an element type")
         return struct.pack("<IQ", int(sub_type), len(value)) + b"".join(_pack_value(v, sub_type) for v in value)
-    return struct.pack(_SCALARS[vtype.name], value)
+    return struct.pack(SCALAR_FORMATS[vtype], value)
 
 
 def ggml_type(e: Entry) -> int:
@@ -95,7 +92,8 @@ def fields_from(header) -> list[Field]:
         if types[0] == V.STRING:
             out.append(Field(key, bytes(f.parts[-1]), V.STRING))
         elif types[0] == V.ARRAY:  # arrays of arrays were refused when read (ckpt.io.gguf.prescan)
-            sub = V(int(f.parts[-2][0]) if not f.data else types[1])  # an empty array: its stored element type
+            # parts: key length, key, ARRAY, element type, count, values: an empty array's type is not in `types`
+            sub = V(int(f.parts[3][0]))
             values = ([bytes(f.parts[i]) for i in f.data] if sub == V.STRING
                       else [f.parts[i].tolist()[0] for i in f.data])
             out.append(Field(key, values, V.ARRAY, sub))
