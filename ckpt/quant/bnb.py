@@ -36,7 +36,7 @@ from ckpt.lazy import torch
 
 from ckpt.dtypes import is_float
 from ckpt.io.tensors import Tensor
-from ckpt.quant.fp8 import _natural, _quant_config, _refuse, _st, companion
+from ckpt.quant.fp8 import _natural, _refuse, _st, companion, quant_config
 from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.view import DecodeContext, Decoded
 
@@ -264,7 +264,7 @@ def decode_int8(ctx: DecodeContext) -> Decoded | None:
     refused rather than written as if its codes were values: one whose `X.weight_format` is still there,
     or any int8 `.weight` when other layers carry SCB or config.json says load_in_8bit."""
     keys = [k for k in ctx.remaining if k == "SCB" or k.endswith(".SCB")]
-    qc = _quant_config(ctx)
+    qc = quant_config(ctx)
     int8_config = str(qc.get("quant_method", "")).lower() == "bitsandbytes" and bool(qc.get("load_in_8bit"))
     for key in ctx.remaining:
         if key == "weight_format" or key.endswith(".weight_format"):

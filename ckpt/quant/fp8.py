@@ -211,7 +211,8 @@ def companion(ctx: DecodeContext, key: str, what: str, dtypes=None, shape=None, 
     return t
 
 
-def _quant_config(ctx: DecodeContext) -> dict:
+def quant_config(ctx: DecodeContext) -> dict:
+    """config.json's `quantization_config`: {} when there is none or it is not an object."""
     qc = (ctx.config or {}).get("quantization_config")
     return qc if isinstance(qc, dict) else {}
 
@@ -332,7 +333,7 @@ def kohya_scaled(ctx: DecodeContext) -> Decoded | None:
 
 
 def _block_size(ctx: DecodeContext) -> tuple[int, int] | None:
-    qc = _quant_config(ctx)
+    qc = quant_config(ctx)
     bs = qc.get("weight_block_size")
     if bs is None:  # compressed-tensors: config_groups.<g>.weights.block_structure
         for group in (qc.get("config_groups") or {}).values():
@@ -399,7 +400,7 @@ def weight_scale(ctx: DecodeContext) -> Decoded | None:
         consumed[key] = f"scale of {wkey}"
         consumed.update(_activation_keys(ctx, layer))
     _no_unscaled(ctx, tensors, "scaled FP8")
-    method = str(_quant_config(ctx).get("quant_method") or "")
+    method = str(quant_config(ctx).get("quant_method") or "")
     if any(k.endswith(".qscale_weight") for k in keys):
         fmt = "mistral-fp8"
     else:
@@ -414,7 +415,7 @@ def activation_scales(ctx: DecodeContext) -> Decoded | None:
     """Activation / KV-cache scales of an FP8 checkpoint (layers left plain, attention k/v scales): they
     configure inference kernels and mean nothing for plain weights, so they are dropped (and listed).
     Also marks a folder whose config names an FP8 method as dequantized, scales or not."""
-    fp8_config = str(_quant_config(ctx).get("quant_method", "")).lower() in _FP8_METHODS
+    fp8_config = str(quant_config(ctx).get("quant_method", "")).lower() in _FP8_METHODS
     fp8_model = fp8_config or any(
         t.dtype_name in ST_FP8 and (k == "weight" or k.endswith(".weight")) for k, t in ctx.component.tensors.items())
     if not fp8_model:
