@@ -149,7 +149,8 @@ class Layout:
         return cls("file", "tensor" if has_alpha or not peft_style else "none", suffixes, (), (), False, {}, meta)
 
 
-def _alpha_tensor(name: str, alpha: float) -> Tensor:
+def alpha_tensor(name: str, alpha: float) -> Tensor:
+    """The 0-d fp32 `.alpha` tensor named `name` holding `alpha` (the kohya / LyCORIS placement)."""
     return ComputedTensor(name, lambda a=alpha: torch.tensor(a, dtype=torch.float32), torch.float32, ())
 
 
@@ -208,7 +209,7 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
             add(up_key, m.up, dtype_of(m.up))
             if layout.alphas == "tensor" and m.alpha is not None:
                 key = m.keys.get("alpha") or f"{m.name}.alpha"
-                add(key, _alpha_tensor(key, m.alpha))
+                add(key, alpha_tensor(key, m.alpha))
         for key, t in m.extra.items():
             add(key, t)
         if layout.alphas in ("config", "metadata") and m.rank is not None:

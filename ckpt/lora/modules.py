@@ -10,6 +10,7 @@ import math
 import torch
 
 from ckpt.errors import CkptError
+from ckpt.lora.formats import OutModule, alpha_tensor
 from ckpt.merge.adapters import make_adapter
 from ckpt.merge.checks import settle_alphas
 from ckpt.merge.loading import load_lora
@@ -47,15 +48,13 @@ def as_stored(m, layout, store, src=None):
     scale kept: an alpha only --alpha gave (none stored) goes where the output keeps alphas (a `.alpha`
     tensor; PEFT's config and diffusers' metadata take `peft_alpha`), or is folded into up where it keeps
     none (a PEFT-style file without metadata)."""
-    from ckpt.lora.formats import OutModule, _alpha_tensor
-
     extra = stored(m)
     rank = src.rank if src is not None else None
     alpha = m.alpha() if src is not None else None
     if src is not None and "alpha" not in m.parts and m.config_alpha is not None and src.family == "lora":
         if layout.alphas == "tensor":
             key = f"{m.name}.alpha"
-            extra[key] = _alpha_tensor(key, alpha)
+            extra[key] = alpha_tensor(key, alpha)
         elif layout.alphas == "none" and src.scale != 1.0:
             key = src.roles[src.adapter.up_role]
             extra[key] = store.put(key, (src.adapter.part(src.adapter.up_role) * src.scale).to(m.parts[
