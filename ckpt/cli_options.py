@@ -5,6 +5,9 @@ usage errors one `error: ...` line."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import click
 
 from ckpt.errors import CkptError
@@ -83,11 +86,24 @@ def check_local_input(ctx, param, value):
 
 def check_output(ctx, param, value):
     """-o (and --csv): "permission denied" when a folder on the way cannot be entered or the place the
-    output goes takes no new file, before anything is read or written."""
+    output goes takes no new file, before anything is read or written. The place: an existing folder
+    (outputs go in it); else the folder an existing file is replaced in (by a rename), or the nearest
+    existing folder above a new path, found as `ckpt.io.output.check_target` finds it."""
     if value is not None:
-        from ckpt.io.hub import check_writable
+        from ckpt.io.hub import local_path
+        from ckpt.io.publish import missing_parents
+        from ckpt.io.side_files import unwritable
 
-        check_writable(value, f"{param.opts[0]} ")
+        what = f"{param.opts[0]} "
+        p = local_path(value, what)
+        if p is not None and p.is_dir():
+            folder = p
+        else:
+            target = Path(os.path.abspath(Path(value).expanduser()))
+            folder = (missing_parents(target) or [target])[0].parent
+        why = unwritable(folder) if folder.is_dir() else None
+        if why:
+            raise CkptError(f"{what}{value}: cannot write in {folder} ({why})")
     return value
 
 DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,

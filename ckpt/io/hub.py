@@ -26,7 +26,6 @@ from pathlib import Path
 
 from ckpt import env
 from ckpt.errors import CkptError
-from ckpt.io.side_files import unwritable
 
 REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.\-]+))?(?:/(?P<sub>.+))?$")
 SIDECARS = ("*.json", "*.txt", "*.model", "*.yaml", "*.tiktoken")
@@ -71,22 +70,6 @@ def check_readable(p: Path, what: str = "") -> None:
     work is planned."""
     if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
         raise CkptError(f"{what}{p}: permission denied (cannot {'list' if p.is_dir() else 'read'} it)")
-
-
-def check_writable(out: str | os.PathLike, what: str = "-o ") -> None:
-    """-o (or --report, --csv): a folder on the way that cannot be entered, or a nearest existing folder
-    this user cannot create files in, is "permission denied" in one line, before anything is read."""
-    p = local_path(out, what)
-    if p is None:  # the nearest existing folder above must take a new entry
-        parent = Path(os.path.abspath(Path(out).expanduser())).parent
-        while local_path(parent, what) is None and parent != parent.parent:
-            parent = parent.parent
-        folder = parent if parent.is_dir() else None
-    else:  # an existing folder takes the output; an existing file is replaced by a rename in its folder
-        folder = p if p.is_dir() else Path(os.path.abspath(p)).parent
-    why = unwritable(folder) if folder is not None else None
-    if why:
-        raise CkptError(f"{what}{out}: cannot write in {folder} ({why})")
 
 
 def _weight_suffixes() -> tuple[str, ...]:
