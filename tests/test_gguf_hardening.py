@@ -105,6 +105,23 @@ def test_block_count_must_match_the_blocks_present(tmp_path, run_ckpt):
             "metadata 'qwen2.block_count' is 3, but the file has tensors for 2 blocks (0-2), none for block 1")
 
 
+@pytest.mark.parametrize("scalar,problem", [
+    ("token_embd.weight", "tensor token_embd.weight is [], not the [vocabulary, embedding_length] matrix"),
+    ("blk.0.attn_q.weight", "tensor blk.0.attn_q.weight is a scalar, not the rows of a projection"),
+])
+def test_scalar_where_llm_rows_are_read_is_refused(tmp_path, run_ckpt, scalar, problem):
+    """A 0-D tensor where config.json's sizes are read (once an IndexError, or a ZeroDivisionError in
+    llama's RoPE unpermutation)."""
+    from gguf_helpers import LLM_KV
+
+    tensors = {"token_embd.weight": RNG.standard_normal((8, 32)).astype(np.float32),
+               "blk.0.attn_q.weight": RNG.standard_normal((32, 32)).astype(np.float32),
+               "blk.0.attn_k.weight": RNG.standard_normal((16, 32)).astype(np.float32)}
+    tensors[scalar] = np.float32(3.0).reshape(())
+    write_gguf(tmp_path / "m.gguf", "llama", tensors, kv={f"llama.{k}": v for k, v in LLM_KV.items()})
+    refused(run_ckpt, tmp_path, tmp_path / "m.gguf", problem)
+
+
 def test_inspect_reports_bad_metadata_without_building_2_31_blocks(tmp_path, run_ckpt):
     src = tiny_llm_gguf(tmp_path / "m.gguf", block_count=2 ** 31)
     t0 = time.monotonic()

@@ -231,9 +231,13 @@ class Meta:
         return v
 
 
-def _rows(stored: dict[str, GGUFStored], suffixes: tuple[str, ...]) -> dict[str, int]:
-    """Rows (torch dim 0) of the tensors whose names end in these suffixes."""
-    return {n: t.stored_shape[0] for n, t in stored.items() if n.endswith(suffixes) and t.stored_shape}
+def _rows(meta: Meta, stored: dict[str, GGUFStored], suffixes: tuple[str, ...]) -> dict[str, int]:
+    """Rows (torch dim 0) of the tensors whose names end in these suffixes; a scalar there is refused (the
+    head counts split its rows, and RoPE unpermutes them)."""
+    for n, t in stored.items():
+        if n.endswith(suffixes) and not t.stored_shape:
+            raise file_error(meta.header.path, f"tensor {n} is a scalar, not the rows of a projection")
+    return {n: t.stored_shape[0] for n, t in stored.items() if n.endswith(suffixes)}
 
 
 def _check_blocks(meta: Meta, n_blocks: int, stored: dict[str, GGUFStored]) -> None:
@@ -257,7 +261,7 @@ def _check_heads(meta: Meta, heads: int, kv_heads: int, hidden: int, stored: dic
     hk, kvk = meta.key(K.HEAD_COUNT), meta.key(K.HEAD_COUNT_KV)
     if heads % kv_heads:
         raise meta.bad(kvk, kv_heads, f"which does not divide {hk} ({heads})")
-    q_rows = _rows(stored, (".attn_q.weight", ".attn_q.bias"))
+    q_rows = _rows(meta, stored, (".attn_q.weight", ".attn_q.bias"))
     name, rows = next(iter(q_rows.items()), (None, hidden))
     where = f"the {rows} rows of {name}" if name else f"embedding_length ({hidden})"
     if rows % heads:
@@ -269,7 +273,7 @@ def _check_heads(meta: Meta, heads: int, kv_heads: int, hidden: int, stored: dic
     for n, r in q_rows.items():
         if r != heads * head:
             raise meta.bad(hk, heads, f"but {n} has {r} rows, not {heads} heads of {head}")
-    for n, r in _rows(stored, (".attn_k.weight", ".attn_k.bias")).items():
+    for n, r in _rows(meta, stored, (".attn_k.weight", ".attn_k.bias")).items():
         if r != kv_heads * head:
             raise meta.bad(kvk, kv_heads, f"but {n} has {r} rows, not {kv_heads} heads of {head}")
     return head
@@ -284,11 +288,14 @@ def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple
     kv_heads = m.integer(K.Attention.HEAD_COUNT_KV, heads)
     hidden = m.integer(K.LLM.EMBEDDING_LENGTH)
     emb = stored.get("token_embd.weight")
+    if emb is not None and len(emb.stored_shape) != 2:
+        raise file_error(header.path, f"tensor token_embd.weight is {list(emb.stored_shape)}, not the [vocabulary, "
+                                      "embedding_length] matrix config.json's sizes are read from")
     if emb is not None and emb.stored_shape[-1] != hidden:
         raise m.bad(m.key(K.LLM.EMBEDDING_LENGTH), hidden,
                     f"but token_embd.weight has rows of {emb.stored_shape[-1]}")
     ffn = m.integer(K.LLM.FEED_FORWARD_LENGTH)
-    for n, r in _rows(stored, (".ffn_up.weight", ".ffn_gate.weight")).items():
+    for n, r in _rows(m, stored, (".ffn_up.weight", ".ffn_gate.weight")).items():
         if r != ffn:
             raise m.bad(m.key(K.LLM.FEED_FORWARD_LENGTH), ffn, f"but {n} has {r} rows")
     n_blocks = m.integer(K.LLM.BLOCK_COUNT)
