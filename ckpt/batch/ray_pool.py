@@ -66,18 +66,24 @@ def require():
     """The ray module, or a one-line CkptError saying how to install it. Imported with Ray's connection
     timeouts bounded (`_ray_timeouts`; a user's own RAY_* settings win); they are set for the import only,
     so the processes of a local instance started later keep Ray's defaults."""
-    knobs = {}
-    if sys.modules.get("ray") is None:
-        knobs = {k: v for k, v in _ray_timeouts(connect_timeout()).items() if k not in os.environ}
-    os.environ.update(knobs)
-    try:
-        import ray
-    except ImportError:
-        raise CkptError(INSTALL_HINT) from None
-    finally:
-        for k in knobs:
-            os.environ.pop(k, None)
+    with _env_defaults(_ray_timeouts(connect_timeout()) if sys.modules.get("ray") is None else {}):
+        try:
+            import ray
+        except ImportError:
+            raise CkptError(INSTALL_HINT) from None
     return ray
+
+
+@contextlib.contextmanager
+def _env_defaults(values: dict[str, str]):
+    """The environment variables of `values` that the user has not set, set for the block only."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _host_port(address: str | None) -> tuple[str, int] | None:
@@ -223,13 +229,11 @@ class RayPool:
         probe(target, where, timeout)
         # An explicit address names a running cluster: Ray tries it once (its default is 20 attempts of
         # ~40 s each); a local instance being started keeps Ray's own patience.
-        knob = "RAY_gcs_server_port_wait_time_s"
-        restore = os.environ.get(knob)
-        if explicit and restore is None:
-            os.environ[knob] = "1"
+        once = {"RAY_gcs_server_port_wait_time_s": "1"} if explicit else {}
         self.scratch = tempfile.mkdtemp(prefix="ckpt-ray-")
         try:
-            with _in_folder(self.scratch), (_stderr_held() if explicit else contextlib.nullcontext()):
+            with _env_defaults(once), _in_folder(self.scratch), \
+                    (_stderr_held() if explicit else contextlib.nullcontext()):
                 ray.init(address=address, include_dashboard=False, log_to_driver=False,
                          logging_level=logging.WARNING)
         except Exception as e:
@@ -237,8 +241,6 @@ class RayPool:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise CkptError(f"{where}: cannot start or reach a Ray cluster ({first})") from None
         finally:
-            if explicit and restore is None:
-                os.environ.pop(knob, None)
             for s, h in handlers.items():  # ray.init replaces SIGTERM's: ours turns it into Ctrl-C
                 signal.signal(s, h)
         self.connected = True
