@@ -18,6 +18,7 @@ import math
 import torch
 
 from ckpt.errors import CkptError
+from ckpt.io.output import bands
 
 
 class Adapter:
@@ -96,22 +97,26 @@ class Adapter:
     def is_zero(self) -> bool:
         """The module changes nothing: rank 0, or an all-zero factor of the product its delta is (an
         untrained PEFT lora_B is zeros), and no bias delta. merge-lora says so instead of counting the
-        tensors it "changed". Read from the stored tensors, not kept; DoRA re-normalises even a zero delta."""
+        tensors it "changed". Read from the stored tensors, not kept (a nonzero factor only as far as its first
+        band: `_all_zero`); DoRA re-normalises even a zero delta."""
         if not self.zero_if_any or getattr(self, "dora", None) is not None:
             return False
         weight = not self.has_weight or any(_all_zero(self.module.parts[r]) for r in self.zero_if_any if self.has(r))
-        bias = self.bias_role is None or not self.has(self.bias_role) or _all_zero(self.module.parts[self.bias_role])
-        return weight and bias
+        return weight and (self.bias_role is None or not self.has(self.bias_role)
+                           or _all_zero(self.module.parts[self.bias_role]))
 
     def nonfinite(self) -> dict[str, int]:
-        """stored key -> NaN/Inf values of every part (alpha included) that holds any, read from storage."""
+        """stored key -> NaN/Inf values of every floating part (alpha included) that holds any. Parts of up to
+        32 bits are read through `part` (exact in fp32, kept until `release`), so the factors the command then
+        computes with are not read a second time; wider ones as stored (fp32 could overflow a finite value)."""
         out = {}
-        for key, t in zip(self.module.keys, self.module.parts.values()):
-            x = t.read_all(torch.device("cpu"))
-            if x.is_floating_point() and x.numel():
-                n = int((~torch.isfinite(x.float() if x.element_size() == 1 else x)).sum())  # fp8: no isfinite
-                if n:
-                    out[key] = n
+        for key, (role, t) in zip(self.module.keys, self.module.parts.items()):
+            if not t.dtype.is_floating_point or not t.numel:
+                continue
+            x = self.part(role) if t.dtype.itemsize <= 4 else t.read_all(torch.device("cpu"))
+            n = int((~torch.isfinite(x)).sum())
+            if n:
+                out[key] = n
         cfg = self.module.config_alpha
         if "alpha" not in self.module.parts and cfg is not None and not math.isfinite(cfg):
             out["lora_alpha (adapter_config.json / lora_adapter_metadata)"] = 1
@@ -122,8 +127,16 @@ class Adapter:
 
 
 def _all_zero(t) -> bool:
-    x = t.read_all(torch.device("cpu"))
-    return x.numel() == 0 or not bool((x.float() if x.element_size() == 1 else x).any())
+    """`t` holds no nonzero value (or none at all). Its first band (its smallest aligned one) is read alone,
+    so a trained factor is told from a zero one without reading the rest; only a zero-led one is read whole."""
+    cpu = torch.device("cpu")
+    first = next(bands(t, 1))
+    spans = [first] + ([(first[1], t.rows)] if first[1] < t.rows else [])
+    for a, b in spans:
+        x = t.read(a, b, cpu)
+        if bool((x.float() if x.element_size() == 1 else x).any()):  # fp8: no any()
+            return False
+    return True
 
 
 def alpha_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
