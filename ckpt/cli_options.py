@@ -57,7 +57,7 @@ def check_size(ctx, param, value):
     if value is not None:
         from ckpt.io.plan import parse_size
 
-        parse_size(value, f"--{param.name.replace('_', '-')}")
+        parse_size(value, param.opts[0])
     return value
 
 
@@ -75,12 +75,9 @@ def check_local_input(ctx, param, value):
     """A path that must exist here (batch FOLDER, --lora, --base): "permission denied" for a folder on the
     way that cannot be entered or an input that cannot be read; a missing one is left to the command."""
     if value is not None:
-        from ckpt.io.hub import check_readable, local_path
+        from ckpt.io.hub import local_input
 
-        what = "" if param.param_type_name == "argument" else f"{param.opts[0]} "
-        p = local_path(value, what)
-        if p is not None:
-            check_readable(p, what)
+        local_input(value, "" if param.param_type_name == "argument" else f"{param.opts[0]} ")
     return value
 
 

@@ -72,6 +72,14 @@ def check_readable(p: Path, what: str = "") -> None:
         raise CkptError(f"{what}{p}: permission denied (cannot {'list' if p.is_dir() else 'read'} it)")
 
 
+def local_input(spec: str | os.PathLike, what: str = "") -> Path | None:
+    """`local_path`, where an input that exists must also be readable (`check_readable`)."""
+    p = local_path(spec, what)
+    if p is not None:
+        check_readable(p, what)
+    return p
+
+
 def _weight_suffixes() -> tuple[str, ...]:
     from ckpt.io.checkpoint import LITGPT_LORA, WEIGHT_SUFFIXES  # imported only for a path that is missing
 
@@ -103,20 +111,15 @@ def check_source(spec: str, what: str = "") -> None:
     `ckpt.io.checkpoint.open_checkpoint`, also made by the CLI before a command imports torch, so that a
     mistyped path costs milliseconds rather than torch's start-up (and a locked folder is refused as
     such, not as a hub miss)."""
-    p = local_path(spec, what)
-    if p is None and not looks_like_repo_id(spec):
+    if local_input(spec, what) is None and not looks_like_repo_id(spec):
         raise CkptError(f"{what}{spec}: no such file or directory")
-    if p is not None:
-        check_readable(p, what)
 
 
 def check_lora(spec: str) -> None:
     """Refuse a LoRA that does not exist (LoRAs are local files or folders): the first check of
     `ckpt.merge.loading.load_lora`, made by the CLI before torch is imported, as `check_source` is."""
-    p = local_path(spec)
-    if p is None:
+    if local_input(spec) is None:
         raise CkptError(f"{spec}: no such LoRA file or folder")
-    check_readable(p)
 
 
 def parse_repo_spec(spec: str) -> tuple[str, str | None, str | None]:
