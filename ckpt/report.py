@@ -19,6 +19,13 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}s"
 
 
+def listed(names, show: int = 10) -> str:
+    """The first `show` names, comma-separated, then `... (N more)`: the one wording of a name list cut short
+    in a summary line (`--report FILE.json` holds the whole list)."""
+    names = list(names)
+    return ", ".join(names[:show]) + (f", ... ({len(names) - show} more)" if len(names) > show else "")
+
+
 @dataclass
 class Report:
     notes: list[str] = field(default_factory=list)

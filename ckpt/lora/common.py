@@ -14,10 +14,9 @@ from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
 from ckpt.merge.checks import finite
-from ckpt.report import Report, plural
+from ckpt.report import Report, listed, plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SHOW = 10  # names listed in one summary line
 
 
 @dataclass
@@ -133,27 +132,23 @@ class LoraReport(Report):
             self.summary.append(f"{verb} 0 modules")
         if self.capped:
             self.summary.append(f"{plural(len(self.capped), 'module')} capped at min(out, in x kh x kw): "
-                                f"{_listed(self.capped)}")
+                                f"{listed(self.capped)}")
         if self.skipped:
             self.summary.append(f"{plural(len(self.skipped), 'module')} skipped (delta at or below --min-diff): "
-                                f"{_listed(self.skipped)}")
+                                f"{listed(self.skipped)}")
         if self.kept:
-            self.summary.append(f"{plural(len(self.kept), 'module')} passed through unchanged: {_listed(self.kept)}")
+            self.summary.append(f"{plural(len(self.kept), 'module')} passed through unchanged: {listed(self.kept)}")
         if self.nonfinite:
             self.summary.append(f"{plural(len(self.nonfinite), 'module')} left out for NaN/Inf values "
-                                f"(--skip-nonfinite): {_listed(self.nonfinite)}")
+                                f"(--skip-nonfinite): {listed(self.nonfinite)}")
         if self.noop:
             n = len(self.noop)
             self.warn(f"{plural(n, 'module')} of rank 0 or with an empty factor change{'s' * (n == 1)} nothing and "
-                      f"{'was' if n == 1 else 'were'} left out (loaders divide by the rank): {_listed(self.noop)}")
+                      f"{'was' if n == 1 else 'were'} left out (loaders divide by the rank): {listed(self.noop)}")
         if self.empty:
             n = len(self.empty)
             self.note(f"{plural(n, 'weight')} with no elements {'has' if n == 1 else 'have'} no delta to extract "
-                      f"(skipped): {_listed(self.empty)}")
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:SHOW]) + (f", ... ({len(names) - SHOW} more)" if len(names) > SHOW else "")
+                      f"(skipped): {listed(self.empty)}")
 
 
 def is_noop(src) -> bool:

@@ -41,7 +41,7 @@ from ckpt.lora.store import FactorStore
 from ckpt.merge.checks import finite
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
-from ckpt.report import plural
+from ckpt.report import listed, plural
 from ckpt.run import _human, default_output, output_path, write
 
 
@@ -301,12 +301,10 @@ def _changed_others(others, device, report: LoraReport) -> None:
                 changed.append(key)
                 break
     if changed:
-        from ckpt.lora.common import _listed
-
         one = len(changed) == 1
         report.summary.append(f"{plural(len(changed), 'changed tensor')} {'has' if one else 'have'} no LoRA form and "
                               f"{'is' if one else 'are'} not in the output "
-                              f"(biases, norms, embeddings, VAE...): {_listed(changed)}")
+                              f"(biases, norms, embeddings, VAE...): {listed(changed)}")
 
 
 def _common_bands(x, y):

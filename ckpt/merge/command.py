@@ -32,7 +32,7 @@ from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
 from ckpt.merge.merged import MergedTensor, Patch
 from ckpt.quant import logical_view
-from ckpt.report import Report, plural
+from ckpt.report import Report, listed, plural
 from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
                      write)
 
@@ -293,8 +293,7 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
     if zero:
         names = sorted(zero)
         report.zero[f.spec] = names
-        shown = ", ".join(names[:SHOW_UNMATCHED]) + (f", ... ({len(names) - SHOW_UNMATCHED} more)"
-                                                      if len(names) > SHOW_UNMATCHED else "")
+        shown = listed(names, SHOW_UNMATCHED)
         every = "all of them: " if len(zero) == n_matched else ""
         one = len(zero) == 1
         report.summary.append(f"{f.spec}: {plural(len(zero), 'module')} {'has' if one else 'have'} a zero delta "
