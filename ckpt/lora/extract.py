@@ -203,31 +203,35 @@ def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
     return out_path
 
 
-def _read_delta(job: _Job, device, buffers: Buffers) -> tuple[torch.Tensor, dict[tuple[int, str], int]]:
+def _read_delta(job: _Job, device, buffers: Buffers) -> torch.Tensor:
     """tuned - base in fp32 on `device`, [rows, prod(shape[1:])], filled one row band at a time (the
-    weights of a fused group one below the other), and the NaN/Inf values each read band held, as
-    (0 = base / 1 = tuned, weight name) -> count: a delta with any cannot be decomposed."""
+    weights of a fused group one below the other)."""
     delta = torch.empty((job.shape[0], math.prod(job.shape[1:])), dtype=torch.float32, device=device)
-    bad: dict[tuple[int, str], int] = {}
     at = 0
-    for key, bt, tt in zip(job.keys, job.bases, job.tuneds):
+    for bt, tt in zip(job.bases, job.tuneds):
         for a, b in bands(tt):
-            band = delta[at + a:at + b]
-            band.copy_(tt.read(a, b, device, buffers).reshape(b - a, -1))
-            _count_nonfinite(band, bad, (1, key))
+            delta[at + a:at + b].copy_(tt.read(a, b, device, buffers).reshape(b - a, -1))
         for a, b in bands(bt):
-            x = bt.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32)
-            _count_nonfinite(x, bad, (0, key))
-            delta[at + a:at + b].sub_(x)
+            delta[at + a:at + b].sub_(bt.read(a, b, device, buffers).reshape(b - a, -1).to(torch.float32))
         at += bt.shape[0]
-    if not bad and delta.numel() and not bool(torch.isfinite(delta).all()):  # finite - finite overflowing fp32
+    return delta
+
+
+def _nonfinite_inputs(job: _Job, device, buffers: Buffers, delta: torch.Tensor) -> dict[tuple[int, str], int]:
+    """Where the NaN/Inf of a delta that is not finite come from: (0 = base / 1 = tuned, weight name) -> values
+    that are NaN/Inf in fp32, tuned before base for each weight; finite inputs whose difference overflowed fp32
+    count as the tuned first weight's. Every NaN/Inf input makes the delta NaN/Inf at its place, so only such a
+    delta (told by `_max_abs`, which the --min-diff test computes anyway) has its inputs read again here."""
+    bad: dict[tuple[int, str], int] = {}
+    for key, bt, tt in zip(job.keys, job.bases, job.tuneds):
+        for side, t in ((1, tt), (0, bt)):
+            for a, b in bands(t):
+                n = int((~torch.isfinite(t.read(a, b, device, buffers).to(torch.float32))).sum())
+                if n:
+                    bad[(side, key)] = bad.get((side, key), 0) + n
+    if not bad:
         bad[(1, job.keys[0])] = int((~torch.isfinite(delta)).sum())
-    return delta, bad
-
-
-def _count_nonfinite(x: torch.Tensor, bad: dict, where) -> None:
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        bad[where] = bad.get(where, 0) + int((~torch.isfinite(x)).sum())
+    return bad
 
 
 def _max_abs(x: torch.Tensor) -> float:
@@ -243,12 +247,14 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
     dtype = opts.dtype
     with progress_bar(total, "lora extract (SVD)", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for job in jobs:
-            delta, bad = _read_delta(job, device, buffers)
+            delta = _read_delta(job, device, buffers)
             bar.update(job.source_bytes)
             if not delta.numel():  # a [32, 0] weight: no values, no delta
                 report.empty.append(job.key)
                 continue
-            if bad:  # an SVD of NaN/Inf fails; a LoRA of it would be NaN
+            biggest = _max_abs(delta)
+            if not math.isfinite(biggest):  # an SVD of NaN/Inf fails; a LoRA of it would be NaN
+                bad = _nonfinite_inputs(job, device, buffers, delta)
                 if not opts.skip_nonfinite:
                     (side, key), n = next(iter(sorted(bad.items(), key=lambda kv: -kv[0][0])))
                     raise CkptError(f"{specs[side]}: {key} holds {plural(n, 'NaN/Inf value')}: its delta cannot be "
@@ -257,7 +263,7 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                     report.count("nonfinite_skipped", key, n)
                 report.nonfinite.append(job.key)
                 continue
-            if _max_abs(delta) <= min_diff:
+            if biggest <= min_diff:
                 report.skipped.append(job.key)
                 continue
             if not job.pieces:
