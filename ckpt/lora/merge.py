@@ -124,19 +124,19 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
     with progress_bar(total, f"lora merge ({mode})", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for name, group in groups.items():
             bar.update(sum(t.source_bytes for m, _, _ in group for t in m.parts.values()))
-            srcs = [(Source(m, device), ratio, spec) for m, ratio, spec in group]
-            for s, _, _ in srcs:
+            srcs = []
+            for m, ratio, spec in group:
+                s = Source(m, device)
                 if is_noop(s):  # rank 0: adds nothing to the stack or the sum
-                    report.noop.append(f"{name} ({s.module.source})")
-                    s.release()
-            group = [g for g, (s, _, _) in zip(group, srcs) if not is_noop(s)]
-            srcs = [x for x in srcs if not is_noop(x[0])]
+                    report.noop.append(f"{name} ({m.source})")
+                else:
+                    srcs.append((s, ratio, spec))
             if not srcs:
                 continue
-            if mode == "concat" and len(group) == 1 and group[0][1] == 1.0:
-                m = group[0][0]
+            if mode == "concat" and len(srcs) == 1 and srcs[0][1] == 1.0:
+                s = srcs[0][0]
                 report.kept.append(name)
-                out.append(as_stored(m, layout, store, srcs[0][0] if m.family == "lora" else None))
+                out.append(as_stored(s.module, layout, store, s if s.family == "lora" else None))
                 continue
             _check_combinable(name, srcs, mode)
             if not all([usable(s, name, opts, report) for s, _, _ in srcs]):  # every input's NaN/Inf counted
