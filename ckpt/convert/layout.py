@@ -33,7 +33,7 @@ from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
 from ckpt.io.plan import OutFile, Plan, shard
 from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
-from ckpt.report import plural
+from ckpt.report import listed, plural
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
 # diffusers' ModelMixin.save_pretrained(max_shard_size="10GB"), decimal as huggingface_hub counts: a folder
@@ -58,8 +58,7 @@ class Renamed(Tensor):
 
 
 def _listed(keys, n=SHOW) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+    return listed(sorted(keys), n)
 
 
 def _rows(t: Tensor, rows: tuple[int, int] | None) -> list[Tensor]:

@@ -24,7 +24,7 @@ from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
 from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.writer import SafetensorsWriter
-from ckpt.report import plural
+from ckpt.report import listed, plural
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
@@ -58,10 +58,8 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
         if not single_file and out.is_dir() and not out.is_symlink():
             foreign = foreign_files(out, planned or set())
             if foreign:
-                shown = ", ".join(foreign[:MAX_LISTED]) + (f", ... ({len(foreign) - MAX_LISTED} more)"
-                                                           if len(foreign) > MAX_LISTED else "")
                 raise CkptError(f"{out}: holds {plural(len(foreign), 'file')} ckpt did not write and the new "
-                                f"output does not replace ({shown}); refusing to delete "
+                                f"output does not replace ({listed(foreign, MAX_LISTED)}); refusing to delete "
                                 f"{'it' if len(foreign) == 1 else 'them'} (move them, or name another -o)")
     missing = missing_parents(out)
     home = missing[0].parent if missing else out.absolute().parent
