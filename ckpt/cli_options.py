@@ -119,24 +119,34 @@ FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torc
                            "lit_model.pth). Default: from -o's suffix (.pth/.pt/.bin/.ckpt = torch), else safetensors.")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
 
-# convert
-CONVERT_TARGETS = click.Choice(["fp32", "fp16", "bf16", "fp8_e4m3fn", "nvfp4", "mxfp8", "int8", "int8_rowwise"])
-GGUF_TARGETS = ["gguf-q8_0", "gguf-q4_0", "gguf-q4_1", "gguf-q5_0", "gguf-q5_1", "gguf-bf16", "gguf-f16"]
+# convert: the --to names and their help come from the target registry (ckpt.convert.targets), which imports
+# no torch; a new target module shows up here, in `ckpt batch convert` and in the messages by itself.
 
 
-class _WithGGUF(click.Choice):
-    """CONVERT_TARGETS plus the GGUF outputs of `ckpt convert`; any other `gguf-<type>` passes through so
-    that convert refuses it in one line, naming why (K-quants: no encoder in gguf)."""
+def _targets():
+    from ckpt.convert import targets
+
+    return targets
+
+
+class TargetChoice(click.Choice):
+    """Every registered --to name; any other name under a prefix a target kind owns (`gguf-<type>`) passes
+    through so that convert refuses it in one line, naming why (K-quants: no encoder in gguf). `help`:
+    --to's help text for these choices."""
+
+    def __init__(self, choices, prefixes=(), help=""):
+        super().__init__(choices)
+        self.prefixes, self.help = tuple(prefixes), help
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.startswith("gguf-"):
+        if isinstance(value, str) and self.prefixes and value.startswith(self.prefixes):
             return value
         return super().convert(value, param, ctx)
 
 
-CONVERT_OR_GGUF = _WithGGUF(list(CONVERT_TARGETS.choices) + GGUF_TARGETS)
-CONVERT_TO_HELP = ("Target dtype of floating tensors, or a ComfyUI quantized format (nvfp4, mxfp8, int8, int8_rowwise: "
-                   "transformer-block Linear weights quantized, the rest kept).")
+CONVERT_TARGETS = click.Choice(_targets().names(batch=True))  # what `ckpt batch convert` offers
+CONVERT_OR_GGUF = TargetChoice(_targets().names(), _targets().prefixes(), help=_targets().help_text(batch=False))
+CONVERT_TO_HELP = _targets().help_text(batch=True)
 
 # dequant
 DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),

@@ -141,7 +141,12 @@ class ConvertOp(Operation):
 
     @property
     def suffix(self) -> str:
-        return self.params["to"] + ("-scaled" if self.params.get("scaled") else "")
+        from ckpt.convert import targets
+
+        scaled = bool(self.params.get("scaled"))
+        target = targets.resolve(self.params["to"], scaled)
+        # a --scaled the target refuses still names the output as asked; each run fails with the refusal
+        return target.suffix + ("-scaled" if scaled and not target.is_scaled else "")
 
     @property
     def provenance(self) -> str:

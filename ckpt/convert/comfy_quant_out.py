@@ -32,13 +32,6 @@ from ckpt.io.tensors import Tensor
 from ckpt.quant.comfy_quant import META_KEY, QuantSpec, config_tensor, encode, unencodable
 from ckpt.report import Report, plural
 
-TARGETS = {
-    "nvfp4": QuantSpec("nvfp4"),
-    "mxfp8": QuantSpec("mxfp8"),
-    "int8": QuantSpec("int8_tensorwise"),  # one scale per tensor: the layout's default
-    "int8_rowwise": QuantSpec("int8_tensorwise", rowwise=True),  # one scale per output row
-}
-
 # Fallback for checkpoints of no known family: containers of repeated transformer blocks, as a path
 # segment followed by the block index.
 BLOCK_CONTAINERS = (

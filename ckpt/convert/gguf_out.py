@@ -44,8 +44,6 @@ from ckpt.io.tensors import Tensor
 from ckpt.quant.gguf import BlockRows
 from ckpt.report import Report, plural
 
-TARGETS = {"gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0", "gguf-q4_1": "Q4_1", "gguf-q5_0": "Q5_0", "gguf-q5_1": "Q5_1",
-           "gguf-bf16": "BF16", "gguf-f16": "F16"}
 QUANTIZATION_THRESHOLD = 1024  # convert.py: tensors of at most this many values stay F32
 REARRANGE_THRESHOLD = 512
 MAX_NAME = 127  # ComfyUI-GGUF's patched ggml (GGML_MAX_NAME 128)
@@ -109,15 +107,25 @@ def _gguf():
 
 
 def ggml_type_of(target: str) -> int:
-    """The GGML type `--to gguf-...` names; K-/IQ-quants are refused by name (no Python encoder)."""
-    if target in TARGETS:
-        return int(_gguf().GGMLQuantizationType[TARGETS[target]])
+    """The GGML type `--to gguf-...` names (its target in `ckpt.convert.targets`); K-/IQ-quants are refused
+    by name (no Python encoder)."""
+    from ckpt.convert import targets
+
+    t = targets.get(target)
+    if getattr(t, "ggml", None):
+        return int(_gguf().GGMLQuantizationType[t.ggml])
     kind = target[len("gguf-"):].upper()
     if re.fullmatch(r"(Q\d_K(_[SML])?|IQ\d\w*|Q\d_K\w*)", kind):
         raise CkptError(f"--to {target}: K-quants and IQ-quants cannot be written: gguf (llama.cpp's Python "
                         "package, which ckpt quantizes with) has no encoder for them; write --to gguf-bf16 and "
                         "run ComfyUI-GGUF's patched llama-quantize on it")
-    raise CkptError(f"--to {target}: unknown GGUF type (choose {', '.join(TARGETS)})")
+    raise CkptError(f"--to {target}: unknown GGUF type (choose {', '.join(_names())})")
+
+
+def _names() -> list[str]:
+    from ckpt.convert import targets
+
+    return [t.name for t in targets.all_targets() if getattr(t, "ggml", None)]
 
 
 def _matches(name: str, patterns) -> bool:
@@ -308,5 +316,8 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
 
 
 def default_suffix(target_name: str) -> str:
-    """ComfyUI-GGUF / llama.cpp file naming: `model-Q8_0.gguf`, `model-BF16.gguf`."""
-    return TARGETS.get(target_name, target_name)
+    """ComfyUI-GGUF / llama.cpp file naming: `model-Q8_0.gguf`, `model-BF16.gguf` (the target's suffix)."""
+    from ckpt.convert import targets
+
+    t = targets.get(target_name)
+    return t.suffix if t is not None else target_name

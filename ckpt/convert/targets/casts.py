@@ -1,0 +1,45 @@
+"""`--to fp32|fp16|bf16`: every floating tensor cast to one dtype (not matched by --keep); with no --to
+(`convert --layout` alone), each tensor keeps its dtype. Quantized inputs are decoded on the way."""
+
+from __future__ import annotations
+
+from ckpt.convert.targets.base import Target
+
+ORDER = 10
+HELP = "Target dtype of floating tensors"
+
+
+class Cast(Target):
+    """Cast floating tensors to `torch.<torch_name>` (None: keep each tensor's dtype)."""
+
+    def __init__(self, name: str | None, torch_name: str | None):
+        super().__init__(name)
+        self.torch_name = torch_name
+
+    def dtype(self):
+        from ckpt.lazy import torch
+
+        return getattr(torch, self.torch_name) if self.torch_name else None
+
+    def outputs(self, views, opts, report):
+        import fnmatch
+
+        from ckpt.run import cast_outputs
+
+        target = self.dtype()
+
+        def out_dtype(t):
+            keep = target is None or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
+            return t.natural_dtype if keep else target
+
+        return cast_outputs(report, out_dtype, clamp=opts.clamp), None
+
+    def output_dtype(self):
+        from ckpt.lazy import torch
+
+        d = self.dtype()
+        return d if d in (torch.float16, torch.bfloat16, torch.float32) else None
+
+
+TARGETS = (Cast("fp32", "float32"), Cast("fp16", "float16"), Cast("bf16", "bfloat16"))
+KEEP = Cast(None, None)  # no --to: not a name, so not registered
