@@ -39,7 +39,7 @@ def cli():
 @click.option("-o", "--output", "out", callback=check_output,
               help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
 @click.option("--to", "to", type=CONVERT_OR_GGUF,
-              help=CONVERT_TO_HELP + " gguf-*: a ComfyUI-GGUF file. Optional with --layout (then each tensor keeps its dtype).")
+              help=CONVERT_OR_GGUF.help + " Optional with --layout (then each tensor keeps its dtype).")
 @click.option("--layout", type=click.Choice(["diffusers", "original"]),
               help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
                    "original layout (one file with the reference keys).")
@@ -61,7 +61,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
     ComfyUI's nvfp4/mxfp8/int8 or to a ComfyUI-GGUF file, and/or rename it to its family's diffusers or
     original layout."""
     check_source(src)  # before torch: a mistyped path is refused in milliseconds
-    load("ckpt.convert")
+    load("ckpt.convert.command")
     from ckpt.convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size,
