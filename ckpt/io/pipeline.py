@@ -6,7 +6,7 @@ Three stages, each on its own long-lived thread for the whole output file (never
   merging. Every read stays on this one thread, in the order of today's serial loop, because reads
   keep state: adapter factor caches and their `release()` after a tensor's last band (MergedTensor),
   the previous band's mapped pages given back (PickleTensor's `_MappedBands`), lazily computed scales
-  that read a whole tensor (encoders' `_Lazy`, `AmaxScale`). A cast that is not `OutTensor.stateless`
+  that read a whole tensor (encoders' `Lazy`, `AmaxScale`). A cast that is not `OutTensor.stateless`
   runs here too, for the same reason.
 - compute: the stateless cast of band i+1 (`ckpt.cast.Caster`: one rounding, overflow and NaN
   accounting fused with it), then, on CUDA, the copy to pinned host memory.

@@ -1,8 +1,12 @@
-"""`Wrapper`: a tensor made from one other tensor, `base` (renamed, re-banded, permuted rows, merged patches).
+"""`Wrapper`: a tensor made from one other tensor, `base` (renamed, re-banded, permuted rows, merged patches,
+or decoded from the stored codes a quantized format keeps there).
 
-What the wrapped tensor says of its storage stays the base's: the dtype the model had (`natural_dtype`, the
-default output dtype) and the bytes reading it costs (`source_bytes`, progress accounting). `read` passes
-the base's rows through unless a subclass computes something from them.
+What the wrapped tensor says of its storage stays the base's: the bytes reading it costs (`source_bytes`,
+progress accounting), and the dtype the model had (`natural_dtype`, the default output dtype) unless
+`natural` says otherwise: a decoder's base is codes (fp8, int8, packed 4-bit) whose own dtype is the
+encoding's, so it names the model's dtype itself. One place for both properties, so no decoder or
+adapter spells them again. `read` passes the base's rows through unless a subclass computes something
+from them.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from ckpt.io.tensors import Tensor
 
 class Wrapper(Tensor):
     base: Tensor
+    natural = None  # a torch dtype: the model's, where the base's is a storage encoding's; None: the base's
 
     @property
     def natural_dtype(self):
-        return self.base.natural_dtype
+        return self.base.natural_dtype if self.natural is None else self.natural
 
     @property
     def source_bytes(self):

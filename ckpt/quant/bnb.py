@@ -36,9 +36,9 @@ from ckpt.lazy import torch
 
 from ckpt.dtypes import is_float
 from ckpt.io.tensors import Tensor
-from ckpt.quant.fp8 import _natural, _refuse, _st, companion, quant_config
+from ckpt.io.wrapper import Wrapper
+from ckpt.quant.common import DecodeContext, Decoded, companion, model_dtype, quant_config, refuse, st_name
 from ckpt.quant.encoding import NoEncoder
-from ckpt.quant.view import DecodeContext, Decoded
 
 QUANT_STATE = re.compile(r"^(.+)\.quant_state\.bitsandbytes__(nf4|fp4)$")
 # bitsandbytes' code tables (functional.get_4bit_type), in float32: the values its kernels use.
@@ -76,9 +76,9 @@ _NO_ENCODER = NoEncoder("bitsandbytes", "bitsandbytes is decoded only: ckpt has 
                                         "(merge without --keep-format for a plain file)")
 
 
-class Bnb4bitWeight(Tensor):
-    """A 4-bit weight: any band of rows is a range of the flattened codes, read with the absmax blocks
-    covering it (and their nested codes)."""
+class Bnb4bitWeight(Wrapper):
+    """A 4-bit weight: any band of rows is a range of the flattened codes (`base`, the packed tensor), read
+    with the absmax blocks covering it (and their nested codes). `natural`: the model's dtype."""
 
     encoding = _NO_ENCODER
 
@@ -86,22 +86,18 @@ class Bnb4bitWeight(Tensor):
 
     def __init__(self, name, packed: Tensor, absmax: Tensor, quant_type: str, blocksize: int, shape, natural,
                  nested: tuple[Tensor, Tensor, int, float] | None = None):
-        self.name, self.packed, self.absmax, self.quant_type = name, packed, absmax, quant_type
+        self.name, self.base, self.absmax, self.quant_type = name, packed, absmax, quant_type
         self.blocksize, self.nested = blocksize, nested
         self.shape, self.home, self.dtype = tuple(shape), packed.home, torch.float32
-        self._natural = natural
+        self.natural = natural
         self.n = math.prod(self.shape)
         self.row_elems = self.n // self.shape[0] if self.shape and self.shape[0] else self.n
         # bytes per stored row of the packed tensor (its dtype may be any `quant_storage`)
         self.row_bytes = packed.numel // max(packed.rows, 1) * packed.dtype.itemsize if packed.shape else packed.dtype.itemsize
 
     @property
-    def natural_dtype(self):
-        return self._natural
-
-    @property
     def source_bytes(self):
-        return (self.n + 1) // 2
+        return (self.n + 1) // 2  # the codes, two per byte, whatever `quant_storage` dtype holds them
 
     def read(self, start, stop, device, scratch=None):
         if not self.shape:
@@ -122,7 +118,7 @@ class Bnb4bitWeight(Tensor):
         """Bytes [byte0, byte1) of the packed data (two codes each, the even element high)."""
         rb = self.row_bytes
         r0, r1 = byte0 // rb, -(-byte1 // rb)
-        raw = self.packed.read(r0, r1, device) if self.packed.shape else self.packed.read_all(device)
+        raw = self.base.read(r0, r1, device) if self.base.shape else self.base.read_all(device)
         return raw.contiguous().view(torch.uint8).reshape(-1)[byte0 - r0 * rb: byte1 - r0 * rb]
 
     def _absmax(self, b0: int, b1: int, device) -> torch.Tensor:
@@ -137,27 +133,20 @@ class Bnb4bitWeight(Tensor):
         return f + torch.tensor(offset, dtype=torch.float32, device=device)  # absmax += offset
 
 
-class Int8RowWeight(Tensor):
-    """LLM.int8: W = weight * SCB[:, None] * (1 / 127) in float32, as `int8_vectorwise_dequant`."""
+class Int8RowWeight(Wrapper):
+    """LLM.int8: W = weight * SCB[:, None] * (1 / 127) in float32, as `int8_vectorwise_dequant`; `base` is
+    the int8 weight, `natural` the model's dtype."""
 
     encoding = _NO_ENCODER
 
     row_align = 1
 
     def __init__(self, name, weight: Tensor, scb: Tensor, natural):
-        self.name, self.weight, self.scb = name, weight, scb
-        self.shape, self.home, self.dtype, self._natural = weight.shape, weight.home, torch.float32, natural
-
-    @property
-    def natural_dtype(self):
-        return self._natural
-
-    @property
-    def source_bytes(self):
-        return self.weight.source_bytes
+        self.name, self.base, self.scb = name, weight, scb
+        self.shape, self.home, self.dtype, self.natural = weight.shape, weight.home, torch.float32, natural
 
     def read(self, start, stop, device, scratch=None):
-        q = self.weight.read(start, stop, device, scratch)
+        q = self.base.read(start, stop, device, scratch)
         s = self.scb.read(start, stop, device).to(torch.float32)
         return q * s.view(-1, *([1] * (q.dim() - 1))) * INT8_RECIPROCAL
 
@@ -169,7 +158,7 @@ def _state(ctx, key) -> dict:
         if not isinstance(st, dict):
             raise TypeError
     except (ValueError, TypeError, RuntimeError):
-        raise _refuse(ctx, key, f"{key!r} is not a bitsandbytes quant state (JSON bytes)") from None
+        raise refuse(ctx, key, f"{key!r} is not a bitsandbytes quant state (JSON bytes)") from None
     return st
 
 
@@ -187,25 +176,25 @@ def decode_4bit(ctx: DecodeContext) -> Decoded | None:
         if st.get("quant_type", qt) != qt or bs not in BLOCKSIZES or not isinstance(shape, list) \
                 or not all(isinstance(d, int) and d >= 0 for d in shape) \
                 or not isinstance(getattr(torch, str(dtype_name), None), torch.dtype):
-            raise _refuse(ctx, skey, f"{skey!r} does not describe a {qt} weight (quant_type, blocksize, dtype, "
-                                     f"shape): {st}")
+            raise refuse(ctx, skey, f"{skey!r} does not describe a {qt} weight (quant_type, blocksize, dtype, "
+                                    f"shape): {st}")
         natural = getattr(torch, dtype_name)
         w = ctx.remaining.get(p)
         if w is None:
-            raise _refuse(ctx, skey, f"bitsandbytes quant state {skey!r} has no packed weight {p!r}")
+            raise refuse(ctx, skey, f"bitsandbytes quant state {skey!r} has no packed weight {p!r}")
         n = math.prod(shape)
         _check_packed(ctx, p, w, qt, shape, n)
         aux = {s: f"{p}.{s}" for s in ("absmax", "quant_map", "nested_absmax", "nested_quant_map")}
         absmax = ctx.remaining.get(aux["absmax"])
         blocks = -(-n // bs)
         if absmax is None or absmax.numel != blocks:
-            raise _refuse(ctx, p, f"{p!r} ({qt}, {n} values in blocks of {bs}) needs {blocks} absmax values in "
-                                  f"{aux['absmax']!r}" + ("" if absmax is None else f", not {absmax.numel}"))
+            raise refuse(ctx, p, f"{p!r} ({qt}, {n} values in blocks of {bs}) needs {blocks} absmax values in "
+                                 f"{aux['absmax']!r}" + ("" if absmax is None else f", not {absmax.numel}"))
         qmap = ctx.remaining.get(aux["quant_map"])
         if qmap is not None:
             companion(ctx, aux["quant_map"], f"{qt} code table of {p!r}", dtypes=(torch.float32,), shape=(16,))
             if not torch.equal(qmap.read_all(torch.device("cpu")).reshape(-1), code_table(qt)):
-                raise _refuse(ctx, aux["quant_map"], f"{aux['quant_map']!r} is not bitsandbytes' {qt} code table")
+                raise refuse(ctx, aux["quant_map"], f"{aux['quant_map']!r} is not bitsandbytes' {qt} code table")
             consumed[aux["quant_map"]] = f"code table of {p}"
         nested = None
         if "nested_offset" in st or aux["nested_absmax"] in ctx.remaining or aux["nested_quant_map"] in ctx.remaining:
@@ -213,7 +202,7 @@ def decode_4bit(ctx: DecodeContext) -> Decoded | None:
             consumed[aux["nested_absmax"]] = f"nested absmax of {p}"
             consumed[aux["nested_quant_map"]] = f"nested code table of {p}"
         elif not is_float(absmax.dtype):
-            raise _refuse(ctx, aux["absmax"], f"{aux['absmax']!r} is {_st(absmax.dtype)} but {skey!r} names no "
+            raise refuse(ctx, aux["absmax"], f"{aux['absmax']!r} is {st_name(absmax.dtype)} but {skey!r} names no "
                                               "nested quantization")
         else:  # read per block: [blocks] exactly (a reshaped absmax would be read by the wrong rows)
             companion(ctx, aux["absmax"], f"block absmax of {p!r}", dtypes=(torch.float32,), shape=(blocks,))
@@ -233,12 +222,12 @@ def _check_packed(ctx, p, w, qt, shape, n):
     isz = w.dtype.itemsize
     have = w.numel * isz
     if have < need:
-        raise _refuse(ctx, p, f"{p!r} holds {have} bytes; the {qt} weight of shape {shape} needs {need} "
-                              "(truncated packed data)")
+        raise refuse(ctx, p, f"{p!r} holds {have} bytes; the {qt} weight of shape {shape} needs {need} "
+                             "(truncated packed data)")
     if have != -(-need // isz) * isz or len(w.shape) != 2 or w.shape[1] != 1:
-        raise _refuse(ctx, p, f"packed {qt} codes {p!r} are {_st(w.dtype)} {list(w.shape)} ({have} bytes); expected "
-                              f"{need} bytes for the shape {shape} (two 4-bit codes per byte: U8 [{need}, 1] as "
-                              "bitsandbytes saves them, or the same bytes in its quant_storage dtype)")
+        raise refuse(ctx, p, f"packed {qt} codes {p!r} are {st_name(w.dtype)} {list(w.shape)} ({have} bytes); expected "
+                             f"{need} bytes for the shape {shape} (two 4-bit codes per byte: U8 [{need}, 1] as "
+                             "bitsandbytes saves them, or the same bytes in its quant_storage dtype)")
 
 
 def _nested(ctx, p, st, aux, absmax, blocks):
@@ -246,12 +235,12 @@ def _nested(ctx, p, st, aux, absmax, blocks):
     n_bs, offset = st.get("nested_blocksize"), st.get("nested_offset")
     if n_absmax is None or n_map is None or n_bs not in BLOCKSIZES or not isinstance(offset, (int, float)) \
             or isinstance(offset, bool) or not math.isfinite(offset):
-        raise _refuse(ctx, p, f"{p!r} is nested-quantized but lacks {aux['nested_absmax']!r}, "
-                              f"{aux['nested_quant_map']!r} or nested_blocksize/nested_offset in its quant state")
+        raise refuse(ctx, p, f"{p!r} is nested-quantized but lacks {aux['nested_absmax']!r}, "
+                             f"{aux['nested_quant_map']!r} or nested_blocksize/nested_offset in its quant state")
     if absmax.dtype != torch.uint8 or n_map.numel != 256 or n_absmax.numel != -(-blocks // n_bs):
-        raise _refuse(ctx, p, f"nested absmax of {p!r} does not fit: {aux['absmax']!r} {_st(absmax.dtype)} "
-                              f"{list(absmax.shape)}, {aux['nested_absmax']!r} {list(n_absmax.shape)}, "
-                              f"{aux['nested_quant_map']!r} {list(n_map.shape)} (blocks of {n_bs})")
+        raise refuse(ctx, p, f"nested absmax of {p!r} does not fit: {aux['absmax']!r} {st_name(absmax.dtype)} "
+                             f"{list(absmax.shape)}, {aux['nested_absmax']!r} {list(n_absmax.shape)}, "
+                             f"{aux['nested_quant_map']!r} {list(n_map.shape)} (blocks of {n_bs})")
     companion(ctx, aux["absmax"], f"nested absmax codes of {p!r}", dtypes=(torch.uint8,), shape=(blocks,))
     companion(ctx, aux["nested_absmax"], f"nested absmax of {p!r}", dtypes=(torch.float32,),
               shape=(-(-blocks // n_bs),))
@@ -270,35 +259,35 @@ def decode_int8(ctx: DecodeContext) -> Decoded | None:
         if key == "weight_format" or key.endswith(".weight_format"):
             layer = key[: -len("weight_format")]
             if f"{layer}SCB" not in ctx.remaining and f"{layer}weight" in ctx.remaining:
-                raise _refuse(ctx, key, f"LLM.int8 layer {layer[:-1]!r} has {key!r} but no row scales "
-                                        f"{layer + 'SCB'!r}: its int8 codes cannot be decoded")
+                raise refuse(ctx, key, f"LLM.int8 layer {layer[:-1]!r} has {key!r} but no row scales "
+                                       f"{layer + 'SCB'!r}: its int8 codes cannot be decoded")
     if keys or int8_config:
         for key, t in ctx.remaining.items():
             layer = key[: -len("weight")]
             is_weight = key == "weight" or key.endswith(".weight")
             if is_weight and t.dtype == torch.int8 and f"{layer}SCB" not in ctx.remaining:
-                raise _refuse(ctx, key, f"{key!r} is an int8 weight without row scales {layer + 'SCB'!r} in an "
-                                        "LLM.int8 checkpoint: its codes cannot be decoded")
+                raise refuse(ctx, key, f"{key!r} is an int8 weight without row scales {layer + 'SCB'!r} in an "
+                                       "LLM.int8 checkpoint: its codes cannot be decoded")
     if not keys:
         return None
-    natural, tensors, consumed = _natural(ctx), {}, {}
+    natural, tensors, consumed = model_dtype(ctx), {}, {}
     for key in keys:
         layer = key[: -len("SCB")]
         wkey, fkey = f"{layer}weight", f"{layer}weight_format"
         w, scb = ctx.remaining.get(wkey), ctx.remaining[key]
         if w is None or w.dtype != torch.int8 or len(w.shape) != 2:
-            raise _refuse(ctx, key, f"LLM.int8 scale {key!r} needs an int8 matrix {wkey!r}"
-                                    + ("" if w is None else f", not {_st(w.dtype)} {list(w.shape)}"))
+            raise refuse(ctx, key, f"LLM.int8 scale {key!r} needs an int8 matrix {wkey!r}"
+                                   + ("" if w is None else f", not {st_name(w.dtype)} {list(w.shape)}"))
         if scb.numel != w.shape[0] or not is_float(scb.dtype):
-            raise _refuse(ctx, key, f"LLM.int8 scale {key!r} {_st(scb.dtype)} {list(scb.shape)} is not one value per "
-                                    f"row of {wkey!r} {list(w.shape)}")
+            raise refuse(ctx, key, f"LLM.int8 scale {key!r} {st_name(scb.dtype)} {list(scb.shape)} is not one value per "
+                                   f"row of {wkey!r} {list(w.shape)}")
         companion(ctx, key, f"LLM.int8 row scales of {wkey!r}", dtypes=(torch.float32,), shape=(w.shape[0],))
         if fkey in ctx.remaining:
             companion(ctx, fkey, f"LLM.int8 layout of {wkey!r}", numel=1,
                       dtypes=(torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
             f = ctx.remaining[fkey].read_all(torch.device("cpu"))
             if int(f.reshape(-1)[0]) != 0:
-                raise _refuse(ctx, fkey, f"{fkey!r} is not the row layout (0) that bitsandbytes saves")
+                raise refuse(ctx, fkey, f"{fkey!r} is not the row layout (0) that bitsandbytes saves")
             consumed[fkey] = f"layout of {wkey} (row)"
         tensors[wkey] = Int8RowWeight(wkey, w, scb, natural)
         consumed[key] = f"row scales of {wkey}"

@@ -41,11 +41,11 @@ from ckpt.lazy import torch
 from ckpt.dtypes import FP8, ST_TO_TORCH
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
-from ckpt.quant.encoding import Encoding
-from ckpt.quant.fp8 import (ScaledTensor, _activation_keys, _natural, _refuse, _scaled, _st, _weight_key, companion,
-                             float_scale)
-from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.quant.common import (DecodeContext, Decoded, activation_keys, companion, float_scale, model_dtype, refuse,
+                               scaled, st_name, weight_key)
+from ckpt.quant.encoding import Encoding, Lazy
 from ckpt.report import Report
 
 FP8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # comfy_quant format -> safetensors dtype
@@ -101,8 +101,9 @@ class BlockedScales:
         return nat[a - off: b - off, : self.blocks]
 
 
-class BlockQuantWeight(Tensor):
-    """An NVFP4 or MXFP8 weight: stored codes and blocked scales -> float32 values of the logical shape.
+class BlockQuantWeight(Wrapper):
+    """An NVFP4 or MXFP8 weight: stored codes (`base`) and blocked scales -> float32 values of the logical
+    shape (`natural`: the model's dtype).
 
     Bands start on 128-row boundaries (one tile row of the blocked scales) but any start is handled."""
 
@@ -110,21 +111,13 @@ class BlockQuantWeight(Tensor):
 
     def __init__(self, name: str, spec: QuantSpec, codes: Tensor, scales: BlockedScales, shape, natural,
                  global_scale: Tensor | None = None, col_scale: Tensor | None = None):
-        self.name, self.spec, self.codes, self.scales = name, spec, codes, scales
+        self.name, self.spec, self.base, self.scales = name, spec, codes, scales
         self.global_scale, self.col_scale = global_scale, col_scale
         self.shape, self.home, self.dtype = tuple(shape), codes.home, torch.float32
-        self._natural = natural
-
-    @property
-    def natural_dtype(self):
-        return self._natural
-
-    @property
-    def source_bytes(self):
-        return self.codes.source_bytes
+        self.natural = natural
 
     def read(self, start, stop, device, scratch=None):
-        c = self.codes.read(start, stop, device, scratch)
+        c = self.base.read(start, stop, device, scratch)
         s = self.scales.rows(start, stop, device)
         if self.spec.format == "nvfp4":
             g = self.global_scale.read_all(device).to(torch.float32).reshape(())
@@ -152,7 +145,7 @@ def layer_configs(ctx: DecodeContext) -> tuple[dict[str, dict], dict[str, str]]:
             if not isinstance(conf, dict):
                 raise TypeError
         except (ValueError, TypeError, RuntimeError):
-            raise _refuse(ctx, key, f"{key!r} is not ComfyUI quantization JSON") from None
+            raise refuse(ctx, key, f"{key!r} is not ComfyUI quantization JSON") from None
         layers[key[: -len(".comfy_quant")]] = conf
         consumed[key] = "ComfyUI layer quantization config"
     raw = ctx.metadata.get(META_KEY)
@@ -162,7 +155,7 @@ def layer_configs(ctx: DecodeContext) -> tuple[dict[str, dict], dict[str, str]]:
             if not isinstance(meta["layers"], dict) or not all(isinstance(v, dict) for v in meta["layers"].values()):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            raise _refuse(ctx, "", f"__metadata__ {META_KEY} is not valid ComfyUI quantization JSON") from None
+            raise refuse(ctx, "", f"__metadata__ {META_KEY} is not valid ComfyUI quantization JSON") from None
         layers.update(meta["layers"])
     return layers, consumed
 
@@ -171,16 +164,16 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     layers, consumed = layer_configs(ctx)
     if not layers:
         return None
-    natural, tensors, formats = _natural(ctx), {}, set()
+    natural, tensors, formats = model_dtype(ctx), {}, set()
     for layer, conf in layers.items():
         fmt = conf.get("format")
-        wkey = _weight_key(layer)
+        wkey = weight_key(layer)
         if fmt not in DECODABLE:
-            raise _refuse(ctx, wkey, f"ComfyUI comfy_quant format {fmt!r} (layer {layer!r}) cannot be decoded by ckpt "
-                                     f"(supported: {', '.join(DECODABLE)})")
+            raise refuse(ctx, wkey, f"ComfyUI comfy_quant format {fmt!r} (layer {layer!r}) cannot be decoded by ckpt "
+                                    f"(supported: {', '.join(DECODABLE)})")
         w = ctx.remaining.get(wkey)
         if w is None:
-            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} has no weight {wkey!r}")
+            raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} has no weight {wkey!r}")
         formats.add(fmt)
         if fmt in FP8_FORMATS:
             t = _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed)
@@ -191,21 +184,21 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         if t is not None:
             t.encoding = ComfyQuantEncoding(t.spec, wkey, _stored_values_shape(w, fmt), getattr(t, "col_scale", None))
             tensors[wkey] = t
-        consumed.update(_activation_keys(ctx, layer))
+        consumed.update(activation_keys(ctx, layer))
     label = "comfy-quant-" + "+".join(sorted(formats))
     return Decoded(label, tensors, consumed, drop_metadata={META_KEY})
 
 
 def _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed):
     if w.dtype not in FP8 or w.dtype_name != FP8_FORMATS[fmt]:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}, "
-                                 f"not {FP8_FORMATS[fmt]}")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {st_name(w.dtype)}, "
+                                f"not {FP8_FORMATS[fmt]}")
     _require_2d(ctx, layer, wkey, w, fmt)
     skey = f"{layer}.weight_scale"
     if skey not in ctx.remaining:
         return None  # plain fp8 codes: cast as they are
     companion(ctx, skey, f"{fmt} scale of {wkey!r}", dtypes=float_scale)
-    t = _scaled(ctx, wkey, w, skey, ctx.remaining[skey], natural)
+    t = scaled(ctx, wkey, w, skey, ctx.remaining[skey], natural)
     consumed[skey] = f"scale of {wkey}"
     t.spec = QuantSpec(fmt)
     return t
@@ -214,22 +207,22 @@ def _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed):
 def _int8_layer(ctx, layer, conf, wkey, w, natural, consumed):
     params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
     if conf.get("convrot", params.get("convrot", False)):
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise with convrot (Hadamard-rotated "
-                                 "weights), which ckpt cannot decode")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise with convrot (Hadamard-rotated "
+                                "weights), which ckpt cannot decode")
     if w.dtype != torch.int8:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise but {wkey!r} is stored as "
-                                 f"{_st(w.dtype)}, not I8")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise but {wkey!r} is stored as "
+                                f"{st_name(w.dtype)}, not I8")
     _require_2d(ctx, layer, wkey, w, "int8_tensorwise")
     skey = f"{layer}.weight_scale"
     s = ctx.remaining.get(skey)
     if s is None:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (int8_tensorwise) has no scale {skey!r}")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} (int8_tensorwise) has no scale {skey!r}")
     companion(ctx, skey, f"int8_tensorwise scale of {wkey!r}", dtypes=float_scale)
-    t = _scaled(ctx, wkey, w, skey, s, natural)
+    t = scaled(ctx, wkey, w, skey, s, natural)
     if t.layout.kind not in ("tensor", "row") or (t.layout.kind == "row" and tuple(s.shape) != (w.shape[0], 1)):
-        raise _refuse(ctx, skey, f"scale {skey!r} has shape {list(s.shape)}: int8_tensorwise scales are one value "
-                                 f"or one per row of {wkey!r} {list(w.shape)} ([{w.shape[0]}, 1], as comfy-kitchen "
-                                 "saves them)")
+        raise refuse(ctx, skey, f"scale {skey!r} has shape {list(s.shape)}: int8_tensorwise scales are one value "
+                                f"or one per row of {wkey!r} {list(w.shape)} ([{w.shape[0]}, 1], as comfy-kitchen "
+                                "saves them)")
     consumed[skey] = f"scale of {wkey}"
     t.spec = QuantSpec("int8_tensorwise", rowwise=t.layout.kind == "row")
     return t
@@ -238,34 +231,34 @@ def _int8_layer(ctx, layer, conf, wkey, w, natural, consumed):
 def _block_layer(ctx, layer, conf, wkey, w, fmt, natural, consumed):
     want = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
     if w.dtype != want:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {_st(w.dtype)}, "
-                                 f"not {_st(want)}")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is {fmt} but {wkey!r} is stored as {st_name(w.dtype)}, "
+                                f"not {st_name(want)}")
     _require_2d(ctx, layer, wkey, w, fmt)
     rows, stored_cols = w.shape
     cols = stored_cols * 2 if fmt == "nvfp4" else stored_cols
     block = BLOCK[fmt]
     if cols % block:
-        raise _refuse(ctx, wkey, f"{fmt} weight {wkey!r} {list(w.shape)} holds {cols} inputs, not a multiple of "
-                                 f"the block size {block}")
+        raise refuse(ctx, wkey, f"{fmt} weight {wkey!r} {list(w.shape)} holds {cols} inputs, not a multiple of "
+                                f"the block size {block}")
     skey = f"{layer}.weight_scale"
     s = ctx.remaining.get(skey)
     if s is None:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} ({fmt}) has no block scales {skey!r}")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} ({fmt}) has no block scales {skey!r}")
     scale_types = (torch.uint8, torch.float8_e4m3fn) if fmt == "nvfp4" else (torch.uint8, torch.float8_e8m0fnu)
     if s.dtype not in scale_types:
-        raise _refuse(ctx, skey, f"{fmt} block scales {skey!r} are stored as {_st(s.dtype)}, not "
-                                 f"{' or '.join(_st(d) for d in scale_types)}")
+        raise refuse(ctx, skey, f"{fmt} block scales {skey!r} are stored as {st_name(s.dtype)}, not "
+                                f"{' or '.join(st_name(d) for d in scale_types)}")
     try:
         scales = BlockedScales(s, rows, cols // block)
     except ValueError as e:
-        raise _refuse(ctx, skey, f"{fmt} block scales {skey!r} {e}") from None
+        raise refuse(ctx, skey, f"{fmt} block scales {skey!r} {e}") from None
     consumed[skey] = f"block scales of {wkey}"
     g = col = None
     if fmt == "nvfp4":
         gkey = f"{layer}.weight_scale_2"
         g = ctx.remaining.get(gkey)
         if g is None:
-            raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r} (nvfp4) has no global scale {gkey!r}")
+            raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} (nvfp4) has no global scale {gkey!r}")
         companion(ctx, gkey, f"nvfp4 global scale of {wkey!r}", dtypes=float_scale, numel=1)
         consumed[gkey] = f"global scale of {wkey}"
     shape = _logical_shape(ctx, layer, conf, wkey, (rows, cols), block)
@@ -283,8 +276,8 @@ def _require_2d(ctx, layer, wkey, w, fmt):
     """comfy_quant layers are Linear weights (ComfyUI quantizes its Linear ops, comfy-kitchen's layouts
     are 2-D): any other rank is refused rather than decoded into a tensor no module takes."""
     if len(w.shape) != 2:
-        raise _refuse(ctx, wkey, f"comfy_quant layer {layer!r}: {wkey!r} is a {len(w.shape)}-D {fmt} weight "
-                                 f"{list(w.shape)} (expert banks are not decoded by ckpt; 2-D Linear weights are)")
+        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r}: {wkey!r} is a {len(w.shape)}-D {fmt} weight "
+                                f"{list(w.shape)} (expert banks are not decoded by ckpt; 2-D Linear weights are)")
 
 
 def _stored_values_shape(w: Tensor, fmt: str) -> tuple[int, ...]:
@@ -305,7 +298,7 @@ def _logical_shape(ctx, layer, conf, wkey, stored, block):
         return stored
     if not (isinstance(cand, (list, tuple)) and len(cand) == 2 and all(isinstance(d, int) and d > 0 for d in cand)
             and all(mx.roundup(d, pad) == s for d, s in zip(cand, stored))):
-        raise _refuse(ctx, wkey, f"{wkey!r} is stored as {list(stored)} values, which {where} {cand} does not fit")
+        raise refuse(ctx, wkey, f"{wkey!r} is stored as {list(stored)} values, which {where} {cand} does not fit")
     return tuple(cand)
 
 
@@ -339,18 +332,6 @@ def count_nonfinite(x: torch.Tensor) -> int:
     if x.numel() == 0 or bool(torch.isfinite(x.sum())):
         return 0
     return int((~torch.isfinite(x)).sum())
-
-
-class _Lazy:
-    """A per-tensor scalar computed once, on first use, by one streamed pass over the source."""
-
-    def __init__(self, fn):
-        self.fn, self._v = fn, None
-
-    def __call__(self) -> torch.Tensor:
-        if self._v is None:
-            self._v = self.fn()
-        return self._v
 
 
 def unencodable(spec: QuantSpec, shape) -> str | None:
@@ -407,7 +388,7 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
     if fmt in FP8_FORMATS:
         dt = ST_TO_TORCH[FP8_FORMATS[fmt]]
         top = torch.finfo(dt).max
-        scale = _Lazy(lambda: _nonzero(finite_amax(t) / top))
+        scale = Lazy(lambda: _nonzero(finite_amax(t) / top))
         # comfy-kitchen's quantize_per_tensor_fp8: x * (1 / scale), clamped, cast
         return [codes(dt, cols, lambda x: (x * (1.0 / scale().to(x.device))).clamp_(-top, top).to(dt),
                       lambda x, c: c.to(torch.float32) * scale().to(x.device)),
@@ -421,13 +402,13 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
             return [codes(torch.int8, cols, lambda x: _int8_round(x / row_scales(x)),
                           lambda x, c: c.to(torch.float32) * row_scales(x)),
                     OutTensor(srows.name, torch.float32, (rows, 1), srows, lambda x, b: x)]
-        scale = _Lazy(lambda: _int8_scale(finite_amax(t)))
+        scale = Lazy(lambda: _int8_scale(finite_amax(t)))
         return [codes(torch.int8, cols, lambda x: _int8_round(x / scale().to(x.device)),
                       lambda x, c: c.to(torch.float32) * scale().to(x.device)),
                 scalar(f"{layer}.weight_scale", scale)]
     grid = mx.scale_grid(rows, cols // BLOCK[fmt])
     if fmt == "nvfp4":
-        gscale = _Lazy(lambda: _nonzero(finite_amax(t) / (mx.E4M3_MAX * mx.E2M1_MAX)))
+        gscale = Lazy(lambda: _nonzero(finite_amax(t) / (mx.E4M3_MAX * mx.E2M1_MAX)))
 
         def fp4(x):
             g = gscale().to(x.device)

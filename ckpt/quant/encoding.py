@@ -53,6 +53,19 @@ class ErrorMeter:
         return math.sqrt(self.err2 / self.ref2) if self.ref2 > 0 else math.inf
 
 
+class Lazy:
+    """A per-tensor scalar computed once, on first use, by one streamed pass over the source (an encoder's
+    amax or per-tensor scale, which its first band already needs)."""
+
+    def __init__(self, fn):
+        self.fn, self._v = fn, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = self.fn()
+        return self._v
+
+
 class Encoding:
     """One logical tensor's stored form. Subclasses set `label` (what the report calls the format) and `keys`
     (the stored keys `encode` writes again), and implement `encode`."""

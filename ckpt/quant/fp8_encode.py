@@ -25,7 +25,7 @@ from ckpt.lazy import torch
 from ckpt.dtypes import FP8, short_name
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
-from ckpt.quant.encoding import Derived, Encoding, ErrorMeter
+from ckpt.quant.encoding import Derived, Encoding, ErrorMeter, Lazy
 from ckpt.report import Report
 
 KOHYA_MIN_SCALE = 1e-8  # musubi-tuner's numerical floor for every scale
@@ -103,7 +103,7 @@ class KohyaFP8Encoding(Encoding):
         return None
 
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
-        from ckpt.quant.comfy_quant import _Lazy, finite_amax
+        from ckpt.quant.comfy_quant import finite_amax
 
         dt, sdt = self.weight.dtype, self.scale.dtype
         top = torch.finfo(dt).max
@@ -114,8 +114,8 @@ class KohyaFP8Encoding(Encoding):
             return s.to(dtype).to(torch.float32)  # what the decoder will read back
 
         # per-tensor amax, when a scale needs it (read once, on first use, by a streamed pass)
-        amax = _Lazy(lambda: finite_amax(value))
-        tensor_scale = _Lazy(lambda: stored(torch.clamp(amax() / top, min=floor), self.tscale.dtype if self.tscale is not None else sdt))
+        amax = Lazy(lambda: finite_amax(value))
+        tensor_scale = Lazy(lambda: stored(torch.clamp(amax() / top, min=floor), self.tscale.dtype if self.tscale is not None else sdt))
 
         def row_scales(x: torch.Tensor) -> torch.Tensor:
             """Stored scales (fp32 of the stored dtype) of a band, shaped to broadcast over its rows."""

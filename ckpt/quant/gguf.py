@@ -30,7 +30,7 @@ from ckpt.io.header import read_into
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding
-from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.quant.common import DecodeContext, Decoded
 from ckpt.report import plural
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a reshaped tensor
@@ -317,7 +317,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     from ckpt.quant import gguf_llm
 
     if gguf_llm.is_llm(header, stored):
-        return gguf_llm.decode(header, stored, natural)
+        return gguf_llm.decode(header, stored, lambda t, name: GGUFValues(t, None, natural, name=name),
+                               type_summary(stored.values()))
     tensors, notes = {}, []
     reshaped = 0
     for name, t in stored.items():

@@ -33,7 +33,7 @@ from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding, encoding_of
-from ckpt.quant.view import Decoded
+from ckpt.quant.common import Decoded
 from ckpt.report import plural
 
 LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -339,9 +339,10 @@ def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple
     return cfg, notes
 
 
-def decode(header, stored: dict[str, GGUFStored], natural: str) -> Decoded:
-    from ckpt.quant.gguf import GGUFValues, type_summary
-
+def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decoded:
+    """The HF view of an LLM GGUF. `values(t, name)`: the dequantized tensor of the quantized stored `t`
+    under its HF name, and `summary` the file's type counts: both are `ckpt.quant.gguf`'s, passed in by
+    that module's decoder (which calls this one) so that this module need not import it back."""
     arch_name = header.architecture
     arch = ARCHS.get(arch_name or "")
     if arch is None:
@@ -362,7 +363,7 @@ def decode(header, stored: dict[str, GGUFStored], natural: str) -> Decoded:
         if hf is None:
             raise file_error(header.path, f"tensor {gname!r} has no Hugging Face name in ckpt's {arch.arch} table "
                                           "(a variant ckpt does not know); nothing was written")
-        value = GGUFValues(t, None, natural, name=hf) if t.quantized else Renamed(t, hf)
+        value = values(t, hf) if t.quantized else Renamed(t, hf)
         if arch.rope_permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
             n = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             value = HeadRowsUnpermuted(value, n, hf)
@@ -370,5 +371,5 @@ def decode(header, stored: dict[str, GGUFStored], natural: str) -> Decoded:
         consumed[gname] = f"GGUF name of {hf}"
         anchors[gname] = hf
     quantized = any(t.quantized for t in stored.values())
-    return Decoded(f"GGUF {arch.arch} LLM ({type_summary(stored.values())})", tensors, consumed,
+    return Decoded(f"GGUF {arch.arch} LLM ({summary})", tensors, consumed,
                    dequantized=quantized, notes=notes, anchors=anchors, config=cfg)

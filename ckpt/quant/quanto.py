@@ -33,8 +33,7 @@ from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
-from ckpt.quant.fp8 import companion
-from ckpt.quant.view import DecodeContext, Decoded
+from ckpt.quant.common import DecodeContext, Decoded, companion
 
 QMAP_NAME = "quanto_qmap.json"
 FLOAT8_QTYPES = {  # qtype -> the safetensors name of its data's dtype

@@ -14,27 +14,7 @@ from dataclasses import dataclass, field
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import Component
 from ckpt.io.tensors import Tensor
-
-
-@dataclass
-class DecodeContext:
-    component: Component
-    remaining: dict[str, Tensor]  # stored keys not claimed yet, stored order
-    metadata: dict[str, str]  # merged __metadata__ of the component's files
-    config: dict | None
-    options: dict = field(default_factory=dict)  # command options a decoder may need (e.g. qtype)
-
-
-@dataclass
-class Decoded:
-    format: str  # e.g. "comfy-scaled-fp8"
-    tensors: dict[str, Tensor]  # logical name -> decoded tensor (replaces the stored key of that name)
-    consumed: dict[str, str]  # stored key -> why it is not in the output
-    drop_metadata: set[str] = field(default_factory=set)
-    dequantized: bool = True  # the config's quantization_config no longer applies
-    notes: list[str] = field(default_factory=list)
-    anchors: dict[str, str] = field(default_factory=dict)  # consumed stored key -> logical name placed there
-    config: dict | None = None  # config.json the encoding itself describes (a GGUF LLM's metadata)
+from ckpt.quant.common import DecodeContext
 
 
 @dataclass
