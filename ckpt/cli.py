@@ -20,7 +20,7 @@ from ckpt.cli_options import (ALLOW_UNMATCHED, CONVERT_OR_GGUF, CONVERT_TO_HELP,
                               check_output, check_source_option)
 
 
-def _print_report(report: Report, quiet: bool) -> None:
+def print_report(report: Report, quiet: bool) -> None:
     if not quiet:
         for n in report.notes:
             click.echo(f"note: {n}", err=True)
@@ -69,7 +69,7 @@ def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, f
                           layout=layout, config=config)
     path, report = run(src, out, opts)
     record(report, inputs=[src], output=path, status="dry-run" if dry_run else "ok")
-    _print_report(report, quiet)
+    print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
 
 
@@ -97,7 +97,7 @@ def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, o
                           overwrite=overwrite, quiet=quiet, dry_run=dry_run)
     path, report = run(src, out, opts)
     record(report, inputs=[src], output=path, status="nothing-to-do" if path is None else "dry-run" if dry_run else "ok")
-    _print_report(report, quiet)
+    print_report(report, quiet)
     if path is None:
         click.echo("nothing to dequantize; nothing written")
     else:
@@ -169,7 +169,7 @@ def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_
     record(report, inputs=[base, *loras], output=path, status="dry-run" if dry_run else "ok")
     for line in report.summary:
         click.echo(line)
-    _print_report(report, quiet)
+    print_report(report, quiet)
     click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
 
 

@@ -158,7 +158,7 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
         kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
         state = target_state(out_path, overwrite)
         report.note(f"dry run: would write {plural(n_files, kinds + ' file')}, "
-                    f"{len(plan.indexes)} index and {plural(len(plan.copies), 'other file')}, {_human(need)}"
+                    f"{len(plan.indexes)} index and {plural(len(plan.copies), 'other file')}, {human_size(need)}"
                     + ("" if state == "new" else f"; {out_path}: {state}"))
         return out_path
     with progress_bar(plan.nbytes, desc, quiet) as bar:
@@ -166,7 +166,7 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     return out_path
 
 
-def _human(n: int) -> str:
+def human_size(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"

@@ -3,7 +3,11 @@ no cycle, and the lower layers (reading, decoding, writing, family knowledge) ne
 
 Read from the source (ast), so a lazy import inside a function counts for the layering rule too: a
 decoder that reaches up into a command module is a knot however it is spelt. Lazy imports do not count
-for cycles (breaking one at a call site is a deliberate choice)."""
+for cycles across the package (breaking one at a call site is a deliberate choice), but they do within
+`ckpt.quant`: a decoder module imports `ckpt.quant.common` and `ckpt.quant.encoding`, never another
+decoder's internals, so the format modules stay independent of each other however their imports are
+placed. And no module imports another's `_private` name: a name another module needs gets a public
+spelling in its home module, so what a module offers is what its public names say."""
 
 from __future__ import annotations
 
@@ -39,19 +43,28 @@ def _under(name: str, heads) -> bool:
     return any(name == h or name.startswith(h + ".") for h in heads)
 
 
+def _package(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+    return base
+
+
 def _imports(name: str, path: Path, top_only: bool) -> set[str]:
     """The ckpt modules `name` imports (`from a import b` counts as a.b where that is a module)."""
     tree = ast.parse(path.read_text(), str(path))
     nodes = tree.body if top_only else list(ast.walk(tree))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package(name, path)
     out = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "ckpt"}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            base = _absolute(node, package)
             if base.split(".")[0] != "ckpt":
                 continue
             for a in node.names:
@@ -65,8 +78,7 @@ def test_every_module_imports_in_a_fresh_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_module_level_imports_have_no_cycle():
-    graph = {m: _imports(m, p, top_only=True) - {m} for m, p in MODULES.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the path, 2: done
     cycles = []
 
@@ -82,7 +94,58 @@ def test_module_level_imports_have_no_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return cycles
+
+
+def test_module_level_imports_have_no_cycle():
+    cycles = _cycles({m: _imports(m, p, top_only=True) - {m} for m, p in MODULES.items()})
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_quant_modules_have_no_cycle_even_through_function_level_imports():
+    quant = {m: p for m, p in MODULES.items() if _under(m, ("ckpt.quant",))}
+    cycles = _cycles({m: (_imports(m, p, top_only=False) & quant.keys()) - {m} for m, p in quant.items()})
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_imports(name: str, path: Path) -> list[str]:
+    """`from ckpt.x import _name`, `import ckpt.x._mod`, and `m._name` on a ckpt module `m` this module
+    imported (`from ckpt import x`, `import ckpt.x as m`), at any depth: each reaches into another module's
+    private names."""
+    tree = ast.parse(path.read_text(), str(path))
+    package, modules, out = _package(name, path), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            if base.split(".")[0] != "ckpt":
+                continue
+            for a in node.names:
+                if _private(a.name):
+                    out.append(f"{name}:{node.lineno} imports {base}.{a.name}")
+                elif f"{base}.{a.name}" in MODULES:
+                    modules[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] != "ckpt":
+                    continue
+                if any(_private(part) for part in a.name.split(".")):
+                    out.append(f"{name}:{node.lineno} imports {a.name}")
+                if a.asname:
+                    modules[a.asname] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                and _private(node.attr) and modules[node.value.id] != name:
+            out.append(f"{name}:{node.lineno} uses {modules[node.value.id]}.{node.attr}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = [f for m, p in MODULES.items() for f in _private_imports(m, p)]
+    assert not found, "\n".join(found)
 
 
 def test_lower_layers_import_no_command():

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt.io.writer import Entry, RegionWriter, _close, _pwrite_all
+from ckpt.io.writer import Entry, RegionWriter, close_fd, pwrite_all
 
 ALIGN = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # miniz: a size or offset >= this gets zip64 fields (tests lower it to exercise them)
@@ -165,7 +165,7 @@ class TorchZipWriter(RegionWriter):
         try:
             self.layout = lay = layout(entries, archive_name)
         except BaseException:
-            _close(fd)
+            close_fd(fd)
             raise
         self._open(path, entries, lay.regions, fd)
         names = [e.name for e in entries]
@@ -188,7 +188,7 @@ class TorchZipWriter(RegionWriter):
                 crcs[r.name] = zlib.crc32(r.data) if r.data is not None else 0
             for n, r in self.records.items():
                 crcs[r.name] = self.crc[n]
-                _pwrite_all(self.fd, memoryview(r.descriptor(self.crc[n])), r.start + r.size)
+                pwrite_all(self.fd, memoryview(r.descriptor(self.crc[n])), r.start + r.size)
             # torch: 20 digits hashing the record names, 20 of c10::hash_combine over descriptor CRCs.
             names_hash = int.from_bytes(hashlib.blake2b(b"\0".join(crcs), digest_size=8).digest(), "little")
             combined = 0
@@ -198,14 +198,14 @@ class TorchZipWriter(RegionWriter):
             sid = lay.records[-1]
             data = b"%020d%020d" % (names_hash, combined)
             crcs[sid.name] = zlib.crc32(data)
-            _pwrite_all(self.fd, memoryview(data + sid.descriptor(crcs[sid.name])), sid.start)
+            pwrite_all(self.fd, memoryview(data + sid.descriptor(crcs[sid.name])), sid.start)
             cd = b"".join(r.central(crcs[r.name]) for r in lay.records)
             n, end64 = len(lay.records), lay.central + len(cd)
             tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), lay.central)
             tail += struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
             tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
                                 _u32(len(cd)), _u32(lay.central), 0)
-            _pwrite_all(self.fd, memoryview(cd + tail), lay.central)
+            pwrite_all(self.fd, memoryview(cd + tail), lay.central)
             os.fsync(self.fd)
         finally:
             self.abort()

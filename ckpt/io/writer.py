@@ -69,7 +69,7 @@ def file_size(entries: list[Entry], metadata) -> int:
     return len(head) + sum(e.nbytes for e in entries)
 
 
-def _pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
+def pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
     """pwrite may write less than asked (signals, quotas): loop until all of `mv` is at `pos`."""
     while len(mv):
         n = os.pwrite(fd, mv, pos)
@@ -101,7 +101,7 @@ def start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE, the whole file
 
 
-def _close(fd: int | None) -> None:
+def close_fd(fd: int | None) -> None:
     """Close a descriptor handed to a writer that failed before taking it."""
     if fd is not None:
         try:
@@ -138,7 +138,7 @@ class RegionWriter:
         pos = start + self.written[name]
         if pos + len(b) > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        _pwrite_all(self.fd, memoryview(b), pos)
+        pwrite_all(self.fd, memoryview(b), pos)
         self._wrote(name, b)
         self.written[name] += len(b)
         self.unflushed += len(b)
@@ -154,7 +154,7 @@ class RegionWriter:
         file up front (sparse): a reader of a half-written file sees zeros, never a short file."""
         try:
             for offset, data in pieces:
-                _pwrite_all(self.fd, memoryview(data), offset)
+                pwrite_all(self.fd, memoryview(data), offset)
             os.ftruncate(self.fd, size)
         except BaseException:
             self.abort()
@@ -184,7 +184,7 @@ class SafetensorsWriter(RegionWriter):
         try:
             head, regions = layout(entries, metadata)
         except BaseException:
-            _close(fd)
+            close_fd(fd)
             raise
         self._open(path, entries, regions, fd)
         self._start([(0, head)], len(head) + sum(e.nbytes for e in entries))

@@ -42,7 +42,7 @@ from ckpt.merge.checks import finite
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
 from ckpt.report import listed, plural
-from ckpt.run import _human, default_output, output_path, write
+from ckpt.run import default_output, human_size, output_path, write
 
 
 def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *, min_diff: float = 0.0,
@@ -198,7 +198,7 @@ def _dry_run(jobs, opts, fmt, layout, out_path, report) -> Path:
             most += k * (rows + cols) * opts.dtype.itemsize
     report.summary.append(f"would extract up to {plural(n, 'module')} from {plural(len(jobs), 'weight')} in {fmt} naming "
                           f"({'adapter folder' if layout.container == 'folder' else 'one file'}), at most "
-                          f"{_human(most)}; ranks, skipped modules and errors are known after the SVDs")
+                          f"{human_size(most)}; ranks, skipped modules and errors are known after the SVDs")
     report.note(f"dry run: would write {out_path}")
     return out_path
 

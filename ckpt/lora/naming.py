@@ -2,7 +2,7 @@
 naming of the chosen format, from the family registry (`ckpt.families`).
 
 The base is split into its models as the merge key map splits it (diffusion model, text encoders,
-VAE... `ckpt.merge.keymap._parts`), each recognised by the registry (family and layout). A format
+VAE... `ckpt.merge.keymap.base_parts`), each recognised by the registry (family and layout). A format
 names modules in one layout of that family:
 
 - peft: the model's own names (a PEFT adapter wraps the model object the base holds);
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt.families import DIFFUSERS, ORIGINAL, module_of
-from ckpt.merge.keymap import _parts, build_keymap
+from ckpt.merge.keymap import base_parts, build_keymap
 from ckpt.merge.targets import Target
 
 
@@ -74,7 +74,7 @@ class Naming:
         self.groups: list[Group] = []
         self.outside: set[str] = set()  # weights of VAEs, EMA copies...: no LoRA names them
         self.prefixes: set[str] = set()  # diffusers prefixes used
-        parts = _parts(shapes, component or None)
+        parts = base_parts(shapes, component or None)
         n_te = len({p.identity for p in parts if p.role == "te"})
         for part in parts:
             self._name_part(part, component, config, single_component, n_te)

@@ -135,7 +135,7 @@ def build_keymap(base: dict[str, tuple[int, ...]], component: str | None = None)
     `subfolder/` prefix, which is then kept in the Targets.
     """
     km = KeyMap()
-    for part in _parts(base, component):
+    for part in base_parts(base, component):
         aliases = [Alias(module_of(k), (Target(k),)) for k in part.keys if not _is_bias(k)]
         match = part.detect() if part.role != "other" else None
         if match is not None:
@@ -267,7 +267,7 @@ def _spellings(part: Part, name: str) -> list[str]:
     return out
 
 
-def _parts(base: Shapes, component: str | None) -> list[Part]:
+def base_parts(base: Shapes, component: str | None) -> list[Part]:
     if component:
         comp = component.strip("/")
         part = Part("", comp + "/", dict(base), standalone=True)
