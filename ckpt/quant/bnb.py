@@ -279,8 +279,8 @@ def decode_int8(ctx: DecodeContext) -> Decoded | None:
             raise refuse(ctx, key, f"LLM.int8 scale {key!r} needs an int8 matrix {wkey!r}"
                                    + ("" if w is None else f", not {st_name(w.dtype)} {list(w.shape)}"))
         if scb.numel != w.shape[0] or not is_float(scb.dtype):
-            raise refuse(ctx, key, f"LLM.int8 scale {key!r} {st_name(scb.dtype)} {list(scb.shape)} is not one value per "
-                                   f"row of {wkey!r} {list(w.shape)}")
+            raise refuse(ctx, key, f"LLM.int8 scale {key!r} {st_name(scb.dtype)} {list(scb.shape)} is not one value "
+                                   f"per row of {wkey!r} {list(w.shape)}")
         companion(ctx, key, f"LLM.int8 row scales of {wkey!r}", dtypes=(torch.float32,), shape=(w.shape[0],))
         if fkey in ctx.remaining:
             companion(ctx, fkey, f"LLM.int8 layout of {wkey!r}", numel=1,
