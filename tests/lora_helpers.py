@@ -88,7 +88,7 @@ def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> bool:
 def refused(run_ckpt, tmp_path, args, culprit, problem):
     """Bad input: one `error: CULPRIT...` line naming PROBLEM, exit 2, nothing written (the existing
     `assert_refused`), and every input file byte for byte as it was."""
-    from test_bad_quant_and_pickles import assert_refused
+    from helpers.refusals import assert_refused
 
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     assert_refused(run_ckpt, tmp_path, args, culprit, problem)

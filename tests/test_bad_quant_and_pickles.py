@@ -17,14 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-
-def assert_refused(run_ckpt, tmp_path, args, culprit, problem):
-    before = sorted(p.name for p in tmp_path.rglob("*"))
-    code, out, err = run_ckpt(*args)
-    assert code == 2, (code, out, err)
-    assert err.count("\n") == 1 and err.startswith(f"error: {culprit}"), err
-    assert problem in err, err
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+from helpers.refusals import assert_refused
 
 
 # ---- optimum-quanto shapes and legacy strings (checked while planning) ----

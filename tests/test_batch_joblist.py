@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from test_batch import assert_fp16_of, manifest_lines, no_temp_files, small_models, st
+from helpers.batch import assert_fp16_of, manifest_lines, no_temp_files, small_models, st
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

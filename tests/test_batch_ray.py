@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_batch import assert_fp16_of, manifest_lines, no_temp_files, small_models, st
+from helpers.batch import assert_fp16_of, manifest_lines, no_temp_files, small_models, st
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read as ray is imported: loopback addresses only
 ray = pytest.importorskip("ray")

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from families_util import state_dict
-from test_bad_quant_and_pickles import assert_refused
+from helpers.refusals import assert_refused
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -14,8 +14,7 @@ import torch
 
 from families_util import (comfy_hunyuan_video, diffusers_from_pairs, original_from_pairs, state_dict, tiny_flux1,
                            tiny_hunyuan_video15, with_width)
-from test_convert_layout import (test_diffusers_folder_to_original_and_round_trip,  # noqa: F401 (run here too)
-                                 test_original_file_to_diffusers_folder)
+from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
@@ -74,6 +73,15 @@ def case(request):
     back = convert({k: v.clone() for k, v in original.items()})
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
     return model, sd, original, convert
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_original_file_to_diffusers_folder(tmp_path, run_ckpt, case, prefix):
+    original_file_to_diffusers_folder(tmp_path, run_ckpt, case, prefix)
+
+
+def test_diffusers_folder_to_original_and_round_trip(tmp_path, run_ckpt, case):
+    diffusers_folder_to_original_and_round_trip(tmp_path, run_ckpt, case)
 
 
 def test_ltx2_text_connectors_are_dropped_with_a_note(tmp_path, run_ckpt):

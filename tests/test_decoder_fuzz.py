@@ -98,7 +98,7 @@ def comfy(fmt: str) -> Model:
         q, p = ck.TensorCoreFP8Layout.quantize(w)
         saved = ck.TensorCoreFP8Layout.state_dict_tensors(q, p)
     else:
-        from test_comfy_quant import ck_quantize
+        from helpers.comfy_ref import ck_quantize
 
         _, _, saved = ck_quantize(conf["format"], w, rowwise=fmt == "int8_rowwise")
     sd = {f"m.weight{k}": v for k, v in saved.items()}
@@ -115,7 +115,7 @@ def comfy(fmt: str) -> Model:
             assert w.dtype == E4 and s.dtype.is_floating_point and s.dtype.itemsize > 1
             params = ck.TensorCoreFP8Layout.Params(scale=s, orig_dtype=torch.float32, orig_shape=stored)
             return {"m.weight": ck.QuantizedTensor(w, "TensorCoreFP8Layout", params).dequantize()}
-        from test_comfy_quant import STORAGE, comfy_load
+        from helpers.comfy_ref import STORAGE, comfy_load
 
         assert w.dtype == STORAGE[conf["format"]]
         s = sd["m.weight_scale"]

@@ -53,7 +53,7 @@ def _both(run_ckpt, tmp_path, src, *needles):
 
 
 def _nf4(nested=True, quant_type="nf4", shape=(16, 64)):
-    from test_bnb import bnb_4bit
+    from helpers.bnb_ref import bnb_4bit
 
     w = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.1).bfloat16()
     return bnb_4bit(w, quant_type, 64, nested, "m.weight")
@@ -119,7 +119,7 @@ def test_llm_int8_scb_and_weight_shapes(tmp_path, run_ckpt):
 
 
 def _comfy(fmt, rowwise=False, shape=(32, 64)):
-    from test_comfy_quant import ck_quantize, conf_tensor, weight
+    from helpers.comfy_ref import ck_quantize, conf_tensor, weight
 
     _, _, saved = ck_quantize(fmt, weight(shape), rowwise)
     return {f"l.weight{k}": v for k, v in saved.items()} | {"l.comfy_quant": conf_tensor({"format": fmt})}
@@ -143,7 +143,7 @@ def test_comfy_quant_companions_checked(tmp_path, run_ckpt, fmt, key, mutant, ne
 
 
 def test_comfy_fp8_weight_of_the_other_fp8_kind_is_refused(tmp_path, run_ckpt):
-    from test_comfy_quant import conf_tensor
+    from helpers.comfy_ref import conf_tensor
 
     sd = {"l.weight": torch.randn(16, 32).to(torch.float8_e5m2), "l.weight_scale": torch.tensor(0.01),
           "l.comfy_quant": conf_tensor({"format": "float8_e4m3fn"})}
@@ -222,8 +222,8 @@ def _inspect(run_ckpt, src) -> dict:
 
 
 def test_inspect_counts_the_plain_model_parameters_of_quantized_layouts(tmp_path, run_ckpt):
-    from test_bnb import bnb_4bit
-    from test_comfy_quant import ck_quantize, conf_tensor, weight
+    from helpers.bnb_ref import bnb_4bit
+    from helpers.comfy_ref import ck_quantize, conf_tensor, weight
 
     g = torch.Generator().manual_seed(2)
     sd = {}
@@ -262,13 +262,13 @@ def test_inspect_of_an_undecodable_layout_counts_stored_elements(tmp_path, run_c
 def test_legacy_quanto_pickle_with_a_nested_weight_dict(tmp_path, run_ckpt):
     """optimum-quanto <= 0.2.2 era pickle whose weight is a dict of its three stored tensors (and strings):
     it was summarised as "1 tensor 8 params" (the bias) and the weight left out of every output."""
-    from test_dequant import _int_shift_weight, _unpack_by_definition
+    from helpers.quanto_ref import int_shift_weight, unpack_by_definition
 
-    qw = _int_shift_weight(torch.float16)
+    qw = int_shift_weight(torch.float16)
     parts: dict = {}
     qw.save_to_state_dict(parts, "", False)
     packed, scale, shift = parts["_data._data"], parts["_scale"], parts["_shift"]
-    codes = _unpack_by_definition(packed, 4, scale.shape[0]).to(torch.int8)
+    codes = unpack_by_definition(packed, 4, scale.shape[0]).to(torch.int8)
     want = (scale * (codes - shift.to(torch.int8))).reshape(32, 256)
     assert torch.equal(want, qw.dequantize())
     src = tmp_path / "old.pt"

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 quanto = pytest.importorskip("optimum.quanto")
-from optimum.quanto import freeze, qint4, qtypes, quantization_map, quantize, quantize_weight  # noqa: E402
-from optimum.quanto.tensor.optimizers import MaxOptimizer  # noqa: E402
+from optimum.quanto import freeze, qint4, qtypes, quantization_map, quantize  # noqa: E402
+
+from helpers.quanto_ref import int_shift_weight, unpack_by_definition  # noqa: E402
 
 QTYPES = ["qint8", "qfloat8_e4m3fn", "qfloat8_e5m2", "qfloat8_e4m3fnuz", "qint4", "qint2"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -135,32 +136,14 @@ def test_qtype_conflicting_with_qmap_is_refused(tmp_path, run_ckpt):
     assert code == 2 and "conflicts" in err and "quanto_qmap.json" in err, err
 
 
-def _int_shift_weight(dtype):
-    torch.manual_seed(3)
-    w = torch.randn(32, 256, dtype=dtype)
-    scale, shift = MaxOptimizer()(w, qtype=qint4, axis=0, group_size=128, zeropoint=True)
-    assert shift.dtype == torch.uint8
-    return quantize_weight(w, qtype=qint4, axis=0, scale=scale, shift=shift, group_size=128, optimized=False)
-
-
-def _unpack_by_definition(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """FORMATS.md: bit field i of packed row r is unpacked row i*rows_p + r."""
-    rp = packed.shape[0]
-    out = torch.empty((rp * (8 // bits), *packed.shape[1:]), dtype=torch.uint8)
-    for i in range(8 // bits):
-        for r in range(rp):
-            out[i * rp + r] = (packed[r] >> (bits * i)) & ((1 << bits) - 1)
-    return out[:rows]
-
-
 @pytest.mark.parametrize("legacy", [False, True], ids=["shift-u8", "legacy-zeropoint-pickle"])
 def test_integer_shift_and_legacy_zeropoint(tmp_path, run_ckpt, legacy):
-    qw = _int_shift_weight(torch.float16)
+    qw = int_shift_weight(torch.float16)
     sd: dict = {}
     qw.save_to_state_dict(sd, "lin.weight.", False)
     packed, scale, shift = sd["lin.weight._data._data"], sd["lin.weight._scale"], sd["lin.weight._shift"]
     # The format definition, computed here: W = scale * (data - zero_point), in the scale's dtype.
-    data = _unpack_by_definition(packed, 4, scale.shape[0])
+    data = unpack_by_definition(packed, 4, scale.shape[0])
     formula = (scale * (data.to(torch.int8) - shift.to(torch.int8))).reshape(32, 256)
     assert bits_equal(formula, qw.dequantize())
     if legacy:  # optimum-quanto <= 0.2.2: `_zeropoint` and string metadata, in a pickle

@@ -23,7 +23,7 @@ from gguf import GGUFValueType as V
 from safetensors.torch import load_file, save_file
 
 from gguf_helpers import quantized, tiny_llm_gguf, write_gguf
-from test_bad_quant_and_pickles import assert_refused
+from helpers.refusals import assert_refused
 
 RNG = np.random.default_rng(20)
 
@@ -265,7 +265,7 @@ def _no_runtime_warnings(run):
 
 
 def test_nan_into_q8_0_is_counted_without_numpy_warnings(tmp_path, run_ckpt):
-    from test_gguf_write import tiny_flux
+    from helpers.flux_names import tiny_flux
 
     sd = tiny_flux(torch.float32)
     sd["double_blocks.0.img_attn.proj.weight"][3, 5] = float("nan")

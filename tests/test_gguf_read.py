@@ -15,6 +15,8 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file
 
 from gguf_helpers import hf_to_gguf, quantized, write_gguf
+from helpers.gguf_ref import HAND_PACKED, pack_blocks
+from helpers.llm import load_strict, tiny
 
 RNG = np.random.default_rng(0)
 # Every block type gguf's Python package can write (K- and IQ-quants have no Python encoder).
@@ -60,129 +62,14 @@ def test_bf16_output_is_fp32_values_rounded_once(tmp_path, run_ckpt):
 
 
 # ---- K-quants and IQ4_NL: blocks packed by hand from ggml's layouts, decoded by a reference written
-# here from ggml-quants.c (dequantize_row_*), cross-checked with gguf's dequantize.
-
-def _f16(v):
-    return np.array(v, dtype=np.float16)
-
-
-def _scale_min_k4(j, q):
-    if j < 4:
-        return q[j] & 63, q[j + 4] & 63
-    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
-
-
-def ref_q2_k(b):
-    scales, qs = b[:16], b[16:80]
-    d, dmin = np.float32(b[80:82].view(np.float16)[0]), np.float32(b[82:84].view(np.float16)[0])
-    y, i = [], 0
-    for n in range(2):
-        q = qs[32 * n:32 * n + 32]
-        for shift in (0, 2, 4, 6):
-            for half in (0, 16):
-                sc = scales[i]
-                i += 1
-                dl, ml = d * np.float32(sc & 0xF), dmin * np.float32(sc >> 4)
-                y += [dl * np.float32((q[half + l] >> shift) & 3) - ml for l in range(16)]
-    return np.array(y, dtype=np.float32)
-
-
-def ref_q3_k(b):
-    hmask, qs, sc12 = b[:32], b[32:96], b[96:108]
-    d = np.float32(b[108:110].view(np.float16)[0])
-    aux = np.frombuffer(sc12.tobytes(), dtype=np.uint32).copy()
-    tmp = aux[2]
-    k1, k2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
-    a = [(aux[0] & k2) | (((tmp >> 0) & k1) << 4), (aux[1] & k2) | (((tmp >> 2) & k1) << 4),
-         ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4), ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)]
-    scales = np.array(a, dtype=np.uint32).view(np.int8)
-    y, i, m = [], 0, 1
-    for n in range(2):
-        q = qs[32 * n:32 * n + 32]
-        for shift in (0, 2, 4, 6):
-            for half in (0, 16):
-                dl = d * np.float32(int(scales[i]) - 32)
-                i += 1
-                y += [dl * np.float32(int((q[half + l] >> shift) & 3) - (0 if hmask[half + l] & m else 4))
-                      for l in range(16)]
-            m <<= 1
-    return np.array(y, dtype=np.float32)
-
-
-def ref_q4_k(b):
-    d, dmin = np.float32(b[0:2].view(np.float16)[0]), np.float32(b[2:4].view(np.float16)[0])
-    scales, qs = b[4:16], b[16:144]
-    y = []
-    for j in range(4):
-        sc1, m1 = _scale_min_k4(2 * j, scales)
-        sc2, m2 = _scale_min_k4(2 * j + 1, scales)
-        q = qs[32 * j:32 * j + 32]
-        y += [d * np.float32(sc1) * np.float32(v & 0xF) - dmin * np.float32(m1) for v in q]
-        y += [d * np.float32(sc2) * np.float32(v >> 4) - dmin * np.float32(m2) for v in q]
-    return np.array(y, dtype=np.float32)
-
-
-def ref_q5_k(b):
-    d, dmin = np.float32(b[0:2].view(np.float16)[0]), np.float32(b[2:4].view(np.float16)[0])
-    scales, qh, qs = b[4:16], b[16:48], b[48:176]
-    y = []
-    for j in range(4):
-        sc1, m1 = _scale_min_k4(2 * j, scales)
-        sc2, m2 = _scale_min_k4(2 * j + 1, scales)
-        q = qs[32 * j:32 * j + 32]
-        u1, u2 = 1 << (2 * j), 2 << (2 * j)
-        y += [d * np.float32(sc1) * np.float32((q[l] & 0xF) + (16 if qh[l] & u1 else 0)) - dmin * np.float32(m1)
-              for l in range(32)]
-        y += [d * np.float32(sc2) * np.float32((q[l] >> 4) + (16 if qh[l] & u2 else 0)) - dmin * np.float32(m2)
-              for l in range(32)]
-    return np.array(y, dtype=np.float32)
-
-
-def ref_q6_k(b):
-    ql, qh, sc = b[:128], b[128:192], b[192:208].view(np.int8)
-    d = np.float32(b[208:210].view(np.float16)[0])
-    y = np.zeros(256, dtype=np.float32)
-    for n in range(2):
-        L, H, S = ql[64 * n:], qh[32 * n:], sc[8 * n:]
-        for l in range(32):
-            i = l // 16
-            q1 = int((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32
-            q2 = int((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32
-            q3 = int((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32
-            q4 = int((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32
-            for off, s, q in ((0, 0, q1), (32, 2, q2), (64, 4, q3), (96, 6, q4)):
-                y[128 * n + l + off] = d * np.float32(S[i + s]) * np.float32(q)
-    return y
-
-
-IQ4NL = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
-
-
-def ref_iq4_nl(b):
-    d, qs = np.float32(b[0:2].view(np.float16)[0]), b[2:18]
-    return np.array([d * np.float32(IQ4NL[v & 0xF]) for v in qs] + [d * np.float32(IQ4NL[v >> 4]) for v in qs],
-                    dtype=np.float32)
-
-
-# type -> (reference decoder, byte offsets of its f16 scale fields, which must be finite)
-HAND_PACKED = {T.Q2_K: (ref_q2_k, (80, 82)), T.Q3_K: (ref_q3_k, (108,)), T.Q4_K: (ref_q4_k, (0, 2)),
-               T.Q5_K: (ref_q5_k, (0, 2)), T.Q6_K: (ref_q6_k, (208,)), T.IQ4_NL: (ref_iq4_nl, (0,))}
-
-
-def pack_blocks(t, n_blocks):
-    """Random block bytes with finite f16 super-block scales: every bit pattern of the rest is valid."""
-    blk, size = gguf.GGML_QUANT_SIZES[t]
-    b = RNG.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for off in HAND_PACKED[t][1]:
-        b[:, off:off + 2] = _f16(RNG.uniform(-0.05, 0.05, n_blocks)).view(np.uint8).reshape(n_blocks, 2)
-    return b
+# from ggml-quants.c (dequantize_row_*, in tests/helpers/gguf_ref.py), cross-checked with gguf's dequantize.
 
 
 @pytest.mark.parametrize("t", list(HAND_PACKED), ids=lambda t: t.name)
 def test_hand_packed_blocks_decode_as_ggml_specifies(tmp_path, run_ckpt, t):
     blk, size = gguf.GGML_QUANT_SIZES[t]
     rows, per_row = 3, 2  # blocks per row
-    blocks = pack_blocks(t, rows * per_row)
+    blocks = pack_blocks(t, rows * per_row, RNG)
     ref = np.stack([HAND_PACKED[t][0](b) for b in blocks]).reshape(rows, per_row * blk)
     assert np.array_equal(gguf.quants.dequantize(blocks.reshape(rows, per_row * size), t), ref)  # spec == gguf
     write_gguf(tmp_path / "k.gguf", "wan", {"blocks.0.ffn.0.weight": (blocks.reshape(rows, per_row * size), t)})
@@ -212,30 +99,6 @@ def test_comfyui_reshaped_and_5d_tensors(tmp_path, run_ckpt, monkeypatch):
 
 
 # ---- llama.cpp LLMs -> Hugging Face folders
-
-
-def tiny(kind, **kw):
-    import transformers
-
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-    common.update(kw)
-    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
-    torch.manual_seed(0)
-    model = model_cls(cfg_cls(**common)).eval()
-    with torch.no_grad():  # norms away from 1, so a dropped +1 or a swapped norm shows
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn(p.shape) * 0.1)
-    return model
-
-
-def load_strict(folder, cls):
-    model, info = cls.from_pretrained(folder, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model
 
 
 def test_llama_f32_gguf_gives_back_the_hf_state_dict(tmp_path, run_ckpt, monkeypatch):

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from ckpt.errors import CkptError
 from ckpt.io.buffers import Buffers
 from ckpt.io.checkpoint import open_checkpoint
+from helpers.folders import make_pipeline
 
 CPU = torch.device("cpu")
 
@@ -110,23 +111,6 @@ def test_transformers_model_folder(tmp_path):
         assert set(comp.tensors) == set(want)
         for name, t in comp.tensors.items():
             assert same(t.read_all(CPU), want[name])
-
-
-def make_pipeline(root: Path):
-    """A diffusers-shaped pipeline folder: model_index.json, weights per subfolder, tokenizer/scheduler."""
-    (root / "unet").mkdir(parents=True)
-    (root / "text_encoder").mkdir()
-    (root / "tokenizer").mkdir()
-    (root / "scheduler").mkdir()
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
-    save_file({"conv.weight": torch.randn(4, 4)}, root / "unet" / "diffusion_pytorch_model.safetensors")
-    (root / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
-    save_file({"emb.weight": torch.randn(5, 4)}, root / "text_encoder" / "model.safetensors")
-    (root / "text_encoder" / "config.json").write_text(
-        json.dumps({"architectures": ["CLIPTextModel"], "torch_dtype": "float32"}))
-    (root / "tokenizer" / "vocab.json").write_text("{}")
-    (root / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
-    (root / "scheduler" / "scheduler_config.json").write_text("{}")
 
 
 def test_diffusers_pipeline_folder(tmp_path):

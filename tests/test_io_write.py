@@ -361,7 +361,7 @@ def test_missing_parent_folders_are_created_and_removed_if_the_run_fails(tmp_pat
 
 
 def test_pipeline_folder_output_keeps_structure_and_edits_configs(tmp_path):
-    from test_io_read import make_pipeline
+    from helpers.folders import make_pipeline
 
     src = tmp_path / "pipe"
     make_pipeline(src)

@@ -21,31 +21,8 @@ from lora_helpers import rnd
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from families_util import original_from_pairs, state_dict, tiny_flux1  # noqa: E402
-
-from ckpt.families import get  # noqa: E402
-
-TOL = dict(rtol=0, atol=2e-5)
-
-
-def _flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "add_k_proj", "proj_mlp", "proj_out",
-                                       "norm_out.linear", "ff.net.2")):
-    torch.manual_seed(0)
-    model = tiny_flux1()
-    base = state_dict(model)
-    model.add_adapter(peft.LoraConfig(r=3, lora_alpha=6, init_lora_weights=False, target_modules=list(targets)))
-    model.save_lora_adapter(tmp_path / "dlora")
-    model.fuse_lora()
-    want = {k.replace(".base_layer.", "."): v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
-    fam = get("flux1")
-    save_file(original_from_pairs(fam, base), tmp_path / "bfl.safetensors")
-    return base, want, original_from_pairs(fam, want)
-
-
-def _merge(run_ckpt, base, lora, out):
-    code, stdout, err = run_ckpt("merge-lora", base, lora, "-o", out, "-q")
-    assert code == 0, err
-    return load_file(out)
+from families_util import tiny_flux1  # noqa: E402
+from helpers.lora_flux import TOL, flux_with_lora, merge_with_ckpt  # noqa: E402
 
 
 def _fused(base_sd, lora_file):
@@ -61,7 +38,7 @@ def _fused(base_sd, lora_file):
 
 
 def test_diffusers_to_kohya_fuses_and_back_to_diffusers_splits(tmp_path, run_ckpt):
-    base, want, want_bfl = _flux_with_lora(tmp_path)
+    base, want, want_bfl = flux_with_lora(tmp_path)
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     kohya = tmp_path / "kohya.safetensors"
     # add_k_proj alone: the fused txt_attn.qkv's size is known only from a base
@@ -77,7 +54,7 @@ def test_diffusers_to_kohya_fuses_and_back_to_diffusers_splits(tmp_path, run_ckp
     assert "lora_unet_final_layer_adaLN_modulation_1.lora_down.weight" in sd
     assert "lora_unet_single_blocks_0_linear2.lora_down.weight" in sd
     assert float(sd["lora_unet_double_blocks_0_img_attn_qkv.alpha"]) == 18.0  # scale 6/3 kept at rank 9
-    got = _merge(run_ckpt, tmp_path / "bfl.safetensors", kohya, tmp_path / "m.safetensors")
+    got = merge_with_ckpt(run_ckpt, tmp_path / "bfl.safetensors", kohya, tmp_path / "m.safetensors")
     for k, v in want_bfl.items():
         torch.testing.assert_close(got[k], v, **TOL, msg=k)
     back = tmp_path / "back.safetensors"
@@ -92,19 +69,19 @@ def test_diffusers_to_kohya_fuses_and_back_to_diffusers_splits(tmp_path, run_ckp
 
 
 def test_comfy_and_peft_outputs_merge_the_same(tmp_path, run_ckpt):
-    base, want, want_bfl = _flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out", "proj_mlp"))
+    base, want, want_bfl = flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out", "proj_mlp"))
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     comfy = tmp_path / "comfy.safetensors"
     assert run_ckpt("lora", "convert", src, "--format", "comfy", "-o", comfy, "-q")[0] == 0
     assert all(k.startswith("diffusion_model.") for k in load_file(comfy))
-    got = _merge(run_ckpt, tmp_path / "bfl.safetensors", comfy, tmp_path / "m.safetensors")
+    got = merge_with_ckpt(run_ckpt, tmp_path / "bfl.safetensors", comfy, tmp_path / "m.safetensors")
     for k, v in want_bfl.items():
         torch.testing.assert_close(got[k], v, **TOL, msg=k)
     folder = tmp_path / "peft"
     assert run_ckpt("lora", "convert", src, "--format", "peft", "-o", folder, "-q")[0] == 0
     cfg = json.loads((folder / "adapter_config.json").read_text())
     assert cfg["r"] == 3 and cfg["lora_alpha"] == 6
-    got = _merge(run_ckpt, tmp_path / "bfl.safetensors", folder, tmp_path / "m2.safetensors")
+    got = merge_with_ckpt(run_ckpt, tmp_path / "bfl.safetensors", folder, tmp_path / "m2.safetensors")
     for k, v in want_bfl.items():
         torch.testing.assert_close(got[k], v, **TOL, msg=k)
 
@@ -156,8 +133,8 @@ def test_lycoris_modules_keep_or_need_to_lora(tmp_path, run_ckpt):
                                  "--base", tmp_path / "bfl.safetensors", "--to-lora", 8, "-o", d)
     assert code == 0, err
     assert "loha -> lora" in stdout
-    a = _merge(run_ckpt, tmp_path / "bfl.safetensors", tmp_path / "loha.safetensors", tmp_path / "a.safetensors")
-    b = _merge(run_ckpt, tmp_path / "bfl.safetensors", d, tmp_path / "b.safetensors")
+    a = merge_with_ckpt(run_ckpt, tmp_path / "bfl.safetensors", tmp_path / "loha.safetensors", tmp_path / "a.safetensors")
+    b = merge_with_ckpt(run_ckpt, tmp_path / "bfl.safetensors", d, tmp_path / "b.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], **TOL, msg=k)  # rank 8 = full rank here: exact
 

@@ -16,18 +16,18 @@ from lora_helpers import close, kohya_modules, rnd, truncated
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from test_lora_convert import TOL, _flux_with_lora, _merge  # noqa: E402
+from helpers.lora_flux import TOL, flux_with_lora, merge_with_ckpt  # noqa: E402
 
 
 def test_resize_to_kohya_cuts_the_fused_modules(tmp_path, run_ckpt):
-    base, want, want_bfl = _flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out"))
+    base, want, want_bfl = flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out"))
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     bfl = tmp_path / "bfl.safetensors"
     full = tmp_path / "full.safetensors"
     code, stdout, err = run_ckpt("lora", "resize", src, "--rank", 64, "--format", "kohya", "--base", bfl, "-o", full)
     assert code == 0, err
     assert "converted to the kohya naming" in stdout
-    got = _merge(run_ckpt, bfl, full, tmp_path / "m.safetensors")  # rank cap above every rank: exact
+    got = merge_with_ckpt(run_ckpt, bfl, full, tmp_path / "m.safetensors")  # rank cap above every rank: exact
     for k, v in want_bfl.items():
         torch.testing.assert_close(got[k], v, **TOL, msg=k)
     fused = kohya_modules(full)
@@ -44,7 +44,7 @@ def test_resize_to_kohya_cuts_the_fused_modules(tmp_path, run_ckpt):
 
 
 def test_merge_of_two_namings_equals_applying_both(tmp_path, run_ckpt):
-    base, want, want_bfl = _flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out"))
+    base, want, want_bfl = flux_with_lora(tmp_path, targets=("to_q", "to_k", "to_v", "proj_out"))
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     bfl = tmp_path / "bfl.safetensors"
     H = 16
@@ -61,7 +61,7 @@ def test_merge_of_two_namings_equals_applying_both(tmp_path, run_ckpt):
                                      "--format", fmt, "--base", bfl, "-o", out)
         assert code == 0, err
         assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name]  # scratch folder gone
-        got = _merge(run_ckpt, bfl, out, tmp_path / f"m-{fmt}.safetensors")
+        got = merge_with_ckpt(run_ckpt, bfl, out, tmp_path / f"m-{fmt}.safetensors")
         code, _, err = run_ckpt("merge-lora", bfl, src, tmp_path / "k.safetensors", "--ratio", 0.5, "--ratio", 2,
                                 "-o", tmp_path / f"ref-{fmt}.safetensors", "-q")
         assert code == 0, err
@@ -71,7 +71,7 @@ def test_merge_of_two_namings_equals_applying_both(tmp_path, run_ckpt):
 
 
 def test_dry_run_and_bad_format_write_nothing(tmp_path, run_ckpt):
-    _flux_with_lora(tmp_path)
+    flux_with_lora(tmp_path)
     src = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
     before = sorted(p.name for p in tmp_path.iterdir())
     code, stdout, err = run_ckpt("lora", "resize", src, "--rank", 1, "--format", "kohya", "--base",

@@ -21,43 +21,13 @@ from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
-TOL = dict(rtol=1e-5, atol=1e-6)
+from helpers.merge_compare import compare, diffusers_fused, peft_lora_file  # noqa: E402
 
 
 def _sfu():
     from diffusers.loaders import single_file_utils
 
     return single_file_utils
-
-
-def _fused(make_model, base_sd, lora_file, pipeline_cls, ratio):
-    """diffusers' answer: the LoRA file read by the pipeline's loader, fused into a fresh model."""
-    model = make_model()
-    model.load_state_dict(base_sd)
-    lora_sd, metadata = pipeline_cls.lora_state_dict(str(lora_file), return_lora_metadata=True)
-    model.load_lora_adapter(lora_sd, prefix="transformer", adapter_name="x", metadata=metadata)
-    model.fuse_lora(lora_scale=ratio)
-    return {k.replace(".base_layer.", "."): v.detach().clone() for k, v in model.state_dict().items()
-            if "lora_" not in k}
-
-
-def _peft_lora(model, targets, path, pipeline_cls, r=4, alpha=8, seed=3):
-    """A diffusers-format LoRA file (random A and B) as the pipeline's save_lora_weights writes it."""
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    model.add_adapter(peft.LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=False, target_modules=targets))
-    layers = get_peft_model_state_dict(model)
-    meta = model.peft_config["default"].to_dict()
-    pipeline_cls.save_lora_weights(path, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
-    return path / "pytorch_lora_weights.safetensors"
-
-
-def _compare(got: dict, want: dict, base: dict):
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], **TOL, msg=k)
-    return sum(not torch.equal(want[k], base[k]) for k in want)
 
 
 # ---------------------------------------------------------------------------------------- Wan
@@ -76,15 +46,15 @@ def test_diffusers_wan_lora_onto_original_base(tmp_path, run_ckpt, prefix):
 
     targets = ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2",
                "proj_out", "time_proj"]
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.WanPipeline)
-    want = _fused(lambda: tiny_wan("i2v"), base_sd, lora, diffusers.WanPipeline, 0.7)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.WanPipeline)
+    want = diffusers_fused(lambda: tiny_wan("i2v"), base_sd, lora, diffusers.WanPipeline, 0.7)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "wan.safetensors", lora, "--ratio", "0.7", "-o", out, "-q")
     assert code == 0, err
     merged = {k[len(prefix):]: v for k, v in load_file(out).items()}
     got = _sfu().convert_wan_transformer_to_diffusers(merged)
-    changed = _compare(got, want, base_sd)
+    changed = compare(got, want, base_sd)
     assert changed >= 2 * 10 + 2 and f"base tensors changed: {changed}" in stdout
 
 
@@ -106,13 +76,13 @@ def test_musubi_wan_lora_onto_diffusers_folder(tmp_path, run_ckpt):
             lora[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], r) * 0.1
             lora[f"{name}.alpha"] = torch.tensor(alpha)
     save_file(lora, tmp_path / "musubi.safetensors")
-    want = _fused(lambda: tiny_wan("t2v"), base_sd, tmp_path / "musubi.safetensors", diffusers.WanPipeline, 1.0)
+    want = diffusers_fused(lambda: tiny_wan("t2v"), base_sd, tmp_path / "musubi.safetensors", diffusers.WanPipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "wan", tmp_path / "musubi.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == 2 * 10
+    assert compare(got, want, base_sd) == 2 * 10
     assert "20 LoRA modules matched" in stdout
 
 
@@ -131,15 +101,15 @@ def test_diffusers_flux2_lora_onto_bfl_base(tmp_path, run_ckpt):
 
     targets = ["to_q", "to_k", "to_v", "add_q_proj", "add_v_proj", "to_qkv_mlp_proj", "ff.linear_in",
                "ff_context.linear_out", "to_out.0", "norm_out.linear", "proj_out", "single_stream_modulation.linear"]
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.Flux2Pipeline)
-    want = _fused(tiny_flux2, base_sd, lora, diffusers.Flux2Pipeline, 0.5)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.Flux2Pipeline)
+    want = diffusers_fused(tiny_flux2, base_sd, lora, diffusers.Flux2Pipeline, 0.5)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "flux2.safetensors", lora, "--ratio", "0.5", "-o", out)
     assert code == 0, err
     merged = {k[len("model.diffusion_model."):]: v for k, v in load_file(out).items()}
     got = _sfu().convert_flux2_transformer_checkpoint_to_diffusers(merged)
-    assert _compare(got, want, base_sd) >= 12
+    assert compare(got, want, base_sd) >= 12
 
 
 def test_bfl_named_flux2_lora_onto_diffusers_folder(tmp_path, run_ckpt):
@@ -158,13 +128,13 @@ def test_bfl_named_flux2_lora_onto_diffusers_folder(tmp_path, run_ckpt):
         lora[f"diffusion_model.{mod}.lora_A.weight"] = torch.randn(r, w.shape[1]) * 0.1
         lora[f"diffusion_model.{mod}.lora_B.weight"] = torch.randn(w.shape[0], r) * 0.1
     save_file(lora, tmp_path / "l.safetensors")
-    want = _fused(tiny_flux2, base_sd, tmp_path / "l.safetensors", diffusers.Flux2Pipeline, 1.0)
+    want = diffusers_fused(tiny_flux2, base_sd, tmp_path / "l.safetensors", diffusers.Flux2Pipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "flux2", tmp_path / "l.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == 6 + 5
+    assert compare(got, want, base_sd) == 6 + 5
     assert "7 LoRA modules matched" in stdout
 
 

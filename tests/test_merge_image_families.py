@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from families_util import original_from_pairs, state_dict, tiny_chroma, with_constants
-from test_merge_families import _compare, _fused, _peft_lora
+from helpers.merge_compare import compare, diffusers_fused, peft_lora_file
 from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
@@ -76,14 +76,14 @@ def test_diffusers_chroma_lora_onto_original_base(tmp_path, run_ckpt):
     original = _original_base("chroma", base_sd, _chroma_convert(), tmp_path / "chroma.safetensors")
     targets = ["to_q", "to_k", "to_v", "add_q_proj", "add_v_proj", "proj_mlp", "proj_out", "ff.net.0.proj",
                "linear_1", "x_embedder", "context_embedder", "to_add_out"]
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.ChromaPipeline)
-    want = _fused(tiny_chroma, base_sd, lora, diffusers.ChromaPipeline, 0.7)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.ChromaPipeline)
+    want = diffusers_fused(tiny_chroma, base_sd, lora, diffusers.ChromaPipeline, 0.7)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "chroma.safetensors", lora, "--ratio", "0.7", "-o", out)
     assert code == 0, err
     got = _merged_original(out, _chroma_convert(), original, stdout)
-    assert _compare(got, want, base_sd) == 22  # every target module of every block
+    assert compare(got, want, base_sd) == 22  # every target module of every block
 
 
 def test_kohya_chroma_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch):
@@ -104,13 +104,13 @@ def test_kohya_chroma_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch
                 "double_blocks.0.txt_attn.proj", "single_blocks.0.linear1", "single_blocks.1.linear2"):
         lora.update(_lora_pair("lora_unet_" + mod.replace(".", "_"), original[f"{mod}.weight"], alpha=2))
     save_file(lora, tmp_path / "kohya.safetensors")
-    want = _fused(tiny_chroma, base_sd, tmp_path / "kohya.safetensors", diffusers.ChromaPipeline, 1.0)
+    want = diffusers_fused(tiny_chroma, base_sd, tmp_path / "kohya.safetensors", diffusers.ChromaPipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "chroma", tmp_path / "kohya.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == 3 + 3 + 1 + 1 + 4 + 1
+    assert compare(got, want, base_sd) == 3 + 3 + 1 + 1 + 4 + 1
     assert "6 LoRA modules matched" in stdout
 
 
@@ -155,14 +155,14 @@ def test_diffusers_z_image_lora_onto_original_base(tmp_path, run_ckpt):
     original = _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
     targets = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[13]|(layers|noise_refiner)\.\d+\."
                r"adaLN_modulation\.0|all_final_layer\.2-1\.linear|all_x_embedder\.2-1|cap_embedder\.1)")
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.ZImagePipeline)
-    want = _fused(tiny_z_image, base_sd, lora, diffusers.ZImagePipeline, 0.8)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.ZImagePipeline)
+    want = diffusers_fused(tiny_z_image, base_sd, lora, diffusers.ZImagePipeline, 0.8)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", lora, "--ratio", "0.8", "-o", out)
     assert code == 0, err
     got = _merged_original(out, _z_convert(), original, stdout)
-    assert _compare(got, want, base_sd) == 4 * (4 + 2) + 3 + 3  # 4 blocks, 3 modulated, 3 top-level
+    assert compare(got, want, base_sd) == 4 * (4 + 2) + 3 + 3  # 4 blocks, 3 modulated, 3 top-level
 
 
 def test_musubi_z_image_lora_onto_original_base(tmp_path, run_ckpt):
@@ -183,13 +183,13 @@ def test_musubi_z_image_lora_onto_original_base(tmp_path, run_ckpt):
                 key = f"{head}.{i}.{mod}"
                 lora.update(_lora_pair("lora_unet_" + key.replace(".", "_"), base_sd[key + ".weight"], alpha=3))
     save_file(lora, tmp_path / "musubi.safetensors")
-    want = _fused(tiny_z_image, base_sd, tmp_path / "musubi.safetensors", diffusers.ZImagePipeline, 1.0)
+    want = diffusers_fused(tiny_z_image, base_sd, tmp_path / "musubi.safetensors", diffusers.ZImagePipeline, 1.0)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", tmp_path / "musubi.safetensors", "-o", out)
     assert code == 0, err
     got = _merged_original(out, _z_convert(), original, stdout)
-    assert _compare(got, want, base_sd) == 4 * 5 + 3
+    assert compare(got, want, base_sd) == 4 * 5 + 3
     assert "23 LoRA modules matched" in stdout
 
 
@@ -210,11 +210,11 @@ def test_comfyui_z_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
                 "context_refiner.0.attention.out"):
         lora.update(_lora_pair("diffusion_model." + mod, original[mod + ".weight"], alpha=2))
     save_file(lora, tmp_path / "comfy.safetensors")
-    want = _fused(tiny_z_image, base_sd, tmp_path / "comfy.safetensors", diffusers.ZImagePipeline, 1.0)
+    want = diffusers_fused(tiny_z_image, base_sd, tmp_path / "comfy.safetensors", diffusers.ZImagePipeline, 1.0)
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "z", tmp_path / "comfy.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
-    assert _compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 4
+    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 4
 
     qkv = {}
     for mod in ("layers.0.attention.qkv", "noise_refiner.0.attention.qkv", "final_layer.linear"):
@@ -226,7 +226,7 @@ def test_comfyui_z_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
         assert code == 0, err
     via_original = _z_convert()({k[len(PREFIX):]: v for k, v in load_file(tmp_path / "out2.safetensors").items()})
     got = load_file(tmp_path / "out2" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, via_original, base_sd) == 3 + 3 + 1
+    assert compare(got, via_original, base_sd) == 3 + 3 + 1
 
 
 # --------------------------------------------------------------------------------------- Lumina 2
@@ -246,14 +246,14 @@ def test_diffusers_lumina2_lora_onto_original_base(tmp_path, run_ckpt):
     original = _original_base("lumina2", base_sd, _lumina_convert(), tmp_path / "lu.safetensors")
     targets = (r".*(attn\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.linear_[12]|norm1\.linear|norm_out\.linear_[12]"
                r"|x_embedder|caption_embedder\.1|timestep_embedder\.linear_1)")
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.Lumina2Pipeline)
-    want = _fused(tiny_lumina2, base_sd, lora, diffusers.Lumina2Pipeline, 1.3)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.Lumina2Pipeline)
+    want = diffusers_fused(tiny_lumina2, base_sd, lora, diffusers.Lumina2Pipeline, 1.3)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "lu.safetensors", lora, "--ratio", "1.3", "-o", out)
     assert code == 0, err
     got = _merged_original(out, _lumina_convert(), original, stdout)
-    assert _compare(got, want, base_sd) == 6 * (4 + 2) + 4 + 5  # 6 blocks, 4 modulated, 5 top-level
+    assert compare(got, want, base_sd) == 6 * (4 + 2) + 4 + 5  # 6 blocks, 4 modulated, 5 top-level
 
 
 def test_comfyui_lumina2_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch):
@@ -279,13 +279,13 @@ def test_comfyui_lumina2_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypa
                 key = f"{head}.{i}.{mod}"
                 lora.update(_lora_pair("diffusion_model." + key, original[key + ".weight"], kohya=False))
     save_file(lora, tmp_path / "comfy.safetensors")
-    want = _fused(tiny_lumina2, base_sd, tmp_path / "comfy.safetensors", diffusers.Lumina2Pipeline, 1.0)
+    want = diffusers_fused(tiny_lumina2, base_sd, tmp_path / "comfy.safetensors", diffusers.Lumina2Pipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "lu", tmp_path / "comfy.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == 6 * (3 + 1 + 3) + 4
+    assert compare(got, want, base_sd) == 6 * (3 + 1 + 3) + 4
     assert "34 LoRA modules matched" in stdout
 
 
@@ -302,14 +302,14 @@ def test_diffusers_hidream_lora_onto_comfyui_file(tmp_path, run_ckpt):
     save_file({PREFIX + k: v for k, v in base_sd.items()}, tmp_path / "hd.safetensors")
     targets = (r".*(attn1\.(to_q|to_k|to_v|to_out|to_q_t|to_out_t)|ff_i\.(shared_experts|experts\.\d+)\.w[12]"
                r"|ff_t\.w3|adaLN_modulation\.1|caption_projection\.\d+\.linear|x_embedder\.proj)")
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.HiDreamImagePipeline)
-    want = _fused(tiny_hidream, base_sd, lora, diffusers.HiDreamImagePipeline, 0.6)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.HiDreamImagePipeline)
+    want = diffusers_fused(tiny_hidream, base_sd, lora, diffusers.HiDreamImagePipeline, 0.6)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "hd.safetensors", lora, "--ratio", "0.6", "-o", out)
     assert code == 0, err
     got = {k[len(PREFIX):]: v for k, v in load_file(out).items()}
-    n = _compare(got, want, base_sd)
+    n = compare(got, want, base_sd)
     # double block 6 attn + 6 ff_i + ff_t + adaLN, single 4 + 6 + adaLN, 3 caption projections, x_embedder,
     # final_layer's adaLN
     assert n == 14 + 11 + 3 + 1 + 1 and f"base tensors changed: {n}" in stdout
@@ -337,13 +337,13 @@ def test_comfyui_and_kohya_hidream_loras_onto_diffusers_folder(tmp_path, run_ckp
             "lora_B", "lora_up"): v for k, v in pair.items()})
     save_file(comfy, tmp_path / "comfy.safetensors")
     save_file(kohya, tmp_path / "kohya.safetensors")
-    want = _fused(tiny_hidream, base_sd, tmp_path / "comfy.safetensors", diffusers.HiDreamImagePipeline, 1.0)
+    want = diffusers_fused(tiny_hidream, base_sd, tmp_path / "comfy.safetensors", diffusers.HiDreamImagePipeline, 1.0)
     for name in ("comfy", "kohya"):
         code, stdout, err = run_ckpt("merge-lora", tmp_path / "hd", tmp_path / f"{name}.safetensors", "-o",
                                      tmp_path / f"out_{name}", "-q")
         assert code == 0, err
         assert "7 LoRA modules matched" in stdout
-        assert _compare(load_file(tmp_path / f"out_{name}" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 7
+        assert compare(load_file(tmp_path / f"out_{name}" / "diffusion_pytorch_model.safetensors"), want, base_sd) == 7
 
 
 def test_diffsynth_qwen_image_lora_onto_comfyui_file(tmp_path, run_ckpt):
@@ -364,13 +364,13 @@ def test_diffsynth_qwen_image_lora_onto_comfyui_file(tmp_path, run_ckpt):
             lora.update({k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
                          for k, v in pair.items()})
     save_file(lora, tmp_path / "diffsynth.safetensors")
-    want = _fused(tiny_qwen_image, base_sd, tmp_path / "diffsynth.safetensors", diffusers.QwenImagePipeline, 0.9)
+    want = diffusers_fused(tiny_qwen_image, base_sd, tmp_path / "diffsynth.safetensors", diffusers.QwenImagePipeline, 0.9)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "q.safetensors", tmp_path / "diffsynth.safetensors",
                                  "--ratio", "0.9", "-o", out, "-q")
     assert code == 0, err
-    assert _compare({k[len(PREFIX):]: v for k, v in load_file(out).items()}, want, base_sd) == 12
+    assert compare({k[len(PREFIX):]: v for k, v in load_file(out).items()}, want, base_sd) == 12
 
 
 def test_musubi_qwen_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
@@ -390,13 +390,13 @@ def test_musubi_qwen_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
     for mod in mods:
         lora.update(_lora_pair("lora_unet_" + mod.replace(".", "_"), base_sd[mod + ".weight"], alpha=8))
     save_file(lora, tmp_path / "musubi.safetensors")
-    want = _fused(tiny_qwen_image, base_sd, tmp_path / "musubi.safetensors", diffusers.QwenImagePipeline, 1.0)
+    want = diffusers_fused(tiny_qwen_image, base_sd, tmp_path / "musubi.safetensors", diffusers.QwenImagePipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "q", tmp_path / "musubi.safetensors", "-o",
                                  tmp_path / "out", "-q")
     assert code == 0, err
     assert f"{len(mods)} LoRA modules matched" in stdout
-    assert _compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == len(mods)
+    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, base_sd) == len(mods)
 
 
 # ------------------------------------------------------------------------- namings, unmatched message

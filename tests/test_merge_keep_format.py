@@ -11,7 +11,6 @@ measured here from the reference decoder's values.
 from __future__ import annotations
 
 import json
-import math
 
 import gguf
 import numpy as np
@@ -22,41 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gguf_helpers import hf_to_gguf, llama_permute, quantized, write_gguf
+from helpers.keep_format import kohya_lora, plain_merge, rel_rms, reported
 
 RNG = np.random.default_rng(7)
-
-
-def kohya_lora(path, modules: dict[str, tuple[int, int]], rank=4, alpha=2.0, seed=0):
-    """A kohya LoRA on `modules` {name: (out, in)} (LoRA names `lora_unet_<name, . -> _>`)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, (out, inn) in modules.items():
-        k = "lora_unet_" + name.replace(".", "_")
-        sd[f"{k}.lora_down.weight"] = torch.randn(rank, inn, generator=g) * 0.1
-        sd[f"{k}.lora_up.weight"] = torch.randn(out, rank, generator=g) * 0.1
-        sd[f"{k}.alpha"] = torch.tensor(alpha)
-    save_file(sd, path)
-    return path
-
-
-def plain_merge(run_ckpt, base, lora, tmp_path, name="plain.safetensors") -> dict[str, torch.Tensor]:
-    """ckpt's own fp32 merge: the value each changed tensor is re-encoded from."""
-    out = tmp_path / name
-    code, _, err = run_ckpt("merge-lora", base, lora, "--to", "fp32", "-o", out, "-q")
-    assert code == 0, err
-    if out.is_dir():
-        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
-    return load_file(out)
-
-
-def rel_rms(decoded: torch.Tensor, merged: torch.Tensor) -> float:
-    d, m = decoded.double(), merged.double()
-    return math.sqrt(float(((d - m) ** 2).sum()) / float((m * m).sum()))
-
-
-def reported(path) -> dict[str, float]:
-    rep = json.loads(path.read_text())
-    return {k: v["rel_rms"] for k, v in rep["requantization"]["tensors"].items()}
 
 
 def gguf_fields(path) -> dict:
@@ -120,7 +87,7 @@ def test_gguf_changed_tensors_requantized_in_their_type_the_rest_byte_identical(
 
 
 def test_gguf_k_quants_changed_are_written_in_the_nearest_writable_type(tmp_path, run_ckpt):
-    from test_gguf_read import pack_blocks
+    from helpers.gguf_ref import pack_blocks
 
     blk = 256
     q4k = pack_blocks(T.Q4_K, 32 * 2).reshape(32, -1)  # 32 rows of 512 values
@@ -171,7 +138,7 @@ def test_gguf_llm_keeps_llama_cpp_names_and_permutes(tmp_path, run_ckpt):
     """A PEFT LoRA (HF names) on a llama Q8_0 GGUF: q/k go back through llama.cpp's permute; transformers'
     own GGUF loader reads the output as the merged model."""
     peft = pytest.importorskip("peft")
-    from test_gguf_read import load_strict, tiny
+    from helpers.llm import load_strict, tiny
 
     model = tiny("llama")
     hf_to_gguf(model, "llama", tmp_path / "m.gguf", qtype=T.Q8_0, permute=True)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from test_merge_keep_format import kohya_lora, plain_merge, rel_rms, reported
+from helpers.keep_format import kohya_lora, plain_merge, rel_rms, reported
 
 ck = pytest.importorskip("comfy_kitchen.tensor")
 from comfy_kitchen.tensor import (QuantizedTensor, TensorCoreFP8Layout, TensorCoreMXFP8Layout,  # noqa: E402

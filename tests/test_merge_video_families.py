@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from families_util import (comfy_hunyuan_video, comfy_hunyuan_video_key, diffusers_from_pairs, original_from_pairs,
                            state_dict, tiny_hunyuan_video,
                            tiny_hunyuan_video15, tiny_ltx2, tiny_ltx_video, with_width)
-from test_merge_families import _compare, _fused, _peft_lora
+from helpers.merge_compare import compare, diffusers_fused, peft_lora_file
 from ckpt import families
 
 diffusers = pytest.importorskip("diffusers")
@@ -79,15 +79,15 @@ def test_diffusers_hunyuan_video_lora_onto_tencent_base(tmp_path, run_ckpt):
 
     targets = ["to_q", "to_k", "to_v", "add_q_proj", "add_v_proj", "proj_mlp", "norm_out.linear", "ff.net.0.proj",
                "to_out.0", "norm1.linear", "proj_in", "x_embedder.proj"]
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.HunyuanVideoPipeline)
-    want = _fused(tiny_hunyuan_video, base_sd, lora, diffusers.HunyuanVideoPipeline, 0.6)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.HunyuanVideoPipeline)
+    want = diffusers_fused(tiny_hunyuan_video, base_sd, lora, diffusers.HunyuanVideoPipeline, 0.6)
 
     out = tmp_path / "out.safetensors"
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "hv.safetensors", lora, "--ratio", "0.6", "-o", out)
     assert code == 0, err
     merged = {k[len("model.diffusion_model."):]: v for k, v in load_file(out).items()}
     got = _hv_convert()(merged)
-    assert _compare(got, want, base_sd) >= 30
+    assert compare(got, want, base_sd) >= 30
 
 
 def test_tencent_named_hunyuan_video_lora_onto_diffusers_folder(tmp_path, run_ckpt, hv_lora_converter):
@@ -106,13 +106,13 @@ def test_tencent_named_hunyuan_video_lora_onto_diffusers_folder(tmp_path, run_ck
                "txt_in.individual_token_refiner.blocks.0.mlp.fc1"]
     lora = _lora_pair(original, [m for m in modules if m != "img_in.proj"], seed=2)
     save_file(lora, tmp_path / "l.safetensors")
-    want = _fused(tiny_hunyuan_video, base_sd, tmp_path / "l.safetensors", diffusers.HunyuanVideoPipeline, 1.0)
+    want = diffusers_fused(tiny_hunyuan_video, base_sd, tmp_path / "l.safetensors", diffusers.HunyuanVideoPipeline, 1.0)
 
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "hv", tmp_path / "l.safetensors", "-o", tmp_path / "out",
                                  "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == 3 + 3 + 1 + 1 + 1 + 4 + 1 + 1 + 1 + 1
+    assert compare(got, want, base_sd) == 3 + 3 + 1 + 1 + 1 + 4 + 1 + 1 + 1 + 1
     assert "10 LoRA modules matched" in stdout
 
 
@@ -173,7 +173,7 @@ def test_loras_onto_comfy_named_hunyuan_video_base(tmp_path, run_ckpt, norm, pre
     loras = {"plain": plain, "kohya": kohya, "comfy": comfy_named}
     for name, lora in loras.items():
         save_file(lora, tmp_path / f"{name}.safetensors")
-    loras["peft"] = _peft_lora(model, ["to_q", "add_k_proj", "proj_mlp", "norm_out.linear", "ff.net.0.proj",
+    loras["peft"] = peft_lora_file(model, ["to_q", "add_k_proj", "proj_mlp", "norm_out.linear", "ff.net.0.proj",
                                        "norm1.linear", "proj_in"], tmp_path / "peft", diffusers.HunyuanVideoPipeline)
 
     def merged(base, lora, out):
@@ -206,13 +206,13 @@ def test_diffusers_hunyuan_video15_lora_onto_tencent_base(tmp_path, run_ckpt):
     save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "hv15.safetensors")
     targets = ["to_q", "to_k", "add_v_proj", "to_out.0", "ff.net.0.proj", "norm1_context.linear", "norm_out.linear",
                "context_embedder_2.linear_1", "image_embedder.linear_2", "time_embed.timestep_embedder.linear_1"]
-    lora = _peft_lora(model, targets, tmp_path / "lora", diffusers.HunyuanVideoPipeline)
-    want = _fused(tiny_hunyuan_video15, base_sd, lora, diffusers.HunyuanVideoPipeline, 0.8)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.HunyuanVideoPipeline)
+    want = diffusers_fused(tiny_hunyuan_video15, base_sd, lora, diffusers.HunyuanVideoPipeline, 0.8)
     out = tmp_path / "out.safetensors"
     code, _, err = run_ckpt("merge-lora", tmp_path / "hv15.safetensors", lora, "--ratio", "0.8", "-o", out, "-q")
     assert code == 0, err
     merged = {k[len("model.diffusion_model."):]: v for k, v in load_file(out).items()}
-    assert _compare(diffusers_from_pairs(fam, merged), want, base_sd) >= 20
+    assert compare(diffusers_from_pairs(fam, merged), want, base_sd) >= 20
 
 
 def test_musubi_hunyuan_video15_lora_onto_diffusers_folder(tmp_path, run_ckpt):
@@ -231,7 +231,7 @@ def test_musubi_hunyuan_video15_lora_onto_diffusers_folder(tmp_path, run_ckpt):
     named = {"transformer." + to_diffusers[k[len("diffusion_model."):].rsplit(".lora_", 1)[0]] + k[k.rindex(".lora_"):]:
              v for k, v in plain.items()}
     save_file(named, tmp_path / "d.safetensors")
-    want = _fused(tiny_hunyuan_video15, base_sd, tmp_path / "d.safetensors", diffusers.HunyuanVideoPipeline, 1.0)
+    want = diffusers_fused(tiny_hunyuan_video15, base_sd, tmp_path / "d.safetensors", diffusers.HunyuanVideoPipeline, 1.0)
     kohya = {k.replace("diffusion_model.", "lora_unet_").rsplit(".lora_", 1)[0].replace(".", "_")
              + (".lora_down.weight" if ".lora_A." in k else ".lora_up.weight"): v for k, v in plain.items()}
     save_file(kohya, tmp_path / "musubi.safetensors")
@@ -239,7 +239,7 @@ def test_musubi_hunyuan_video15_lora_onto_diffusers_folder(tmp_path, run_ckpt):
                                  tmp_path / "out", "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == len(modules)
+    assert compare(got, want, base_sd) == len(modules)
 
 
 # ------------------------------------------------------------------------------------ LTX-Video, LTX-2
@@ -271,13 +271,13 @@ def test_diffusers_ltx_lora_onto_original_base(tmp_path, run_ckpt, family_id):
     base_sd = state_dict(model)
     original = _checked_original(family_id, base_sd, convert)
     save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "base.safetensors")
-    lora = _peft_lora(model, targets, tmp_path / "lora", getattr(diffusers, pipeline))
-    want = _fused(make, base_sd, lora, getattr(diffusers, pipeline), 0.9)
+    lora = peft_lora_file(model, targets, tmp_path / "lora", getattr(diffusers, pipeline))
+    want = diffusers_fused(make, base_sd, lora, getattr(diffusers, pipeline), 0.9)
     out = tmp_path / "out.safetensors"
     code, _, err = run_ckpt("merge-lora", tmp_path / "base.safetensors", lora, "--ratio", "0.9", "-o", out, "-q")
     assert code == 0, err
     got = convert({k[len("model.diffusion_model."):]: v for k, v in load_file(out).items()})
-    assert _compare(got, want, base_sd) >= len(targets)
+    assert compare(got, want, base_sd) >= len(targets)
 
 
 @pytest.mark.parametrize("family_id", list(LTX))
@@ -291,12 +291,12 @@ def test_original_named_ltx_lora_onto_diffusers_folder(tmp_path, run_ckpt, famil
     model.save_pretrained(tmp_path / "dif")
     original = _checked_original(family_id, base_sd, getattr(_sfu(), converter))
     save_file(_lora_pair(original, modules, seed=10), tmp_path / "l.safetensors")
-    want = _fused(make, base_sd, tmp_path / "l.safetensors", getattr(diffusers, pipeline), 1.0)
+    want = diffusers_fused(make, base_sd, tmp_path / "l.safetensors", getattr(diffusers, pipeline), 1.0)
     code, stdout, err = run_ckpt("merge-lora", tmp_path / "dif", tmp_path / "l.safetensors", "-o", tmp_path / "out",
                                  "-q")
     assert code == 0, err
     got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
-    assert _compare(got, want, base_sd) == len(modules)
+    assert compare(got, want, base_sd) == len(modules)
     assert f"{len(modules)} LoRA modules matched" in stdout
 
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_bad_quant_and_pickles import assert_refused
+from helpers.refusals import assert_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -109,7 +109,7 @@ def _inputs(root):
     q, _ = quantized(np.random.randn(64, 64).astype(np.float32), T.Q8_0)
     write_gguf(root / "flux.gguf", "flux", {"double_blocks.0.img_attn.qkv.weight": (q, T.Q8_0),
                                             "img_in.bias": np.zeros(64, np.float32)})
-    from test_gguf_read import tiny
+    from helpers.llm import tiny
     from gguf_helpers import hf_to_gguf
 
     hf_to_gguf(tiny("llama"), "llama", root / "llm.gguf", qtype=T.Q8_0, permute=True)

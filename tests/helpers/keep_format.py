@@ -1,0 +1,43 @@
+"""The references of the `merge-lora --keep-format` tests: a kohya LoRA file, ckpt's own fp32 merge (the
+value each changed tensor is re-encoded from), the relative RMS error and the one the report states."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def kohya_lora(path, modules: dict[str, tuple[int, int]], rank=4, alpha=2.0, seed=0):
+    """A kohya LoRA on `modules` {name: (out, in)} (LoRA names `lora_unet_<name, . -> _>`)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, (out, inn) in modules.items():
+        k = "lora_unet_" + name.replace(".", "_")
+        sd[f"{k}.lora_down.weight"] = torch.randn(rank, inn, generator=g) * 0.1
+        sd[f"{k}.lora_up.weight"] = torch.randn(out, rank, generator=g) * 0.1
+        sd[f"{k}.alpha"] = torch.tensor(alpha)
+    save_file(sd, path)
+    return path
+
+
+def plain_merge(run_ckpt, base, lora, tmp_path, name="plain.safetensors") -> dict[str, torch.Tensor]:
+    """ckpt's own fp32 merge: the value each changed tensor is re-encoded from."""
+    out = tmp_path / name
+    code, _, err = run_ckpt("merge-lora", base, lora, "--to", "fp32", "-o", out, "-q")
+    assert code == 0, err
+    if out.is_dir():
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return load_file(out)
+
+
+def rel_rms(decoded: torch.Tensor, merged: torch.Tensor) -> float:
+    d, m = decoded.double(), merged.double()
+    return math.sqrt(float(((d - m) ** 2).sum()) / float((m * m).sum()))
+
+
+def reported(path) -> dict[str, float]:
+    rep = json.loads(path.read_text())
+    return {k: v["rel_rms"] for k, v in rep["requantization"]["tensors"].items()}
