@@ -323,7 +323,7 @@ def test_scaled_fp8_output_and_roundtrip(tmp_path, run_ckpt, small_bands):
 ])
 def test_scaled_tensor_bands_match_whole_read(wshape, sshape):
     from ckpt.io.tensors import PickleTensor
-    from ckpt.quant.fp8 import ScaledTensor
+    from ckpt.quant.common import ScaledTensor
 
     w = fp8(wshape)
     s = rand(sshape, lo=0.5, hi=2.0)

@@ -20,7 +20,6 @@ from ckpt.lazy import torch
 from ckpt.dtypes import FP8, ST_FP8, is_float
 from ckpt.quant.common import (ACTIVATION_SCALES, DEFAULT_BLOCK, DecodeContext, Decoded, activation_keys, companion,
                                float_scale, model_dtype, quant_config, refuse, scaled, st_name, weight_key)
-from ckpt.quant.common import ScaledTensor  # noqa: F401  (its home is common; tests/test_fp8.py imports it from here)
 from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.fp8_encode import ComfyScaledFP8Encoding, KohyaFP8Encoding
 from ckpt.report import plural
