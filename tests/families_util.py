@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from ckpt.families import DIFFUSERS, ORIGINAL, Family
+from ckpt.families import DIFFUSERS, ORIGINAL, Family, Transform
 
 logging.getLogger("diffusers").setLevel(logging.ERROR)
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -36,17 +36,12 @@ def state_dict(model) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def _transform(t: torch.Tensor, name: str | None, to_original: bool = False) -> torch.Tensor:
-    if name is None:
+def _transform(t: torch.Tensor, transform: Transform | None, to_original: bool = False) -> torch.Tensor:
+    """A pair's transform (`ckpt.families.Transform`; its inverse towards the original layout) on a tensor.
+    tests/test_transform.py checks the type itself against plain torch."""
+    if transform is None:
         return t
-    if name == "squeeze":  # original [o, i, 1, 1] <-> diffusers [o, i]
-        return t.reshape(*t.shape, 1, 1) if to_original else t.reshape(t.shape[:2])
-    if name == "swap_halves":
-        a, b = t.chunk(2, dim=0)
-        return torch.cat([b, a])
-    if name == "transpose":
-        return t.T.contiguous()
-    raise ValueError(name)
+    return (transform.inverse if to_original else transform).apply(t).contiguous()
 
 
 def original_from_pairs(family: Family, diffusers_sd: dict) -> dict:

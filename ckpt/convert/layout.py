@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ckpt import families
 from ckpt.errors import CkptError
-from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair
+from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair, Transform
 from ckpt.families.prefixes import model_prefix
 from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
@@ -87,22 +87,24 @@ def _check_split_whole(tensors: dict[str, Tensor], pairs: list[Pair]) -> None:
                             "nothing was written")
 
 
-def _pieces(t: Tensor, rows, transform: str | None, to_original: bool) -> list[Tensor]:
-    """Row pieces that, stacked, are the other layout's tensor made from rows `rows` of `t`."""
+def _pieces(t: Tensor, rows, transform: Transform | None, to_original: bool) -> list[Tensor]:
+    """Row pieces that, stacked, are the other layout's tensor made from rows `rows` of `t`: the family's
+    transform (its inverse towards the original layout) as lazy tensors, so rows still stream in bands
+    where the transform keeps them (`Transform.row_spans`)."""
     if transform is None:
         return _rows(t, rows)
     (part,) = _rows(t, rows)
-    if transform == "swap_halves":
-        h = part.rows // 2
-        if part.rows % 2:
-            raise CkptError(f"{t.name}: {plural(part.rows, 'row')} cannot be split in two halves")
-        return [RowSlice(part, h, part.rows), RowSlice(part, 0, h)]
-    if transform == "transpose":
+    tr = transform.inverse if to_original else transform
+    try:
+        shape = tr.shape(part.shape)
+    except ValueError as e:
+        raise CkptError(f"{t.name}: {e}") from None
+    spans = tr.row_spans(part.rows)
+    if spans is None:
         return [Transposed(part)]
-    if transform == "squeeze":
-        shape = tuple(part.shape) + (1, 1) if to_original else tuple(part.shape[:2])
+    if shape != tuple(part.shape):
         return [Reshaped(part, shape)]
-    raise CkptError(f"{t.name}: unknown transform {transform!r}")
+    return [RowSlice(part, a, b) for a, b in spans]
 
 
 def _one(name: str, pieces: list[Tensor]) -> Tensor:

@@ -26,7 +26,7 @@ Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY
    see LoRA module names (kohya flattened, prefixes stripped) with the base shapes their factors imply.
 3. `pairs(shapes, layout)`: the original <-> diffusers correspondence of the model whose keys and shapes
    are given, in that layout: renames, `rows` of fused original tensors (qkv, qkv+mlp), transforms
-   (`swap_halves`, `transpose`, `squeeze`), one-side-only tensors (a side None). Widths come from the
+   (`spec.Transform`, written by name: `swap_halves`, `transpose`, `squeeze`), one-side-only tensors (a side None). Widths come from the
    shapes. Reference: diffusers' own converter (`loaders/single_file_utils.py convert_*_to_diffusers`);
    read it for the facts, write the table in our own words. Tables may list optional tensors (biases,
    I2V-only modules): `spec.present()` keeps the ones the file has.
@@ -53,10 +53,10 @@ import pkgutil
 import re
 
 from ckpt.families.spec import (DIFFUSERS, LAYOUTS, ORIGINAL, Alias, Family, GGUFStorage, Match, Pair, Shapes,
-                                Signature, module_of)
+                                Signature, Transform, module_of)
 
-__all__ = ["Alias", "Family", "GGUFStorage", "Match", "Pair", "Shapes", "Signature", "ORIGINAL", "DIFFUSERS", "LAYOUTS",
-           "all_families", "detect", "from_config", "get", "module_of", "layout_name"]
+__all__ = ["Alias", "Family", "GGUFStorage", "Match", "Pair", "Shapes", "Signature", "Transform", "ORIGINAL",
+           "DIFFUSERS", "LAYOUTS", "all_families", "detect", "from_config", "get", "module_of", "layout_name"]
 
 _REGISTRY: dict[str, Family] | None = None
 

@@ -1,5 +1,6 @@
-"""The vocabulary every family module is written in: `Family`, `Signature`, `Pair`, `Alias`, and small
-helpers over key sets. Pure data and functions over names and shapes; nothing here reads tensors.
+"""The vocabulary every family module is written in: `Family`, `Signature`, `Pair`, `Alias`, `Transform`,
+and small helpers over key sets. Pure data and functions over names and shapes; nothing here reads tensors
+(`Transform` acts on the tensors a command hands it).
 
 A *layout* is a naming scheme of one model: "original" (the reference implementation's names, what
 ComfyUI single files, BFL/SAI/Wan releases, kohya/musubi use) or "diffusers" (the diffusers model
@@ -9,9 +10,13 @@ layout None.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Iterable
+
+from ckpt.report import plural
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -24,14 +29,118 @@ PARAM_SUFFIXES = (".weight", ".scale")
 SEP = r"[._]"
 
 
+class Transform(StrEnum):
+    """What turns a tensor of one layout into its counterpart in the other, beyond renaming and row slices:
+    the one definition every command uses (layout conversion, merging, LoRA extraction and conversion),
+    so none re-derives an inverse, a shape or a factor rule of its own.
+
+    Family modules declare the forward direction (original -> diffusers), by name: `Pair(...,
+    transform="swap_halves")`; `Pair` and `Alias` turn the name into the member once. A member is a
+    `str` equal to its name (`Transform.TRANSPOSE == "transpose"`, same hash), so the spelling in tables,
+    messages and JSON stays what it was.
+
+    - SWAP_HALVES: the two halves of the rows exchanged (adaLN shift/scale vs scale/shift order); its
+      own inverse. Needs an even number of rows.
+    - TRANSPOSE: a 2-D tensor transposed (OpenCLIP `text_projection`); its own inverse; not row-wise, so
+      a transposed tensor is read whole.
+    - SQUEEZE: a 1x1 conv kernel [o, i, 1, 1...] as a linear weight [o, i] (VAE attention); UNSQUEEZE,
+      its inverse, gives [o, i, 1, 1] back. Row-local: row r of the result is row r of the input, so it
+      applies band by band.
+
+    Torch is imported only where a tensor is handed in; nothing here reads tensors by itself.
+    """
+
+    SWAP_HALVES = "swap_halves"
+    TRANSPOSE = "transpose"
+    SQUEEZE = "squeeze"
+    UNSQUEEZE = "unsqueeze"
+
+    @property
+    def inverse(self) -> Transform:
+        """The transform that undoes this one (the diffusers -> original direction of a family's)."""
+        return {Transform.SQUEEZE: Transform.UNSQUEEZE, Transform.UNSQUEEZE: Transform.SQUEEZE}.get(self, self)
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Every row of the result is one row of the input (False for TRANSPOSE): a conv weight's input
+        dims and a bias's entries stay attached to their row."""
+        return self is not Transform.TRANSPOSE
+
+    @property
+    def row_local(self) -> bool:
+        """Row r of the result is row r of the input: the transform of a band of rows is that band of the
+        transform, so a reader may stream it in bands."""
+        return self in (Transform.SQUEEZE, Transform.UNSQUEEZE)
+
+    def shape(self, shape) -> tuple[int, ...]:
+        """The shape of the result for an input of `shape`; ValueError where the input cannot take it."""
+        shape = tuple(shape)
+        if self is Transform.SWAP_HALVES:
+            if not shape:
+                raise ValueError("a 0-d tensor has no rows to swap")
+            self.row_spans(shape[0])
+            return shape
+        if self is Transform.TRANSPOSE:
+            if len(shape) != 2:
+                raise ValueError(f"only 2-D tensors are transposed, not {list(shape)}")
+            return shape[1], shape[0]
+        if self is Transform.SQUEEZE:
+            if len(shape) < 2 or math.prod(shape[2:]) != 1:
+                raise ValueError(f"cannot view {list(shape)} as a 2-D weight")
+            return shape[:2]
+        if len(shape) != 2:
+            raise ValueError(f"cannot view {list(shape)} as a 1x1 kernel")
+        return shape + (1, 1)
+
+    def row_spans(self, rows: int) -> list[tuple[int, int]] | None:
+        """The [start, stop) input rows that, stacked in this order, are the result's rows; None where the
+        result's rows are not input rows (TRANSPOSE). ValueError: an odd row count for SWAP_HALVES."""
+        if self is Transform.TRANSPOSE:
+            return None
+        if self is Transform.SWAP_HALVES:
+            if rows % 2:
+                raise ValueError(f"{plural(rows, 'row')} cannot be split in two halves")
+            return [(rows // 2, rows), (0, rows // 2)]
+        return [(0, rows)]
+
+    def apply(self, x):
+        """The transform of tensor `x` (TRANSPOSE: a view; copy with `.contiguous()` where needed)."""
+        shape = self.shape(x.shape)
+        if self is Transform.TRANSPOSE:
+            return x.mT
+        if self is Transform.SWAP_HALVES:
+            import torch
+
+            return torch.cat([x[a:b] for a, b in self.row_spans(shape[0])])
+        return x.reshape(shape)
+
+    def on_bias(self, b):
+        """The transform of the bias beside a weight: its entries follow the weight's rows (SWAP_HALVES
+        swaps them too); where rows stay in place or are not rows (TRANSPOSE), the bias is unchanged."""
+        return self.apply(b) if self is Transform.SWAP_HALVES else b
+
+    def on_rows(self, d):
+        """The transform of a 2-D row view [rows, cols] of a weight (a LoRA delta): SQUEEZE and UNSQUEEZE
+        only reshape the columns, which the row view has flattened already, so they leave it as it is."""
+        return d if self.row_local else self.apply(d)
+
+    def factors(self, up, down):
+        """(up', down') with up' @ down' == on_rows(up @ down): a LoRA's factors carried across the
+        transform without forming the product (rows permuted in up; transposed: the factors swap)."""
+        if self is Transform.TRANSPOSE:
+            return down.mT, up.mT
+        if self is Transform.SWAP_HALVES:
+            return self.apply(up), down
+        return up, down
+
+
 @dataclass(frozen=True)
 class Pair:
     """One tensor of the original layout and the diffusers tensor made from it.
 
     `rows` is the [start, stop) slice of the original tensor that the diffusers tensor is (fused qkv,
-    qkv+mlp); `transform` is what turns the original rows into the diffusers tensor:
-    "swap_halves" (adaLN shift/scale order; its own inverse), "transpose" (2-D; its own inverse),
-    "squeeze" (original [o, i, 1, 1...] -> diffusers [o, i]; inverse: the original shape back).
+    qkv+mlp); `transform` is what turns the original rows into the diffusers tensor (`Transform`; a
+    family may write its name, "swap_halves", "transpose" or "squeeze", which becomes the member here).
     A side that is None marks a tensor that exists in one layout only (diffusers' converter drops it,
     or the model class makes it): layout conversion drops it with a note and cannot bring it back.
     """
@@ -39,7 +148,10 @@ class Pair:
     original: str | None
     diffusers: str | None
     rows: tuple[int, int] | None = None
-    transform: str | None = None
+    transform: Transform | None = None
+
+    def __post_init__(self):
+        _as_transform(self)
 
 
 @dataclass(frozen=True)
@@ -51,7 +163,17 @@ class Alias:
     name: str
     key: str
     rows: tuple[int, int] | None = None
-    transform: str | None = None
+    transform: Transform | None = None
+
+    def __post_init__(self):
+        _as_transform(self)
+
+
+def _as_transform(obj) -> None:
+    """A declared transform name as its `Transform` (once, where the family's table is read); an unknown
+    name is an error of the family module, said at once."""
+    if obj.transform is not None and not isinstance(obj.transform, Transform):
+        object.__setattr__(obj, "transform", Transform(obj.transform))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import torch
 
 from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
+from ckpt.families import Transform
 from ckpt.families.lora_namings import naming_of
 from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
@@ -67,7 +68,7 @@ class Contribution:
     src: Source
     module_rows: tuple[int, int]
     stack_rows: tuple[int, int]
-    transform: str | None
+    transform: Transform | None  # the target's: from the base's rows to the input module's
 
 
 @dataclass
@@ -352,29 +353,25 @@ def _reshaped(t, shape):
     return t if tuple(t.shape) == tuple(shape) else Reshaped(t, shape)
 
 
-def _compose(a: str | None, b: str | None) -> str | None:
-    """Two row transforms one after the other (each is its own inverse)."""
+def _compose(a: Transform | None, b: Transform | None) -> Transform | None:
+    """What an input module's delta goes through to become an output module's: its target's transform
+    `a` undone (module -> base rows), then the piece's `b` (base rows -> output module); None where they
+    cancel (the same transform, or none)."""
     if a == b:
         return None
     if a is None:
         return b
     if b is None:
-        return a
+        return a.inverse
     raise CkptError(f"cannot combine the transforms {a} and {b}")
 
 
-def _apply(transform, up, down):
-    """The factors of T(up @ down) for a row transform T."""
+def _apply(transform: Transform | None, up, down, undo: bool = False):
+    """The factors of T(up @ down) on the 2-D row view (`Transform.factors`), of T's inverse with `undo`;
+    None: as they are."""
     if transform is None:
         return up, down
-    if transform == "swap_halves":
-        h = up.shape[0] // 2
-        return torch.cat([up[h:], up[:h]]), down
-    if transform == "transpose":
-        return down.mT, up.mT
-    if transform == "squeeze":
-        return up, down
-    raise CkptError(f"unknown transform {transform!r}")
+    return (transform.inverse if undo else transform).factors(up, down)
 
 
 def _factors(c: Contribution, fmt, to_lora, report):
@@ -406,7 +403,7 @@ def _combined(cs, piece, p0, p1, fmt, layout: Layout, to_lora, dtype, store, rep
     parts = []
     for c in cs:
         up, down, scale = _factors(c, fmt, to_lora, report)
-        up, down = _apply(c.transform, up, down)
+        up, down = _apply(c.transform, up, down, undo=True)  # the module's rows back into the base's
         a, b = c.module_rows
         up = up[a:b]
         s0, s1 = c.stack_rows
@@ -432,7 +429,8 @@ def _combined(cs, piece, p0, p1, fmt, layout: Layout, to_lora, dtype, store, rep
     up_s, down_s = up.to(dtype), down.to(dtype)
     err, norm = S.error_of_product(up, down, up_s.float(), down_s.float())
     tails = {c.src.weight_tail() for c in cs}
-    tail = tails.pop() if len(tails) == 1 and piece.transform != "transpose" else (down.shape[1],)
+    keeps_rows = piece.transform is None or piece.transform.keeps_rows  # conv input dims stay with their rows
+    tail = tails.pop() if len(tails) == 1 and keeps_rows else (down.shape[1],)
     if math.prod(tail) != down.shape[1]:
         tail = (down.shape[1],)
     ushape, dshape = factor_shapes(up.shape[0], k, tail)

@@ -116,10 +116,17 @@ class _Job:
     def source_bytes(self) -> int:
         return sum(t.source_bytes for t in self.bases + self.tuneds)
 
-    def piece_shape(self, p) -> tuple[int, int]:
+    def module_shape(self, p) -> tuple[int, ...]:
+        """The weight shape of piece `p`'s module in its own layout: its rows of the stack, through the
+        family's transform (`Transform.shape`)."""
         rows = self.shape[0] if p.rows is None else p.rows[1] - p.rows[0]
-        cols = math.prod(self.shape[1:])
-        return (cols, rows) if p.transform == "transpose" else (rows, cols)
+        shape = (rows,) + tuple(self.shape[1:])
+        return shape if p.transform is None else p.transform.shape(shape)
+
+    def piece_shape(self, p) -> tuple[int, int]:
+        """(rows, flattened columns) of piece `p`'s delta in its module's layout (`Piece.of`)."""
+        shape = self.module_shape(p)
+        return shape[0], math.prod(shape[1:])
 
 
 def _pair(b, t, fmt, exclude, base_spec, tuned_spec):
@@ -285,8 +292,9 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                     S.clamp_quantile(up, down, opts.clamp_quantile)
                 up, down = up.to(dtype), down.to(dtype)
                 err, norm = S.error_of_whole(d, up.float(), down.float())
-                up_shape = (rows, k) + (1,) * (len(job.shape) - 2 if p.transform is None else 0)
-                down_shape = (k,) + (tuple(job.shape[1:]) if p.transform is None else (cols,))
+                own = job.module_shape(p)  # a conv module's factors keep its kernel dims
+                up_shape = (rows, k) + (1,) * (len(own) - 2)
+                down_shape = (k,) + tuple(own[1:])
                 m = OutModule(p.name, store.put(p.name + ".up", up.reshape(up_shape)),
                               store.put(p.name + ".down", down.reshape(down_shape)), layout.alpha_for(1.0, k))
                 modules.append(m)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt.families import DIFFUSERS, ORIGINAL, module_of
+from ckpt.families import DIFFUSERS, ORIGINAL, Transform, module_of
 from ckpt.merge.keymap import base_parts, build_keymap
 from ckpt.merge.targets import Target
 
@@ -42,17 +42,12 @@ class Piece:
 
     name: str  # module name in the output naming (no role suffix)
     rows: tuple[int, int] | None = None  # rows [start, stop) of the stacked delta
-    transform: str | None = None  # "swap_halves" | "transpose" | "squeeze" | None
+    transform: Transform | None = None  # the family's, from the base's rows to the module's
 
     def of(self, delta: torch.Tensor) -> torch.Tensor:
         """This piece's delta, in its module's own layout, from the group's 2-D stacked delta."""
         d = delta if self.rows is None else delta[self.rows[0]:self.rows[1]]
-        if self.transform == "transpose":
-            return d.mT
-        if self.transform == "swap_halves":
-            h = d.shape[0] // 2
-            return torch.cat([d[h:], d[:h]])
-        return d  # "squeeze": the 2-D row view is the same
+        return d if self.transform is None else self.transform.on_rows(d)
 
 
 @dataclass
@@ -191,17 +186,25 @@ def _complete(fam, shapes, by_original) -> set[str]:
     LoRA naming only some of q/k/v, read as a model, lacks the others)."""
     orig = {}
     for original, ps in by_original.items():
-        first = shapes[ps[0].diffusers]
-        rows = max(p.rows[1] if p.rows else shapes[p.diffusers][0] for p in ps)
-        if ps[0].transform == "transpose" and len(first) == 2:
-            orig[original] = (first[1], first[0])
-        else:
-            orig[original] = (rows,) + tuple(first[1:])
+        own = [_original_shape(p, shapes[p.diffusers]) for p in ps]
+        rows = max(p.rows[1] if p.rows else s[0] for p, s in zip(ps, own))
+        orig[original] = (rows,) + tuple(own[0][1:])
     back: dict[str, set] = {}
     for p in fam.pairs(orig, ORIGINAL):
         if p.original in orig and p.diffusers is not None:
             back.setdefault(p.original, set()).add((p.diffusers, p.rows))
     return {o for o, ps in by_original.items() if back.get(o) == {(p.diffusers, p.rows) for p in ps}}
+
+
+def _original_shape(pair, shape) -> tuple[int, ...]:
+    """The shape of a diffusers tensor's rows in the original layout (the pair's transform undone); the
+    diffusers shape where the transform cannot apply to it (the family's split then tells)."""
+    if pair.transform is None:
+        return tuple(shape)
+    try:
+        return pair.transform.inverse.shape(shape)
+    except ValueError:
+        return tuple(shape)
 
 
 def _wrapped(fam, shapes, layout) -> dict[str, str]:

@@ -346,15 +346,19 @@ def _show(subdir, t) -> str:
     return s + (f" rows {t.rows[0]}:{t.rows[1]}" if t.rows else "")
 
 
-def _slice_shape(target, shape) -> tuple[int, int]:
-    """(rows, flattened columns) of the part of a base tensor a module changes, in the module's layout."""
-    if target.transform == "transpose":
-        return shape[1], shape[0]
-    rows = (target.rows[1] - target.rows[0]) if target.rows else shape[0]
+def _slice_shape(target, shape) -> tuple[int, int] | None:
+    """(rows, flattened columns) of the part of a base tensor a module changes, in the module's layout
+    (the target's transform's shape rule); None where that part cannot take the transform."""
+    shape = ((target.rows[1] - target.rows[0]),) + tuple(shape[1:]) if target.rows else tuple(shape)
+    if target.transform is not None:
+        try:
+            shape = target.transform.shape(shape)
+        except ValueError:
+            return None
     cols = 1
     for d in shape[1:]:
         cols *= d
-    return rows, cols
+    return shape[0], cols
 
 
 def _fit(m, targets, tensors, f):
@@ -365,9 +369,10 @@ def _fit(m, targets, tensors, f):
             shape = tuple(tensors[target.key].shape)
             where = f"base tensor {target.key!r} {list(shape)}" + (
                 f" rows {target.rows[0]}:{target.rows[1]}" if target.rows else "")
-            if not shape or (target.transform == "transpose" and len(shape) != 2):
+            own = _slice_shape(target, shape) if shape else None
+            if own is None:
                 return f"{where} cannot take a delta"
-            rows, cols = _slice_shape(target, shape)
+            rows, cols = own
             if target.part:
                 p0, p1 = target.part
                 if p1 - p0 != rows or (adapter.rows is not None and p1 > adapter.rows):

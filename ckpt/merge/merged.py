@@ -6,7 +6,7 @@ its own ratio). The result is fp32; the convert `Caster` then rounds once to the
 
 When every patch is row-local (a row of the result depends only on the same row of the base: LoRA,
 LoHa, LoKr, full, IA3, GLoRA, output-axis DoRA), the tensor is read in row bands like any other, so
-memory stays at a few bands. Otherwise (input-axis DoRA, targets with a transform) it is read whole.
+memory stays at a few bands. Otherwise (input-axis DoRA, targets with a `Transform`) it is read whole.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt.families import Transform
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 
@@ -24,7 +25,7 @@ class Patch:
     adapter: object  # ckpt.merge.adapters.base.Adapter
     ratio: float
     rows: tuple[int, int] | None = None  # slice of a fused target owned by the module
-    transform: str | None = None  # "swap_halves" | "transpose" | None (see ckpt.merge.targets)
+    transform: Transform | None = None  # the target's (ckpt.merge.targets); the patch is applied whole
     bias: bool = False  # the patch changes the bias beside the adapter's weight
     offset: int = 0  # row of the module's delta that lands on the slice's first row (Target.part)
 
@@ -71,24 +72,18 @@ class MergedTensor(Wrapper):
 
 
 def _apply_transformed(p: Patch, seg: torch.Tensor) -> None:
-    """The module's delta is in its own layout; the target stores it transformed (whole slice)."""
-    n = seg.shape[0]
-    if p.transform == "swap_halves":
-        if n % 2:
-            raise ValueError(f"swap_halves on {n} rows")
-        h = n // 2
-        mod = torch.cat([seg[h:], seg[:h]])
+    """The module's delta is in its own layout; the target stores it transformed (whole slice): the
+    slice is brought into the module's layout, patched there, and put back by the inverse."""
+    tr = p.transform
+    if p.bias:
+        mod = tr.on_bias(seg)
         _apply_plain(p, mod)
-        seg[:h], seg[h:] = mod[h:], mod[:h].clone()
-    elif p.transform == "transpose":
-        if p.bias:
-            _apply_plain(p, seg)
-            return
-        mod = seg.t().contiguous()
-        _apply_plain(p, mod)
-        seg.copy_(mod.t())
-    else:
-        raise ValueError(f"unknown target transform {p.transform!r}")
+        if mod is not seg:
+            seg.copy_(tr.inverse.on_bias(mod))
+        return
+    mod = tr.apply(seg).contiguous()
+    _apply_plain(p, mod)
+    seg.copy_(tr.inverse.apply(mod))
 
 
 def _apply_plain(p: Patch, seg: torch.Tensor) -> None:
