@@ -1,0 +1,126 @@
+"""`ckpt convert --to`'s targets have one source, the registry `ckpt.convert.targets`: the CLI's choices and
+help, `ckpt batch convert`'s choices and output names, and the messages that list targets all read it, and
+a new target is a new module in that package (no table to edit). The K-quant encoders and the GGUF LLM
+exporter will arrive that way, so the last test adds a target from a module file alone and runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckpt.convert import targets
+
+# Every target, its default-name suffix and the file suffix it writes (None: safetensors, or torch by
+# --format / -o). These names are users' file names: a change here is a change users see.
+EXPECTED = {
+    "fp32": ("fp32", None), "fp16": ("fp16", None), "bf16": ("bf16", None), "fp8_e4m3fn": ("fp8_e4m3fn", None),
+    "nvfp4": ("nvfp4", None), "mxfp8": ("mxfp8", None), "int8": ("int8", None), "int8_rowwise": ("int8_rowwise", None),
+    "gguf-q8_0": ("Q8_0", ".gguf"), "gguf-q4_0": ("Q4_0", ".gguf"), "gguf-q4_1": ("Q4_1", ".gguf"),
+    "gguf-q5_0": ("Q5_0", ".gguf"), "gguf-q5_1": ("Q5_1", ".gguf"), "gguf-bf16": ("BF16", ".gguf"),
+    "gguf-f16": ("F16", ".gguf"),
+}
+
+
+def test_registry_names_suffixes_and_file_suffixes():
+    assert {t.name: (t.suffix, t.ext) for t in targets.all_targets()} == EXPECTED
+    assert targets.names() == list(EXPECTED)  # the order of the choices and of the messages
+    assert targets.resolve("fp8_e4m3fn", scaled=True).suffix == "fp8_e4m3fn-scaled"
+    assert targets.resolve("fp16", scaled=True).name == "fp16"  # refused by its check, not swapped
+    assert targets.get("gguf-q4_k_m").name == "gguf-q4_k_m"  # claimed by the gguf kind, which refuses it
+    assert targets.get("fp7") is None
+
+
+def test_cli_and_batch_choices_are_the_registry():
+    from ckpt.batch.cli import batch
+    from ckpt.cli import cli
+    from ckpt.cli_options import CONVERT_OR_GGUF, CONVERT_TARGETS, CONVERT_TO_HELP
+
+    to = {p.name: p for p in cli.commands["convert"].params}["to"]
+    assert to.type is CONVERT_OR_GGUF and list(to.type.choices) == targets.names()
+    batch_to = {p.name: p for p in batch.commands["convert"].params}["to"]
+    assert batch_to.type is CONVERT_TARGETS and list(batch_to.type.choices) == targets.names(batch=True)
+    assert targets.names(batch=True) == [n for n, (_, ext) in EXPECTED.items() if ext is None]
+    assert CONVERT_TO_HELP == batch_to.help == targets.help_text(batch=True)
+    assert to.help.startswith(targets.help_text(batch=False))
+    assert "gguf-*: a ComfyUI-GGUF file." in to.help and "gguf-*" not in CONVERT_TO_HELP
+
+
+def test_default_output_names(tmp_path):
+    """convert's and batch's default output names come from the target's suffix and file suffix."""
+    from ckpt.batch.operations import ConvertOp
+    from ckpt.run import default_output
+
+    src = tmp_path / "x.safetensors"
+    src.write_bytes(b"")  # only its name matters
+    for name, (suffix, ext) in EXPECTED.items():
+        t = targets.resolve(name)
+        got = default_output(str(src), src, t.suffix, folder=False, ext=t.ext or ".safetensors")
+        assert got.name == f"x-{suffix}{ext or '.safetensors'}", name
+        if t.in_batch:
+            assert ConvertOp({"to": name}).suffix == suffix
+    assert ConvertOp({"to": "fp8_e4m3fn", "scaled": True}).suffix == "fp8_e4m3fn-scaled"
+    assert ConvertOp({"to": "fp16", "scaled": True}).suffix == "fp16-scaled"  # as asked; the run refuses
+
+
+FAKE = '''
+"""A target from one file: bf16 under another name."""
+from ckpt.convert.targets.casts import Cast
+
+ORDER = 99
+HELP = "or fake16 (a test's target)"
+TARGETS = (Cast("fake16", "bfloat16"),)
+'''
+
+PROBE = textwrap.dedent('''
+    import json, sys
+    import ckpt.convert.targets as t
+    t.__path__.append(sys.argv[1])  # the fake module's folder, as if it were in the package
+    from ckpt.cli import main
+    code = 0
+    try:
+        main(sys.argv[2:])
+    except SystemExit as e:
+        code = e.code
+    print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+''')
+
+
+def _run(folder, *args):
+    p = subprocess.run([sys.executable, "-c", PROBE, str(folder), *map(str, args)], capture_output=True, text=True)
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout, p.stderr
+
+
+@pytest.fixture
+def fake_target(tmp_path):
+    folder = tmp_path / "more_targets"
+    folder.mkdir()
+    (folder / "fake.py").write_text(FAKE)
+    return folder
+
+
+def test_a_new_target_is_a_new_module(tmp_path, fake_target):
+    """Dropping one module in the package adds the name to convert's and batch's choices and help, without
+    importing torch, and `ckpt convert --to` it writes its output under its own default name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    verdict, out, err = _run(fake_target, "convert", "--help")
+    assert verdict == {"code": 0, "torch": False}, err
+    assert "fake16" in out and "(a test's target)" in " ".join(out.split())
+    verdict, out, err = _run(fake_target, "batch", "convert", "--help")
+    assert verdict == {"code": 0, "torch": False} and "fake16" in out, err
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(4, 4)}, src)
+    verdict, out, err = _run(fake_target, "convert", src, "--to", "fake16", "-q")
+    assert verdict["code"] == 0, err
+    got = load_file(tmp_path / "m-fake16.safetensors")
+    assert got["w"].dtype == torch.bfloat16
+
+    verdict, _, err = _run(fake_target, "convert", src, "--to", "fake17")  # still a choice, refused by click
+    assert verdict["code"] == 2 and "fake16" in err, err
