@@ -31,7 +31,7 @@ from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair, Transform
 from ckpt.families.prefixes import model_prefix
 from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
-from ckpt.io.plan import OutFile, Plan, shard
+from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
 from ckpt.report import listed, plural
 
@@ -311,14 +311,10 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
         one = len(dropped) == 1
         notes.append(f"{plural(len(dropped), 'tensor')} {'exists' if one else 'exist'} in the {src} layout only "
                      f"and {'is' if one else 'are'} not written: {_listed(dropped)}")
-    if layout == ORIGINAL:
-        if max_shard_size is None:
-            plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])
-        else:
-            files, index = shard(outs, max_shard_size, "model")
-            plan = Plan(single_file=False, files=[OutFile(fn, dict(metadata), ts) for fn, ts in files.items()])
-            if index is not None:
-                plan.indexes["model.safetensors.index.json"] = index
+    if layout == ORIGINAL:  # one file, or transformers-named shards when --max-shard-size asks
+        files, indexes = plan_files(outs, "" if max_shard_size is None else "model", file_format, max_shard_size,
+                                    metadata)
+        plan = Plan(single_file=max_shard_size is None, files=files, indexes=indexes)
         plan.notes += notes
         return plan
     shapes = {k: tuple(t.shape) for k, t in out.items()}
@@ -337,10 +333,8 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
                             "(a diffusers config.json, model folder or hub id)") from None
         notes.append(f"config.json derived from the shapes; what no weight holds follows the {m.family.label} "
                      "releases (pass --config REF for a model that differs)")
-    files, index = shard(outs, max_shard_size or DIFFUSERS_MAX_SHARD, DIFFUSERS_STEM)
-    plan = Plan(single_file=False, files=[OutFile(fn, dict(metadata), ts) for fn, ts in files.items()])
-    if index is not None:
-        plan.indexes[f"{DIFFUSERS_STEM}.safetensors.index.json"] = index
+    files, indexes = plan_files(outs, DIFFUSERS_STEM, file_format, max_shard_size or DIFFUSERS_MAX_SHARD, metadata)
+    plan = Plan(single_file=False, files=files, indexes=indexes)
     plan.generated["config.json"] = config
     plan.notes += notes
     return plan

@@ -20,7 +20,8 @@ from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.errors import CkptError
 from ckpt.io.header import MAX_HEADER
 from ckpt.io.writer import layout as header_layout
-from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, safetensors_name, shard, torch_stem
+from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, plan_files, safetensors_name, weight_file
+from ckpt.io.plan import index_name as plan_index_name
 
 QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
 
@@ -35,10 +36,9 @@ def _stem(relpath: str) -> str:
 
 
 def _index_name(index_name: str, file_format: str = "safetensors") -> str:
+    """The output index of a sharded input kept as it is: its stem in the output format's naming."""
     base = re.sub(r"\.(bin|pt|pth|safetensors)\.index\.json$", "", index_name)
-    if file_format == "torch":
-        return torch_stem(base) + ".bin.index.json"
-    return re.sub(r"^pytorch_model", "model", base) + ".safetensors.index.json"
+    return plan_index_name(base if file_format == "torch" else re.sub(r"^pytorch_model", "model", base), file_format)
 
 
 def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable[[str], dict],
@@ -47,26 +47,17 @@ def plan_component(comp: Component, outs: list[OutTensor], metadata_of: Callable
     """Output files (relative to the component folder) and index files for one component."""
     prefix = f"{comp.subdir}/" if comp.subdir else ""
     if single_file:
-        return [OutFile("", metadata_of(comp.files[0].relpath), outs, file_format)], {}
+        return plan_files(outs, "", file_format, metadata=metadata_of(comp.files[0].relpath))
     if max_shard_size is not None:
-        stem = _stem(comp.files[0].relpath)
-        ext = ".safetensors"
-        if file_format == "torch":  # transformers / diffusers names: pytorch_model-0000x-of-0000y.bin
-            stem, ext = torch_stem(stem), ".bin"
-        files, index = shard(outs, max_shard_size, stem, ext)
         merged = {}
         for f in comp.files:
             merged.update(metadata_of(f.relpath))
-        out_files = [OutFile(prefix + fn, dict(merged), ts, file_format, archive=PurePosixPath(fn).stem)
-                     for fn, ts in files.items()]
-        if index is None:
-            return out_files, {}
-        return out_files, {f"{prefix}{stem}{ext}.index.json": index}
+        return plan_files(outs, _stem(comp.files[0].relpath), file_format, max_shard_size, merged, prefix)
     by_home: dict[str, list[OutTensor]] = {f.relpath: [] for f in comp.files}
     for t in outs:
         by_home[t.source.home or comp.files[0].relpath].append(t)
-    out_files = [OutFile(prefix + output_name(rel, file_format), metadata_of(rel), ts, file_format,
-                         archive=PurePosixPath(output_name(rel, file_format)).stem) for rel, ts in by_home.items() if ts]
+    out_files = [weight_file(prefix + output_name(rel, file_format), metadata_of(rel), ts, file_format)
+                 for rel, ts in by_home.items() if ts]
     if not comp.sharded:
         return out_files, {}
     weight_map = {t.name: PurePosixPath(f.relpath).name for f in out_files for t in f.tensors}

@@ -1,13 +1,15 @@
 """The whole output decided before any data is read: files, tensor entries, sidecars and index.
 
 Commands turn a checkpoint's logical view into a `Plan` (pure planning over names, dtypes and shapes);
-`ckpt.io.output.execute` then writes it. Shard planning is huggingface_hub's own planner.
+`ckpt.io.output.execute` then writes it. `plan_files` is the one place safetensors and torch weight files
+are named, sharded (huggingface_hub's own planner) and indexed.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Callable
 
 from ckpt.lazy import torch
@@ -107,21 +109,62 @@ def parse_size(text: str | int, what: str = "") -> int:
     return n
 
 
-def shard(tensors: list[OutTensor], max_shard_size: int, stem: str = "model",
-          ext: str = ".safetensors") -> tuple[dict[str, list[OutTensor]], dict | None]:
-    """Split into shards with huggingface_hub's planner: filename -> tensors, and the index (None when
-    everything fits in one file, which is then named `{stem}{ext}`)."""
+EXTENSIONS = {"safetensors": ".safetensors", "torch": ".bin"}
+
+
+def weights_name(stem: str, file_format: str, suffix: str = "") -> str:
+    """The weight file a loader looks for: `stem` is the safetensors naming (`model`,
+    `diffusion_pytorch_model`, `adapter_model`); torch format turns transformers' `model` into
+    `pytorch_model` and `.safetensors` into `.bin` (`suffix`: a shard's `-00001-of-00002`)."""
+    return (torch_stem(stem) if file_format == "torch" else stem) + suffix + EXTENSIONS[file_format]
+
+
+def index_name(stem: str, file_format: str) -> str:
+    """The shard index beside `weights_name(stem, format)`: `model.safetensors.index.json`,
+    `pytorch_model.bin.index.json`, `diffusion_pytorch_model.safetensors.index.json`, as
+    transformers' and diffusers' `save_pretrained` name it and their loaders look for it."""
+    return weights_name(stem, file_format) + ".index.json"
+
+
+def plan_files(tensors: list[OutTensor], stem: str, file_format: str = "safetensors",
+               max_shard_size: int | None = None, metadata: dict[str, str] | None = None,
+               prefix: str = "") -> tuple[list[OutFile], dict[str, dict]]:
+    """The weight files of one output and their index ({} unless sharded): the only place an OutFile's
+    name, format and zip archive name are decided together, so a torch request is never written as
+    safetensors shards (convert --layout once built OutFiles itself and lost the format).
+
+    `stem` "" is a one-file output: relpath "" (the file is OUT; `name_single_file` sets the archive name
+    once OUT is known), never sharded. Otherwise the files are `prefix + weights_name(stem, ...)`, split by
+    huggingface_hub's own planner (the names and index `save_pretrained` writes) past `max_shard_size`
+    bytes; the archive name is the file's stem, as `torch.save` names it. Each file gets its own copy of
+    `metadata` (a writer may add per-file keys)."""
+    metadata = metadata or {}
+    if not stem:
+        if max_shard_size is not None:
+            raise ValueError("a one-file output is not sharded: give the folder's file stem")
+        return [OutFile("", dict(metadata), tensors, file_format)], {}
+    if max_shard_size is None:
+        return [weight_file(prefix + weights_name(stem, file_format), metadata, tensors, file_format)], {}
     from huggingface_hub import split_state_dict_into_shards_factory
 
     by_name = {t.name: t for t in tensors}
     split = split_state_dict_into_shards_factory(
-        by_name, get_storage_size=lambda t: t.entry.nbytes, filename_pattern=stem + "{suffix}" + ext,
-        max_shard_size=max_shard_size,
+        by_name, get_storage_size=lambda t: t.entry.nbytes,
+        filename_pattern=weights_name(stem, file_format, "{suffix}"), max_shard_size=max_shard_size,
     )
-    files = {fn: [by_name[n] for n in names] for fn, names in split.filename_to_tensors.items()}
+    files = [weight_file(prefix + fn, metadata, [by_name[n] for n in names], file_format)
+             for fn, names in split.filename_to_tensors.items()]
     if not split.is_sharded:
-        return files, None
-    return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+        return files, {}
+    index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+    return files, {prefix + index_name(stem, file_format): index}
+
+
+def weight_file(relpath: str, metadata: dict[str, str], tensors: list[OutTensor], file_format: str) -> OutFile:
+    """One weight file of a folder output, `relpath` already its final name (`plan_files` names them; an
+    output that keeps its input's files names them with `output_name`): the archive name is the file's
+    stem, as `torch.save` writes it, and the metadata a copy of its own."""
+    return OutFile(relpath, dict(metadata), tensors, file_format, archive=PurePosixPath(relpath).stem)
 
 
 def name_single_file(plan: Plan, out) -> None:
