@@ -24,14 +24,13 @@ from pathlib import Path
 from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL
-from ckpt.convert.layout import Renamed, relayout
+from ckpt.convert.layout import DIFFUSERS_STEM, Renamed, relayout
 from ckpt.io.layout import provenance
-from ckpt.io.plan import OutFile, Plan
+from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Tensor
 from ckpt.report import plural
 
-DIFFUSERS_FILE = "diffusion_pytorch_model.safetensors"
-TRANSFORMERS_FILE = "model.safetensors"
+TRANSFORMERS_STEM = "model"  # a pipeline's text encoders are transformers models; its other parts diffusers'
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,8 @@ def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_for
     others = [c.subdir for c in ckpt.components if c.subdir not in {p.folder for p in parts}]
     if others:
         notes.append(f"not part of a single file, not written: {', '.join(others)}")
-    metadata = {"format": "pt", **provenance(operation)}
-    plan = Plan(single_file=True, files=[OutFile("", metadata, outs, file_format)])
+    files, _ = plan_files(outs, "", file_format, metadata={"format": "pt", **provenance(operation)})
+    plan = Plan(single_file=True, files=files)
     plan.notes += [f"{cls} -> one {kind} single file ({plural(len(outs), 'tensor')})"] + notes
     return plan
 
@@ -177,9 +176,10 @@ def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_r
         if not tensors:
             raise CkptError(f"{comp.where}: no {p.folder} weights under {p.prefix!r}; not an all-in-one {kind} file")
         converted, one_sided = _converted(tensors, p, DIFFUSERS)
-        fname = TRANSFORMERS_FILE if p.naming == "hf" or p.family == "clip" else DIFFUSERS_FILE
+        stem = TRANSFORMERS_STEM if p.naming == "hf" or p.family == "clip" else DIFFUSERS_STEM
         outs = [o for name, t in converted.items() for o in make(Renamed(t, name))]
-        files.append(OutFile(f"{p.folder}/{fname}", {"format": "pt", **provenance(operation)}, outs))
+        files += plan_files(outs, stem, "safetensors", metadata={"format": "pt", **provenance(operation)},
+                            prefix=f"{p.folder}/")[0]
         if one_sided:
             notes.append(f"{p.folder}: {plural(len(one_sided), 'tensor')} of the single file only, not written")
     dropped = [k for k in view.tensors if BOOKKEEPING.search(k)]

@@ -32,13 +32,13 @@ import torch
 from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.io.layout import provenance
-from ckpt.io.plan import OutFile, OutTensor, Plan
+from ckpt.io.plan import OutTensor, Plan, plan_files
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.report import Report
 
 FORMATS = ("kohya", "peft", "diffusers")
 PEFT_PREFIX = "base_model.model."
-PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_STEM = "adapter_model"  # adapter_model.safetensors (ckpt.io.plan.plan_files names it)
 PEFT_CONFIG = "adapter_config.json"
 META_KEY = "lora_adapter_metadata"
 # kohya metadata that no longer describes a changed LoRA: dropped (hashes) or rewritten (dims).
@@ -237,9 +237,9 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
                                        "use_dora": False, "inference_mode": True, "base_model_name_or_path": None}
         entries = [e for es in peft_entries.values() for e in es]
         generated[PEFT_CONFIG] = _config_fields(entries, base)
-        plan = Plan(single_file=False, files=[OutFile(PEFT_WEIGHTS, meta, outs)])
+        plan = Plan(single_file=False, files=plan_files(outs, PEFT_STEM, metadata=meta)[0])
     else:
-        plan = Plan(single_file=True, files=[OutFile("", meta, outs)])
+        plan = Plan(single_file=True, files=plan_files(outs, "", metadata=meta)[0])
     plan.generated = generated
     return plan
 
