@@ -11,7 +11,9 @@ Outputs: `--layout diffusers` writes a diffusers model folder (`config.json` der
 the family's CONVENTIONS, or taken from `--config REF`; `diffusion_pytorch_model.safetensors`, sharded with
 an index past `--max-shard-size`, by default past diffusers' own `save_pretrained` limit); `--layout original`
 writes one safetensors file with the reference model's keys (no `model.diffusion_model.`/`model.model.`
-prefix: ComfyUI and the reference code load bare keys).
+prefix: ComfyUI and the reference code load bare keys), a torch file with `--format torch`, and shards named
+as transformers names them with `--max-shard-size`. File names, formats and indexes are
+`ckpt.io.plan.plan_files`'s, as for every command.
 
 A layout is names *and* a container: the original layout is one file, the diffusers layout a model folder
 with its config.json. So a conversion is a no-op only when the input already has both; names already right
