@@ -13,7 +13,7 @@ an index past `--max-shard-size`, by default past diffusers' own `save_pretraine
 writes one safetensors file with the reference model's keys (no `model.diffusion_model.`/`model.model.`
 prefix: ComfyUI and the reference code load bare keys), a torch file with `--format torch`, and shards named
 as transformers names them with `--max-shard-size`. File names, formats and indexes are
-`ckpt.io.plan.plan_files`'s, as for every command.
+`ckpt.io.plan.plan_files`'s (the one planner of safetensors and torch weight files).
 
 A layout is names *and* a container: the original layout is one file, the diffusers layout a model folder
 with its config.json. So a conversion is a no-op only when the input already has both; names already right
