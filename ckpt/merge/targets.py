@@ -9,15 +9,20 @@ module's own shape and add it to `target.rows` of `target.key`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpt.families import Transform
 
 
 @dataclass(frozen=True)
 class Target:
     key: str  # base tensor name, e.g. "double_blocks.0.img_attn.qkv.weight"
     rows: tuple[int, int] | None = None  # [start, stop) rows of a fused weight owned by this module
-    # Named fix-up of the delta before adding: "swap_halves" (diffusers norm_out scale/shift order vs
-    # BFL final_layer.adaLN_modulation), "transpose" (OpenCLIP text_projection), None.
-    transform: str | None = None
+    # The layout fix-up of the delta before adding (ckpt.families.Transform): SWAP_HALVES (diffusers norm_out
+    # scale/shift order vs BFL final_layer.adaLN_modulation), TRANSPOSE (OpenCLIP text_projection), or None.
+    # Direction: from the base tensor's rows to the module's layout (its inverse brings a delta back).
+    transform: Transform | None = None
     # [start, stop) rows of the module's delta that land on `key`: set when a LoRA made on a fused weight
     # (BFL `img_attn.qkv`, `linear1`) is merged into a base that stores the pieces apart (diffusers
     # `to_q`/`to_k`/`to_v`); such a module has several Targets (`KeyMap.targets`).
