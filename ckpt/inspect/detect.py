@@ -46,7 +46,7 @@ LORA_ALPHA = re.compile(r"^(.*?)\.alpha$")
 
 
 @dataclass
-class Part:
+class BundlePart:
     """Keys of one bundled component (or the whole file when nothing is bundled)."""
 
     prefix: str  # "" when the keys carry no known prefix
@@ -54,12 +54,12 @@ class Part:
     keys: list[str] = field(default_factory=list)
 
 
-def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[Part]:
+def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[BundlePart]:
     """Group names by the known prefix they start with; parts come in table order (the diffusion model
     first), then by prefix, unprefixed keys last. A guarded model prefix (`model.model.`) whose keys are no
     diffusion model (`shapes` help tell) is no prefix: those keys join the unprefixed ones."""
     table = LORA_PREFIXES if lora else BUNDLE_PREFIXES
-    parts: dict[str, Part] = {}
+    parts: dict[str, BundlePart] = {}
     rank: dict[str, tuple] = {"": (len(table), "")}
     for name in names:
         prefix, role = "", ""
@@ -68,9 +68,9 @@ def split_parts(names, lora: bool = False, shapes: dict | None = None) -> list[P
             if m and len(m.group(0)) > len(prefix):
                 prefix, role = m.group(0), what
                 rank[prefix] = (i, prefix)
-        parts.setdefault(prefix, Part(prefix, role)).keys.append(name)
+        parts.setdefault(prefix, BundlePart(prefix, role)).keys.append(name)
     for prefix in [p for p in parts if p and not lora and not accepts(p, *under(p, parts[p].keys, shapes))]:
-        parts.setdefault("", Part("", "")).keys.extend(parts.pop(prefix).keys)  # `model.model.` of an LLM wrapper
+        parts.setdefault("", BundlePart("", "")).keys.extend(parts.pop(prefix).keys)  # `model.model.` of an LLM wrapper
     return sorted(parts.values(), key=lambda p: rank[p.prefix])
 
 

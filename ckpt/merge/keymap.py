@@ -53,7 +53,7 @@ DM_COMPONENTS = {"unet", "transformer", "prior", "decoder", *MODEL_PREFIXES}
 
 
 @dataclass
-class Part:
+class BaseComponent:
     """One model inside the base: keys relative to `prefix`, and how LoRAs address it."""
 
     prefix: str  # re-added in front of every Target key
@@ -248,7 +248,7 @@ def _is_bias(key: str) -> bool:
     return key.endswith((".bias", "_bias"))
 
 
-def _spellings(part: Part, name: str) -> list[str]:
+def _spellings(part: BaseComponent, name: str) -> list[str]:
     flat = name.replace(".", "_")
     out = [part.prefix + name]
     if part.role == "other":
@@ -267,10 +267,10 @@ def _spellings(part: Part, name: str) -> list[str]:
     return out
 
 
-def base_parts(base: Shapes, component: str | None) -> list[Part]:
+def base_parts(base: Shapes, component: str | None) -> list[BaseComponent]:
     if component:
         comp = component.strip("/")
-        part = Part("", comp + "/", dict(base), standalone=True)
+        part = BaseComponent("", comp + "/", dict(base), standalone=True)
         _assign_role(part, comp + "/")
         if part.role == "other" and comp != "vae":
             part.role = "te" if _te_kind(part) else "dm"
@@ -278,17 +278,17 @@ def base_parts(base: Shapes, component: str | None) -> list[Part]:
             _standalone_te(part)
         return [part]
 
-    groups: dict[str, Part] = {}
+    groups: dict[str, BaseComponent] = {}
     for key, shape in base.items():
         m = FILE_PREFIX.match(key)
         prefix = m.group(0) if m else ""
         identity = (m.group(1) or m.group(2)) if m else ""
         part = groups.get(prefix)
         if part is None:
-            part = groups[prefix] = Part(prefix, identity, {})
+            part = groups[prefix] = BaseComponent(prefix, identity, {})
         part.keys[key[len(prefix):]] = shape
     for prefix in [p for p in groups if p and not accepts(p, list(groups[p].keys), groups[p].keys)]:
-        top = groups.setdefault("", Part("", "", {}))  # `model.model.` of a language-model wrapper: raw keys
+        top = groups.setdefault("", BaseComponent("", "", {}))  # `model.model.` of a language-model wrapper: raw keys
         top.keys.update({prefix + k: v for k, v in groups.pop(prefix).keys.items()})
     parts = list(groups.values())
     for part in parts:
@@ -307,7 +307,7 @@ def base_parts(base: Shapes, component: str | None) -> list[Part]:
     return parts
 
 
-def _assign_role(part: Part, identity: str):
+def _assign_role(part: BaseComponent, identity: str):
     if identity in DM_COMPONENTS or identity.rstrip("/") in DM_COMPONENTS:
         part.role = "dm"
         return
@@ -326,7 +326,7 @@ def _assign_role(part: Part, identity: str):
         part.plain_te = True
 
 
-def _te_kind(part: Part) -> str | None:
+def _te_kind(part: BaseComponent) -> str | None:
     """"clip_l" / "clip_g" (HF CLIP or OpenCLIP, by width), "t5", or None for anything else."""
     match = part.detect()
     if match is None:
@@ -336,17 +336,17 @@ def _te_kind(part: Part) -> str | None:
     return "t5" if match.family.family_id == "t5" else None
 
 
-def _standalone_te(part: Part):
+def _standalone_te(part: BaseComponent):
     """A lone text-encoder file: numbers under which kohya/diffusers name this kind of encoder."""
     kind = _te_kind(part)
     part.te_numbers = {"clip_g": (2,), "t5": (1, 2, 3)}.get(kind, (1,))
     part.plain_te = True
 
 
-def _number_text_encoders(parts: list[Part]):
+def _number_text_encoders(parts: list[BaseComponent]):
     """kohya numbers for `text_encoders.NAME.` parts: CLIP-L first, CLIP-G next, T5 last (SD3: te1-te3;
     Flux, CLIP-L + T5: T5 answers to both te2 (OneTrainer) and te3 (kohya))."""
-    by_identity: dict[str, list[Part]] = {}
+    by_identity: dict[str, list[BaseComponent]] = {}
     for p in parts:
         by_identity.setdefault(p.identity, []).append(p)
     order = {"clip_l": 0, "clip_g": 1, "t5": 2, None: 3}

@@ -173,7 +173,7 @@ class QuantoBitsEncoding(Encoding):
                 cache["ss"] = scale_shift(grouped(0, urows)[1])
             return cache["ss"]
 
-        class Part(Tensor):
+        class StoredCompanion(Tensor):
             """The scales (which=0) or shifts (which=1) of grouped rows, computed from them."""
 
             home = value.home
@@ -190,8 +190,8 @@ class QuantoBitsEncoding(Encoding):
 
         zdt = w.shift.dtype if int_shift else sdt
         return [OutTensor(w.packed.name, torch.uint8, tuple(w.packed.shape), Packed(), lambda x, b: x),
-                OutTensor(w.scale.name, sdt, sshape, Part(w.scale.name, sdt, sshape, 0), lambda x, b: x),
-                OutTensor(w.shift.name, zdt, zshape, Part(w.shift.name, zdt, zshape, 1), lambda x, b: x)]
+                OutTensor(w.scale.name, sdt, sshape, StoredCompanion(w.scale.name, sdt, sshape, 0), lambda x, b: x),
+                OutTensor(w.shift.name, zdt, zshape, StoredCompanion(w.shift.name, zdt, zshape, 1), lambda x, b: x)]
 
     def why_not(self) -> str | None:
         w = self.w
