@@ -41,9 +41,15 @@ Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY
    (diffusers/kohya LoRAs on both layouts against `fuse_lora`).
 
 A module may answer for several ids that share one correspondence (`sd_unet`: sd1, sd2, sdxl); its
-`identify(keys, shapes, layout)` says which, or None when the keys cannot tell. Modules without a
-`FAMILY` hold shared helpers: `spec` (the vocabulary), `lora_namings` (LoRA prefixes: kohya, PEFT...), `prefixes` (the file
-prefixes a single file stores its diffusion model under).
+`identify(keys, shapes, layout)` says which, or None when the keys cannot tell.
+
+What the loader reads: every top-level module of this package that defines `FAMILY`; a module without
+one is imported and passed over, so a helper needs no listing anywhere. Helpers of that kind: `spec`
+(the vocabulary), `lora_namings` (LoRA prefixes: kohya, PEFT...), `prefixes` (the file prefixes a single
+file stores its diffusion model under), `flux_blocks` (the Flux-style block tables several families
+share). Knowledge that is no `Family` (no tensor-name layouts to detect) sits in a subpackage, which the
+loader does not enter: `llm` (llama.cpp LLM architectures: names, config fields, q/k permutation). A family's knowledge goes in its module
+as data (signatures, pairs, `high_precision`, `gguf`), never in the command that reads it.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def _load() -> dict[str, Family]:
     if _REGISTRY is None:
         found: dict[str, Family] = {}
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if info.name.startswith("_") or info.name in ("spec", "lora_namings", "prefixes"):
+            if info.name.startswith("_") or info.ispkg:  # subpackages hold knowledge that is no Family
                 continue
             mod = importlib.import_module(f"{__name__}.{info.name}")
             fam = getattr(mod, "FAMILY", None)

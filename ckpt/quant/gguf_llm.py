@@ -3,9 +3,9 @@
 llama.cpp's converter (convert_hf_to_gguf.py) names each HF tensor with gguf's tensor-name tables
 (`gguf.get_tensor_name_map(arch, n_blocks).get_name(hf_name)`); reading goes the other way by asking the
 same table for the GGUF name of every key the HF model class has, and inverting (what transformers'
-own GGUF loader does from an instantiated model; here the keys are listed per architecture below, so
-no model is built). Each GGUF tensor must find its HF name: one that does not is an error, never a
-dropped key.
+own GGUF loader does from an instantiated model; here the keys are listed per architecture in
+`ckpt.families.llm`, facts a GGUF writer needs too, so no model is built). Each GGUF tensor must find
+its HF name: one that does not is an error, never a dropped key.
 
 What llama.cpp changed on the way, undone here:
 - `llama` (Llama, Mistral and other LlamaForCausalLM checkpoints): the rows of q_proj and k_proj were
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 from ckpt.errors import file_error
+from ckpt.families.llm import ARCHS, TOP, LLMArch
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
@@ -36,32 +36,6 @@ from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.common import Decoded
 from ckpt.report import plural
 
-LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")
-TOP = ("model.embed_tokens", "model.norm", "lm_head")
-
-
-@dataclass(frozen=True)
-class LLMArch:
-    """One llama.cpp architecture that reads back into one transformers model class."""
-
-    arch: str  # general.architecture (gguf.MODEL_ARCH_NAMES)
-    hf_class: str  # config.json architectures[0]
-    model_type: str
-    layer_modules: tuple[str, ...]  # module paths under model.layers.N (".weight" / ".bias" added)
-    rope_permute: bool = False  # llama.cpp permuted q/k rows for its RoPE
-    # config.json fields set when a tensor of this GGUF name suffix exists (else False)
-    bias_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
-
-
-ARCHS: dict[str, LLMArch] = {a.arch: a for a in [
-    LLMArch("llama", "LlamaForCausalLM", "llama", LLAMA_LAYER, rope_permute=True,
-            bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"),
-                        "mlp_bias": ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}),
-    LLMArch("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_LAYER),
-    LLMArch("qwen3", "Qwen3ForCausalLM", "qwen3", LLAMA_LAYER + ("self_attn.q_norm", "self_attn.k_norm"),
-            bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")}),
-]}
 SUPPORTED = ", ".join(ARCHS)
 DROPPED = {"rope_freqs.weight": "Llama 3 RoPE scaling factors computed by llama.cpp's converter (no HF tensor)"}
 
