@@ -35,6 +35,7 @@ from ckpt.families.spec import ConventionError
 from ckpt.io.layout import provenance
 from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
+from ckpt.io.wrapper import Renamed
 from ckpt.report import listed, plural
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
@@ -42,21 +43,6 @@ DIFFUSERS_STEM = "diffusion_pytorch_model"
 # written here is sharded as diffusers itself would write it unless --max-shard-size says otherwise.
 DIFFUSERS_MAX_SHARD = 10 * 10**9
 SHOW = 8
-
-
-class Renamed(Tensor):
-    """Another tensor under a new name (a rename is all most pairs are)."""
-
-    def __init__(self, base: Tensor, name: str):
-        self.base, self.name, self.dtype, self.shape = base, name, base.dtype, tuple(base.shape)
-        self.home, self.row_align = base.home, base.row_align
-
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
-
-    def read(self, start, stop, device, scratch=None):
-        return self.base.read(start, stop, device, scratch)
 
 
 def _listed(keys, n=SHOW) -> str:

@@ -28,3 +28,16 @@ class Wrapper(Tensor):
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(start, stop, device, scratch)
+
+
+class Renamed(Wrapper):
+    """Another tensor under a new name, values and storage unchanged: what most layout pairs are
+    (`convert --layout`) and what a GGUF LLM's plain tensors are under their HF names. Its dtype is asked of
+    the base when needed, so planning over stored tensors needs no torch."""
+
+    def __init__(self, base: Tensor, name: str):
+        self.base, self.name, self.home = base, name, base.home
+        self.shape, self.row_align = tuple(base.shape), base.row_align
+
+    dtype = property(lambda self: self.base.dtype)
+    dtype_name = property(lambda self: self.base.dtype_name)
