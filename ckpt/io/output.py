@@ -23,6 +23,7 @@ from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
 from ckpt.io.side_files import check_not_input, unwritable
+from ckpt.io.tensors import Tensor, row_bands
 from ckpt.io.writer import SafetensorsWriter
 from ckpt.report import listed, plural
 
@@ -93,16 +94,10 @@ def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fa
     return need
 
 
-def bands(t, band_elems: int | None = None):
+def bands(t: Tensor, band_elems: int | None = None):
+    """`t`'s row bands (`ckpt.io.tensors.row_bands`) at the writer's band size, `BAND_ELEMS` unless given."""
     band_elems = band_elems or BAND_ELEMS  # looked up at call time, so tests can shrink it
-    rows = t.rows
-    if t.row_align is None or not t.shape or rows == 0 or t.numel == 0:  # [2**62, 0]: one empty band, not 2**39
-        yield 0, rows
-        return
-    per_row = max(1, t.numel // rows) if rows else 1
-    step = max(t.row_align, (band_elems // per_row) // t.row_align * t.row_align)
-    for a in range(0, rows, step):
-        yield a, min(rows, a + step)
+    return row_bands(t.rows, t.row_numel, t.row_align, band_elems)
 
 
 def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False,

@@ -46,6 +46,11 @@ class Tensor:
         return math.prod(self.shape)
 
     @property
+    def row_numel(self) -> int:
+        """Elements in one row along dim 0 (0 for a tensor with no elements): what a band of rows costs."""
+        return self.numel // self.rows if self.rows else 0
+
+    @property
     def source_bytes(self) -> int:
         """Bytes this tensor reads from storage (progress accounting)."""
         return self.numel * self.dtype.itemsize
@@ -215,6 +220,20 @@ class ComputedTensor(Tensor):
 
     def read(self, start, stop, device, scratch=None):
         return self.value_fn().to(device)
+
+
+def row_bands(rows: int, row_numel: int, row_align: int | None, band_elems: int):
+    """Bands [a, b) that cover `rows` rows of `row_numel` elements each: about `band_elems` elements per
+    band, every start a multiple of `row_align` (None: one band, the whole tensor). Plain numbers rather
+    than a tensor, so that a caller needing bands two tensors both accept (lcm of their alignments) asks
+    for them directly; `ckpt.io.output.bands` is a tensor's bands at the writer's band size. A tensor with
+    no rows or no elements ([2**62, 0]) is one empty band, not 2**39 of them."""
+    if row_align is None or rows == 0 or row_numel == 0:
+        yield 0, rows
+        return
+    step = max(row_align, (band_elems // row_numel) // row_align * row_align)
+    for a in range(0, rows, step):
+        yield a, min(rows, a + step)
 
 
 def read_rows(t: Tensor, start: int, stop: int, device: torch.device, scratch: Buffers | None = None):

@@ -31,8 +31,10 @@ from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.buffers import Buffers
+from ckpt.io import output
 from ckpt.io.output import bands
 from ckpt.io.plan import Plan
+from ckpt.io.tensors import row_bands
 from ckpt.lora import svd as S
 from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check, nothing_left
 from ckpt.lora.formats import FORMATS, Layout, OutModule, plan_lora
@@ -325,10 +327,7 @@ def _common_bands(x, y):
     """Row bands both tensors accept (their decoders may need aligned starts)."""
     if x.row_align is None or y.row_align is None:
         return [(0, x.rows)]
-    shim = type("Rows", (), {})()
-    shim.shape, shim.rows, shim.numel = x.shape, x.rows, x.numel
-    shim.row_align = math.lcm(x.row_align, y.row_align)
-    return list(bands(shim))
+    return list(row_bands(x.rows, x.row_numel, math.lcm(x.row_align, y.row_align), output.BAND_ELEMS))
 
 
 def _kohya_metadata(opts: LoraOptions) -> dict[str, str]:
