@@ -16,12 +16,12 @@ choosing each tensor's type as those two steps would:
    (its input and output layers). A row whose length is not a multiple of the block size (32) stays in
    the unquantized type, as llama.cpp falls back.
 
-Where the rules live: each family module's `gguf=GGUFStorage(arch, f32, reshape)` and its
+Where the rules live: each family module's `gguf=GGUFStorage(arch, f32, reshape, ignore)` and its
 `high_precision[ORIGINAL]` (the layers kept unquantized; the comfy_quant writer reads the same list) in
-`ckpt/families/` (`high_precision` of the only layout for families with one naming: HiDream, Qwen-Image);
-families ComfyUI-GGUF writes that have no module yet (AuraFlow, Cosmos, LTX-Video, HunyuanVideo) are in
-`PENDING` below with ComfyUI-GGUF's own detection keys, until their modules carry the two fields. Rules from ComfyUI-GGUF's auto_convert branch
-(Nov 2025).
+`ckpt/families/` (`high_precision` of the only layout for families with one naming: HiDream, Qwen-Image).
+Every architecture ComfyUI-GGUF writes has its module there (AuraFlow and Cosmos carry only recognition
+and these two fields); this module holds the two steps, no family's facts. Rules from ComfyUI-GGUF's
+auto_convert branch (Nov 2025).
 
 Values are quantized from their fp32 values by `gguf.quants.quantize` (ComfyUI-GGUF's route first rounds
 F32 sources to F16; for BF16 and F16 sources the result is the same), band by band (blocks never cross
@@ -62,44 +62,6 @@ class Rules:
     where: str = ""  # where the rule is written, for the plan's note
 
 
-@dataclass(frozen=True)
-class Pending:
-    """A family ComfyUI-GGUF writes that has no module in ckpt/families yet: its own detection keys (any
-    one key set fully present; a `banned` key means the diffusers layout, which it refuses) and rules.
-    When the family's module lands, its `gguf=` and `high_precision` fields replace the entry here."""
-
-    detect: tuple[tuple[str, ...], ...]
-    rules: Rules
-    banned: tuple[str, ...] = ()
-
-
-def _words(*parts: str) -> tuple[str, ...]:
-    """lcpp.patch's `name.find(x)` substrings (and `=name`: exact names) as regexes."""
-    return tuple(rf"^{re.escape(p[1:])}$" if p.startswith("=") else re.escape(p) for p in parts)
-
-
-_TABLE = "ComfyUI-GGUF's table in ckpt/convert/gguf_out.py (no family module yet)"
-PENDING = [
-    Pending((("double_layers.3.modX.1.weight",), ("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
-            Rules("aura", keep=_words("t_embedder.", "init_x_linear.", "=modF.1.weight", "=cond_seq_linear.weight",
-                                      "=final_linear.weight", "=positional_encoding", "=register_tokens"), where=_TABLE),
-            banned=("joint_transformer_blocks.3.ff_context.out_projection.weight",)),
-    Pending((("blocks.0.mlp.layer1.weight", "blocks.0.adaln_modulation_cross_attn.1.weight"),),
-            Rules("cosmos", f32=_words("pos_embedder"), ignore=_words("_extra_state", "accum_"),
-                  keep=_words("p_embedder.", "t_embedder.", "t_embedding_norm.", "x_embedder.", "pos_embedder.",
-                              "final_layer."), where=_TABLE)),
-    Pending((("adaln_single.emb.timestep_embedder.linear_2.weight", "transformer_blocks.27.scale_shift_table",
-              "caption_projection.linear_2.weight"),),
-            Rules("ltxv", f32=_words("scale_shift_table"),
-                  keep=_words("adaln_single.", "caption_projection.", "patchify_proj.", "proj_out.", "scale_shift_table"),
-                  where=_TABLE)),
-    Pending((("double_blocks.0.img_attn_proj.weight", "txt_in.individual_token_refiner.blocks.1.self_attn_qkv.weight"),),
-            Rules("hyvid", keep=_words("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."),
-                  where=_TABLE)),
-]
-ARCHS = "flux, sd3, wan, sd1, sdxl, lumina2, hidream, qwen_image (ckpt/families), " + ", ".join(p.rules.arch for p in PENDING)
-
-
 def _gguf():
     import gguf
 
@@ -134,7 +96,7 @@ def _matches(name: str, patterns) -> bool:
 
 def rules_for(names: list[str], shapes: dict) -> Rules:
     """The rules of the model these names (prefix stripped) are: its family module's `gguf` and
-    `high_precision` fields, else ComfyUI-GGUF's own detection for the families without a module."""
+    `high_precision` fields."""
     from ckpt import families
 
     m = families.detect(names, shapes)
@@ -148,17 +110,21 @@ def rules_for(names: list[str], shapes: dict) -> Rules:
         arch = g.arch_for(m.family_id)
         if arch is not None:
             return Rules(arch, f32=g.f32, keep=m.family.high_precision.get(layout, ()), reshape=g.reshape,
-                         where=f"the {m.family.family_id} family module (ckpt/families)")
-    keys = set(names)
-    for p in PENDING:
-        for group in p.detect:
-            if all(k in keys for k in group):
-                if any(k in keys for k in p.banned):
-                    raise CkptError(f"this is the diffusers layout of a {p.rules.arch} model; ComfyUI-GGUF loads the "
-                                    "original layout only: convert the layout first")
-                return p.rules
-    raise CkptError(f"not a diffusion model ComfyUI-GGUF knows (its architectures: {ARCHS}); llama.cpp LLM GGUFs "
-                    "are written by llama.cpp's convert_hf_to_gguf.py")
+                         ignore=g.ignore, where=f"the {m.family.family_id} family module (ckpt/families)")
+    raise CkptError(f"not a diffusion model ComfyUI-GGUF knows (its architectures: {', '.join(known_archs())}); "
+                    "llama.cpp LLM GGUFs are written by llama.cpp's convert_hf_to_gguf.py")
+
+
+def known_archs() -> list[str]:
+    """ComfyUI-GGUF's architecture names the family modules declare, once each, in family order."""
+    from ckpt import families
+
+    out: dict[str, None] = {}
+    for fam in families.all_families():
+        if fam.gguf is not None:
+            arch = fam.gguf.arch
+            out.update(dict.fromkeys([arch] if isinstance(arch, str) else arch.values()))
+    return list(out)
 
 
 def strip_prefix(names: list[str]) -> tuple[str, list[str]]:

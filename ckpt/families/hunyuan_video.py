@@ -36,8 +36,8 @@ import math
 from dataclasses import replace
 
 from ckpt.families.flux_blocks import ADD_QKV, QKV, final_adaln, fused_qkv, single_linear1
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, dim, has, module_of, present, renames)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Alias, ConventionError, Family, GGUFStorage, Pair, Shapes,
+                                Signature, at, block_indices, blocks_count, dim, has, module_of, present, renames)
 
 TOP = (
     ("img_in.proj", "x_embedder.proj"),
@@ -302,5 +302,6 @@ FAMILY = Family(
         ORIGINAL: (r"^(img_in|time_in|guidance_in|vector_in|txt_in|final_layer)\.",),
         DIFFUSERS: (r"^(x_embedder|time_text_embed|context_embedder|norm_out|proj_out)\.",),
     },
+    gguf=GGUFStorage("hyvid"),  # ComfyUI-GGUF's name; its 5-D patch embedding is F32 as for every family
     priority=1,  # over Flux.1, whose BFL signature also finds `double_blocks.N.img_attn_...`
 )

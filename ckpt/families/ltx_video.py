@@ -16,8 +16,8 @@ land on either layout through the pairs.
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, at,
-                                block_indices, blocks_count, present, renames, start)
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, GGUFStorage, Pair, Shapes, Signature,
+                                at, block_indices, blocks_count, present, renames, start)
 
 TOP = (
     ("patchify_proj", "proj_in"),
@@ -110,4 +110,5 @@ FAMILY = Family(
         ORIGINAL: (r"^(patchify_proj|adaln_single|caption_projection|proj_out)\.", r"scale_shift_table$"),
         DIFFUSERS: (r"^(proj_in|time_embed|caption_projection|proj_out)\.", r"scale_shift_table$"),
     },
+    gguf=GGUFStorage("ltxv", f32=(r"scale_shift_table",)),  # ComfyUI-GGUF: ComfyUI reads the tables as F32
 )

@@ -215,13 +215,15 @@ class GGUFStorage:
     `arch`: its `general.architecture` (a dict per family id where one module answers for several:
     sd1/sd2 -> "sd1", sdxl -> "sdxl"); `f32`: regexes of tensors its tools/convert.py keeps in F32
     (`keys_hiprec`: parameters ComfyUI uses directly, which it cannot load from BF16); `reshape`: conv
-    weights stored as rows of 256 with `comfy.gguf.orig_shape.<name>` (SD1/SDXL). Which matrices stay
-    unquantized is the family's `high_precision` (its input and output layers), the rule ComfyUI-GGUF's
-    patched llama-quantize follows too."""
+    weights stored as rows of 256 with `comfy.gguf.orig_shape.<name>` (SD1/SDXL); `ignore`: regexes of
+    tensors its convert.py leaves out (`keys_ignore`: Cosmos' `_extra_state` and `accum_` bookkeeping).
+    Which matrices stay unquantized is the family's `high_precision` (its input and output layers), the
+    rule ComfyUI-GGUF's patched llama-quantize follows too."""
 
     arch: str | dict[str, str]
     f32: tuple[str, ...] = ()
     reshape: bool = False
+    ignore: tuple[str, ...] = ()
 
     def arch_for(self, family_id: str | None) -> str | None:
         return self.arch if isinstance(self.arch, str) else self.arch.get(family_id or "")
