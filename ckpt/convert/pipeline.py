@@ -1,11 +1,11 @@
 """Whole pipelines for `convert --layout`: a diffusers pipeline folder <-> the all-in-one single file
 (UNet/transformer, VAE and text encoders under their LDM prefixes) that A1111, ComfyUI and kohya load.
 
-One table per pipeline kind says which folder goes under which file prefix and in which naming: the
-diffusion model and the VAE in their original (LDM/SAI) layout, Hugging Face text encoders under their
-HF names (wrapped in `text_model.` as the single files have them), SDXL's second text encoder as an
-OpenCLIP tower. The tensors are the family registry's lazy views (`ckpt.convert.layout.relayout`),
-written band by band like every other output.
+One table per pipeline kind (`ckpt.families.pipelines.PIPELINES`, with the families) says which folder
+goes under which file prefix and in which naming: the diffusion model and the VAE in their original
+(LDM/SAI) layout, Hugging Face text encoders under their HF names (wrapped in `text_model.` as the single
+files have them), SDXL's second text encoder as an OpenCLIP tower. The tensors are the family registry's
+lazy views (`ckpt.convert.layout.relayout`), written band by band like every other output.
 
 Single file -> pipeline needs `--config REF`, a diffusers pipeline of the same kind (folder or hub id):
 a single file holds no tokenizer, scheduler or component config, so those files are copied from REF,
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL
+from ckpt.families.pipelines import PIPELINES, Part
 from ckpt.convert.layout import DIFFUSERS_STEM, Renamed, relayout
 from ckpt.io.layout import provenance
 from ckpt.io.plan import Plan, plan_files
@@ -33,34 +33,6 @@ from ckpt.report import plural
 TRANSFORMERS_STEM = "model"  # a pipeline's text encoders are transformers models; its other parts diffusers'
 
 
-@dataclass(frozen=True)
-class Part:
-    folder: str  # pipeline subfolder
-    prefix: str  # key prefix in the single file
-    family: str  # family id of the part
-    naming: str  # "layout": the family's original layout in the file; "hf": the same HF names in both
-
-
-PIPELINES: dict[str, tuple[str, list[Part]]] = {
-    "sd1": ("StableDiffusionPipeline", [
-        Part("unet", "model.diffusion_model.", "sd1", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "cond_stage_model.transformer.", "clip", "hf"),
-    ]),
-    "sdxl": ("StableDiffusionXLPipeline", [
-        Part("unet", "model.diffusion_model.", "sdxl", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "conditioner.embedders.0.transformer.", "clip", "hf"),
-        Part("text_encoder_2", "conditioner.embedders.1.model.", "clip", "layout"),
-    ]),
-    "sd3": ("StableDiffusion3Pipeline", [
-        Part("transformer", "model.diffusion_model.", "sd3", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "text_encoders.clip_l.transformer.", "clip", "hf"),
-        Part("text_encoder_2", "text_encoders.clip_g.transformer.", "clip", "hf"),
-        Part("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5", "hf"),
-    ]),
-}
 BY_CLASS = {cls: kind for kind, (cls, _) in PIPELINES.items()}
 # LDM single-file tensors that are no model weights: the noise schedule, EMA copies, position ids.
 BOOKKEEPING = re.compile(r"^(model_ema\.|(alphas_cumprod|alphas_cumprod_prev|betas|log_one_minus_alphas_cumprod|"

@@ -48,8 +48,10 @@ one is imported and passed over, so a helper needs no listing anywhere. Helpers 
 (the vocabulary), `lora_namings` (LoRA prefixes: kohya, PEFT...), `prefixes` (the file prefixes a single
 file stores its diffusion model under), `flux_blocks` (the Flux-style block tables several families
 share). Knowledge that is no `Family` (no tensor-name layouts to detect) sits in a subpackage, which the
-loader does not enter: `llm` (llama.cpp LLM architectures: names, config fields, q/k permutation). A family's knowledge goes in its module
-as data (signatures, pairs, `high_precision`, `gguf`), never in the command that reads it.
+loader does not enter: `llm` (llama.cpp LLM architectures: names, config fields, q/k permutation),
+`pipelines` (which families make up an SD1/SDXL/SD3 single file, under which prefixes). A family's
+knowledge goes in its module as data (signatures, pairs, `high_precision`, `gguf`), never in the command
+that reads it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,44 @@
+"""Whole Stable Diffusion pipelines (SD1, SDXL, SD3): which families make up the all-in-one single file
+A1111, ComfyUI and kohya load, under which file prefix, and in which naming, beside the diffusers
+pipeline folder that holds the same models one per subfolder.
+
+These are facts about the models, not about a command: `convert --layout` on a pipeline
+(`ckpt.convert.pipeline`) reads them, and so may anything else that takes a single file apart. They sit
+in a subpackage because a pipeline is no `Family` (it is made of families; the family loader does not
+enter subpackages). Each part names its family by id (`ckpt.families.get`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Part:
+    folder: str  # pipeline subfolder
+    prefix: str  # key prefix in the single file
+    family: str  # family id of the part
+    naming: str  # "layout": the family's original layout in the file; "hf": the same HF names in both
+
+
+# kind -> (the diffusers pipeline class of model_index.json, its parts)
+PIPELINES: dict[str, tuple[str, list[Part]]] = {
+    "sd1": ("StableDiffusionPipeline", [
+        Part("unet", "model.diffusion_model.", "sd1", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "cond_stage_model.transformer.", "clip", "hf"),
+    ]),
+    "sdxl": ("StableDiffusionXLPipeline", [
+        Part("unet", "model.diffusion_model.", "sdxl", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "conditioner.embedders.0.transformer.", "clip", "hf"),
+        Part("text_encoder_2", "conditioner.embedders.1.model.", "clip", "layout"),
+    ]),
+    "sd3": ("StableDiffusion3Pipeline", [
+        Part("transformer", "model.diffusion_model.", "sd3", "layout"),
+        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        Part("text_encoder", "text_encoders.clip_l.transformer.", "clip", "hf"),
+        Part("text_encoder_2", "text_encoders.clip_g.transformer.", "clip", "hf"),
+        Part("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5", "hf"),
+    ]),
+}
