@@ -63,7 +63,7 @@ class Operation:
         self.params = dict(params)
 
     def check_available(self) -> None:
-        """Raise a CkptError when the operation's API is missing from this build."""
+        """Raise a CkptError when the operation cannot run at all (merge-lora: its fixed --lora or --base is missing)."""
 
     @property
     def signature(self) -> str:
@@ -97,14 +97,14 @@ class Operation:
     def estimate(self, item: Found) -> int:
         return header_estimate(item.path)
 
-    def owns(self, provenance: str | None) -> bool:
-        """Whether an output whose `ckpt_operation` metadata reads `provenance` is what this operation
+    def owns(self, provenance: str | None, item: Found) -> bool:
+        """Whether an output of ITEM whose `ckpt_operation` metadata reads `provenance` is what this operation
         writes (resume recognises a killed run's finished outputs by it)."""
-        return provenance is not None and provenance == self.provenance
+        return provenance is not None and provenance == self.provenance(item)
 
-    @property
-    def provenance(self) -> str:
-        """The `ckpt_operation` its outputs carry."""
+    def provenance(self, item: Found) -> str:
+        """The `ckpt_operation` ITEM's output carries: made by the command's own function (each command's
+        `*_operation`), never spelt again here, so that what resume compares is what the command wrote."""
         return self.name
 
     def run(self, src: Path, out: Path | None, overwrite: bool) -> tuple[Path | None, Report, dict | None]:
@@ -148,9 +148,10 @@ class ConvertOp(Operation):
         # a --scaled the target refuses still names the output as asked; each run fails with the refusal
         return target.suffix + ("-scaled" if scaled and not target.is_scaled else "")
 
-    @property
-    def provenance(self) -> str:
-        return f"convert --to {self.params['to']}" + (" --scaled" if self.params.get("scaled") else "")
+    def provenance(self, item: Found) -> str:
+        from ckpt.convert.command import convert_operation
+
+        return convert_operation(self._options())
 
     def output_is_folder(self, item: Found) -> bool:
         return item.is_folder or bool(self.params.get("max_shard_size"))
@@ -185,18 +186,10 @@ class DequantOp(Operation):
 
     name = "dequant"
 
-    def _api(self):
-        try:
-            from ckpt.quant.dequant import DequantOptions, dequant, plan_dequant
-        except ImportError:
-            raise CkptError("batch dequant: not available in this build (ckpt.quant.dequant is missing)") from None
-        return DequantOptions, dequant, plan_dequant
-
-    def check_available(self):
-        self._api()
-
     def _options(self, **extra):
-        return self._api()[0](**{**self.params, **extra})
+        from ckpt.quant.dequant import DequantOptions
+
+        return DequantOptions(**{**self.params, **extra})
 
     @property
     def signature(self) -> str:
@@ -204,9 +197,10 @@ class DequantOp(Operation):
         return ("dequant" + _flag("--to", p.get("to")) + _flag("--shapes-from", p.get("shapes_from"))
                 + _flag("--qtype", p.get("qtype")) + _flag("--max-shard-size", p.get("max_shard_size")))
 
-    @property
-    def provenance(self) -> str:
-        return "dequant" + (f" --to {self.params['to']}" if self.params.get("to") else "")
+    def provenance(self, item: Found) -> str:
+        from ckpt.quant.dequant import dequant_operation
+
+        return dequant_operation(self._options())
 
     def output_is_folder(self, item: Found) -> bool:
         return item.is_folder or bool(self.params.get("max_shard_size"))
@@ -219,18 +213,20 @@ class DequantOp(Operation):
 
     def estimate(self, item: Found) -> int:
         from ckpt.io.checkpoint import PICKLES, open_checkpoint
+        from ckpt.quant.dequant import plan_dequant
 
         if any(f.suffix in PICKLES for f in _weight_files(item.path)):
             return header_estimate(item.path)
         try:
             with open_checkpoint(str(item.path)) as ckpt:
-                plan, _ = self._api()[2](ckpt, self._options(quiet=True), Report())
+                plan, _ = plan_dequant(ckpt, self._options(quiet=True), Report())
         except CkptError:
             return FIXED_BYTES
         return plan_estimate(plan) if plan is not None else FIXED_BYTES
 
     def run(self, src, out, overwrite):
-        dequant = self._api()[1]
+        from ckpt.quant.dequant import dequant
+
         return (*dequant(str(src), out, self._options(overwrite=overwrite, quiet=True)), None)
 
 
@@ -241,15 +237,12 @@ class MergeLoraOp(Operation):
     name = "merge-lora"
     OWN = ("lora", "base")
 
-    def _api(self):
-        try:
-            from ckpt.merge.command import MergeOptions, merge_lora
-        except ImportError:
-            raise CkptError("batch merge-lora: not available in this build (ckpt.merge.command is missing)") from None
-        return MergeOptions, merge_lora
+    def _options(self, **extra):
+        from ckpt.merge.command import MergeOptions
+
+        return MergeOptions(**{k: v for k, v in self.params.items() if k not in self.OWN}, **extra)
 
     def check_available(self):
-        self._api()
         role, path = self.fixed
         if not path.exists():
             raise CkptError(f"--{role} {path}: no such file or directory")
@@ -273,14 +266,13 @@ class MergeLoraOp(Operation):
                 + _flag("--ratio", p.get("ratios")) + _flag("--to", p.get("to"))
                 + _flag("--allow-unmatched", p.get("allow_unmatched")))
 
-    def owns(self, provenance: str | None) -> bool:
-        """merge-lora records the LoRA file names and ratios: `merge-lora NAME@R [--to X]`."""
+    def provenance(self, item: Found) -> str:
+        """merge-lora records the LoRA's file name and ratio: `merge-lora NAME@R [--to X]`."""
+        from ckpt.merge.command import merge_operation
+
         role, path = self.fixed
-        ratio = (self.params.get("ratios") or [1.0])[0]
-        to = f" --to {self.params['to']}" if self.params.get("to") else ""
-        if provenance is None or not provenance.startswith("merge-lora ") or not provenance.endswith(f"@{ratio:g}{to}"):
-            return False
-        return role == "base" or f" {path.name}@" in provenance
+        lora = path if role == "lora" else item.path
+        return merge_operation([lora.name], (self.params.get("ratios") or [1.0])[:1], self._options())
 
     @property
     def title(self) -> str:
@@ -324,10 +316,10 @@ class MergeLoraOp(Operation):
         return header_estimate(base, 4, 3) + sum(f.stat().st_size for f in _weight_files(lora))
 
     def run(self, src, out, overwrite):
-        options_cls, merge_lora = self._api()
+        from ckpt.merge.command import merge_lora
+
         role, path = self.fixed
-        opts = options_cls(**{k: v for k, v in self.params.items() if k not in self.OWN},
-                           overwrite=overwrite, quiet=True)
+        opts = self._options(overwrite=overwrite, quiet=True)
         base, lora = (src, path) if role == "lora" else (path, src)
         out_path, report = merge_lora(str(base), [str(lora)], out, opts)
         for line in getattr(report, "summary", []):
@@ -343,12 +335,6 @@ class InspectOp(Operation):
     writes = False
     COLUMNS = ("input", "status", "kind", "model_kind", "family", "encodings", "dtypes", "tensors",
                "parameters", "bytes", "components", "warnings", "error")
-
-    def check_available(self):
-        try:
-            from ckpt.inspect import inspect  # noqa: F401
-        except ImportError:
-            raise CkptError("batch inspect: not available in this build (ckpt.inspect is missing)") from None
 
     @property
     def signature(self) -> str:

@@ -180,14 +180,14 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
                 job.reason = "done in an earlier run"
                 done.append(Outcome(job, "skipped"))
                 continue
-            if rec.status == "started" and same and ours and _finished_by(op, out, rec):
+            if rec.status == "started" and same and ours and _finished_by(op, item, out, rec):
                 job.reason = "done in an earlier run that was stopped before recording it"
                 done.append(Outcome(job, "skipped", output=str(out.resolve()), recognised=True))
                 continue
             if rec.status == "started":
                 job.reason = "retry: interrupted in an earlier run"
                 # an output at this path with ckpt's provenance for this operation is this job's own
-                ours = ours and out.exists() and op.owns(made_by_ckpt(out))
+                ours = ours and out.exists() and op.owns(made_by_ckpt(out), item)
             elif rec.status != "ok":
                 job.reason = "retry: failed in an earlier run"
             elif not same:
@@ -201,11 +201,11 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
     return jobs, done, ignored
 
 
-def _finished_by(op: Operation, out: Path, rec: Record) -> bool:
+def _finished_by(op: Operation, item: Found, out: Path, rec: Record) -> bool:
     """Whether OUT is what the job recorded as started finished writing before the run was killed: it
     carries ckpt's provenance for this operation and was written after the job started. (The record
     also names this input with its size and mtime, checked by the caller.)"""
-    if not out.exists() or not op.owns(made_by_ckpt(out)):
+    if not out.exists() or not op.owns(made_by_ckpt(out), item):
         return False
     _, newest = fingerprint(out)
     return rec.started_ns is not None and newest >= rec.started_ns - CLOCK_SLACK_NS

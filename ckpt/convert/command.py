@@ -30,6 +30,13 @@ class ConvertOptions:
     config: str | None = None  # --config REF: the diffusers config.json for --layout diffusers
 
 
+def convert_operation(opts: ConvertOptions) -> str:
+    """The `ckpt_operation` convert records in its outputs' metadata (`ckpt.io.layout.provenance`). The one
+    spelling of it: batch's resume recognises a killed run's finished outputs by comparing with this."""
+    return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "")
+            + (" --scaled" if opts.scaled else ""))
+
+
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
     """The output's Plan and the inputs' logical views. Every kind of --to (ckpt.convert.targets) checks its
     options and plans behind one interface; the quantized inputs it decodes are noted here, for all."""

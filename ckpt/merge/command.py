@@ -82,6 +82,13 @@ class MergeError(CkptError):
         self.report = report
 
 
+def merge_operation(lora_names: list[str], ratios: list[float], opts: MergeOptions) -> str:
+    """The `ckpt_operation` merge-lora records in its output's metadata (GGUF: `ckpt.operation`): each LoRA's
+    file name with its ratio, and --to or --keep-format. Batch's resume compares with this same string."""
+    return ("merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(lora_names, ratios))
+            + (f" --to {opts.to}" if opts.to else "") + (" --keep-format" if opts.keep_format else ""))
+
+
 def _build_keymap(shapes: dict[str, tuple[int, ...]], component: str | None):
     return build_keymap(shapes, component=component or None)
 
@@ -202,11 +209,11 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
     names = [Path(f.spec).name for f in files]
-    op = "merge-lora " + " ".join(f"{n}@{r:g}" for n, r in zip(names, ratios)) + (f" --to {opts.to}" if opts.to else "")
+    op = merge_operation(names, ratios, opts)
     if opts.keep_format:
         from ckpt.merge.keep_format import plan_keep_format
 
-        plan, report.meters, notes = plan_keep_format(ckpt, views, patches, report, op + " --keep-format", file_format)
+        plan, report.meters, notes = plan_keep_format(ckpt, views, patches, report, op, file_format)
         plan.notes += notes + lit_notes
         return plan
 

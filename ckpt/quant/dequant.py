@@ -41,6 +41,11 @@ class DequantOptions:
     dry_run: bool = False
 
 
+def dequant_operation(opts: DequantOptions) -> str:
+    """The `ckpt_operation` dequant records in its outputs' metadata; batch's resume compares with this."""
+    return "dequant" + (f" --to {opts.to}" if opts.to else "")
+
+
 def plan_dequant(ckpt, opts: DequantOptions, report: Report):
     """(plan, views), or (None, views) when nothing in the checkpoint is quantized."""
     if opts.to is not None and opts.to not in OUT_DTYPES:
@@ -56,7 +61,7 @@ def plan_dequant(ckpt, opts: DequantOptions, report: Report):
         return None, views
     make = cast_outputs(report, lambda t: target or t.natural_dtype)
     shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
-    plan = plan_checkpoint(ckpt, views, make, operation="dequant" + (f" --to {opts.to}" if opts.to else ""),
+    plan = plan_checkpoint(ckpt, views, make, operation=dequant_operation(opts),
                            max_shard_size=shard_size, output_dtype=lambda c: target)
     plan.notes += decoded_notes(ckpt, views)
     return plan, views

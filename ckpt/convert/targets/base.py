@@ -86,8 +86,9 @@ class Target:
 
         make, finish = self.outputs(views, opts, report)
         shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
-        op = "convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "") \
-            + (" --scaled" if opts.scaled else "")
+        from ckpt.convert.command import convert_operation
+
+        op = convert_operation(opts)
         if opts.layout is not None:
             from ckpt.convert.layout import plan_layout
 
