@@ -404,9 +404,44 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
     """Plan and run; `log(line)` hears each finished job. Raises CkptError for a bad command line
     (nothing run); job failures are in the result. `jobs`: worker processes (local, default 1), or at
     most that many Ray tasks at once (default: as many as the cluster holds). `plan_only`: record the
-    jobs as started and return them as `job_lines`; `collect`: fold in the results they reported."""
-    from tqdm import tqdm
+    jobs as started and return them as `job_lines`; `collect`: fold in the results they reported.
 
+    The steps, in this order because each may refuse before the next writes anything: check the command
+    line, plan the jobs (and the memory), connect to Ray, open the manifest, then list/collect or run."""
+    check_options(op, jobs, executor, ray_address, plan_only, collect, dry_run)
+    root, out_root = check_folders(folder, outdir)
+    manifest = Manifest(manifest_path(root, out_root)) if op.writes else None
+    todo, done, ignored = plan_jobs(op, root, out_root, pattern, overwrite, manifest)
+    if collect:
+        from ckpt.batch.joblist import reported_first, results_dir
+
+        todo, done = reported_first(results_dir(manifest.path), op, todo, done)
+    result = BatchResult(op.title, list(done), todo, ignored, manifest.path if manifest else None, dry_run=dry_run)
+    log = log or (lambda line: None)
+    if executor == "local" and (jobs or 1) > 1 and len(todo) > 1:
+        log(check_memory(op, todo, jobs))
+    if dry_run:
+        return result
+    pool = None
+    if executor == "ray" and todo:  # connected before anything is recorded: an unreachable cluster writes nothing
+        from ckpt.batch.ray_pool import RayPool
+
+        pool = RayPool(op, todo, ray_address, jobs, lambda job: job_spec(op, job, absolute=True), log)
+    if manifest is not None:
+        open_manifest(op, manifest, out_root, done, pool)
+    if plan_only or collect:
+        try:
+            return _list_or_collect(op, result, manifest, plan_only, quiet)
+        finally:
+            manifest.close()
+    run_jobs(op, result, manifest, pool, jobs, quiet)
+    return result
+
+
+def check_options(op: Operation, jobs: int | None, executor: str, ray_address: str | None, plan_only: bool,
+                  collect: bool, dry_run: bool) -> None:
+    """Refuse a command line whose options contradict each other, or an executor or operation this
+    installation cannot run, before any file is looked at."""
     if jobs is not None and jobs < 1:
         raise CkptError(f"--jobs {jobs}: must be at least 1")
     if executor not in EXECUTORS:
@@ -426,6 +461,10 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
 
         require()
     op.check_available()
+
+
+def check_folders(folder: str | Path, outdir: str | Path | None) -> tuple[Path, Path | None]:
+    """(FOLDER, OUTDIR) as paths: FOLDER exists; OUTDIR, when given, neither contains FOLDER nor is a file."""
     root = Path(folder).expanduser()
     if not root.exists():
         raise CkptError(f"{root}: no such file or directory")
@@ -436,50 +475,42 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
             raise CkptError(f"-o {out_root}: contains the input folder {root}; choose an output folder outside it")
         if out_root.exists() and not out_root.is_dir():
             raise CkptError(f"-o {out_root}: exists and is not a folder")
-    manifest = Manifest(manifest_path(root, out_root)) if op.writes else None
-    todo, done, ignored = plan_jobs(op, root, out_root, pattern, overwrite, manifest)
-    if collect:
-        from ckpt.batch.joblist import reported_first, results_dir
+    return root, out_root
 
-        todo, done = reported_first(results_dir(manifest.path), op, todo, done)
-    result = BatchResult(op.title, list(done), todo, ignored, manifest.path if manifest else None, dry_run=dry_run)
-    log = log or (lambda line: None)
-    if executor == "local" and (jobs or 1) > 1 and len(todo) > 1:
-        log(check_memory(op, todo, jobs))
-    if dry_run:
-        return result
-    pool = None
-    if executor == "ray" and todo:  # connected before anything is recorded: an unreachable cluster writes nothing
-        from ckpt.batch.ray_pool import RayPool
 
-        pool = RayPool(op, todo, ray_address, jobs, lambda job: job_spec(op, job, absolute=True), log)
+def open_manifest(op: Operation, manifest: Manifest, out_root: Path | None, done: list[Outcome], pool) -> None:
+    """Open the manifest for appending (creating OUTDIR) and record the jobs a killed run finished; a
+    manifest that cannot be written refuses the run, closing the Ray pool already connected."""
+    try:
+        if out_root is not None:
+            out_root.mkdir(parents=True, exist_ok=True)
+        manifest.open_for_append()
+    except OSError as e:
+        where = "choose another -o" if out_root is not None else \
+            "pass -o OUTDIR to write the outputs and the manifest there"
+        if pool is not None:
+            pool.close()
+        raise CkptError(f"{manifest.path}: cannot write the batch manifest ({e.strerror or e}); {where}") from None
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
+    for o in done:  # finished in a killed run: recorded now, so the next run needs no second look
+        if o.recognised:
+            manifest.append(Record(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
+                                   o.output, "ok"))
 
-    if manifest is not None:
-        try:
-            if out_root is not None:
-                out_root.mkdir(parents=True, exist_ok=True)
-            manifest.open_for_append()
-        except OSError as e:
-            where = "choose another -o" if out_root is not None else \
-                "pass -o OUTDIR to write the outputs and the manifest there"
-            if pool is not None:
-                pool.close()
-            raise CkptError(f"{manifest.path}: cannot write the batch manifest ({e.strerror or e}); {where}") from None
-        except BaseException:
-            if pool is not None:
-                pool.close()
-            raise
-        for o in done:  # finished in a killed run: recorded now, so the next run needs no second look
-            if o.recognised:
-                manifest.append(Record(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
-                                       o.output, "ok"))
-    if plan_only or collect:
-        try:
-            return _list_or_collect(op, result, manifest, plan_only, quiet)
-        finally:
-            manifest.close()
+
+def run_jobs(op: Operation, result: BatchResult, manifest: Manifest | None, pool, jobs: int | None,
+             quiet: bool) -> None:
+    """Run `result.todo` on `pool` (Ray), on `jobs` worker processes, or in this process; one
+    progress bar over their bytes; Ctrl-C stops the pool, keeps what finished and marks the result
+    interrupted. Closes the pool and the manifest."""
+    from tqdm import tqdm
+
+    todo, done = result.todo, len(result.outcomes)
     remove_stale_scratch()
-    for job in [*todo, *(o.job for o in done)]:
+    for job in [*todo, *(o.job for o in result.outcomes)]:
         if job.output is not None:
             remove_stale_temps(job.output)
     bar = tqdm(total=sum(j.size for j in todo), desc=f"batch {op.name}", unit="B", unit_scale=True,
@@ -492,7 +523,7 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
     try:
         if pool is None:
             for job in queue:
-                bar.set_postfix_str(f"{len(result.outcomes) - len(done)}/{len(todo)} jobs, {job.item.rel}",
+                bar.set_postfix_str(f"{len(result.outcomes) - done}/{len(todo)} jobs, {job.item.rel}",
                                     refresh=True)
                 started(job)
                 finish(job, run_job(op, job.item.path, job.output, job.overwrite))
@@ -504,7 +535,7 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
                     pool.start(job)
                 job, res = pool.wait_one()
                 finish(job, res)
-                bar.set_postfix_str(f"{len(result.outcomes) - len(done)}/{len(todo)} jobs", refresh=False)
+                bar.set_postfix_str(f"{len(result.outcomes) - done}/{len(todo)} jobs", refresh=False)
     except KeyboardInterrupt:
         result.interrupted = True
         if pool is not None:
@@ -516,7 +547,6 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
             pool.close()
         if manifest is not None:
             manifest.close()
-    return result
 
 
 def _recorders(op: Operation, result: BatchResult, manifest: Manifest | None, bar, quiet: bool):
