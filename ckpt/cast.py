@@ -10,7 +10,7 @@
   inf; `clamp` replaces exactly those with the signed finite maximum, so --clamp never changes a value
   that casts to a finite one.
 - On a GPU the same result is computed without branching on device values (NaN rewrite and clamp by
-  masks, counts as device tensors), so a band costs no host synchronisation; the write pipeline reports
+  masks, counts as device tensors), so a band costs no host synchronisation; the write stages reports
   the counts when the band arrives on the host (`Slot.defer`).
 """
 
@@ -121,7 +121,7 @@ def _copy_and_check(y: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def _later(buffers, fn, value: torch.Tensor) -> None:
-    """`fn(value)` once `value` (a device tensor of counts) is on the host: when the write pipeline brings
+    """`fn(value)` once `value` (a device tensor of counts) is on the host: when the write stages brings
     the band back (`Slot.defer`), else now."""
     defer = getattr(buffers, "defer", None)
     if defer is not None:

@@ -9,7 +9,7 @@ Held back, the signal is delivered (to the handler that was in place) right afte
 Two things hold it back, because either alone leaves a hole:
 - the thread's signal mask, so the OS delivers nothing to this thread during a C-level step;
 - while the step runs, the Python-level handlers are replaced by one that only records. A masked thread
-  is not enough where other threads exist (the write pipeline's stages, tqdm's monitor, a Ray worker's
+  is not enough where other threads exist (the write stages' threads, tqdm's monitor, a Ray worker's
   threads): the kernel hands a process-wide signal to an unmasked thread and CPython then runs the
   Python handler in the main thread all the same. And Ray cancels a running task with
   `_thread.interrupt_main()`, which calls the Python handler without any OS signal.

@@ -6,7 +6,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-_LOCK = threading.Lock()  # counts arrive from the write pipeline's reading and compute threads
+_LOCK = threading.Lock()  # counts arrive from the write stages' reading and compute threads
 
 
 def plural(n: int, word: str) -> str:

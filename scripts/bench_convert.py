@@ -24,7 +24,7 @@ the maximum over rounds.
 
 Targets (from the issue): peak RSS of ckpt at most the import baseline (`python -c "import torch"`, with
 a CUDA context for `--device cuda`, measured in the same run) + 2x the largest tensor (its bytes in the
-larger of the input and output dtypes) + the write pipeline's buffers + 300 MB; wall time within 1.5x of
+larger of the input and output dtypes) + the write stages' buffers + 300 MB; wall time within 1.5x of
 cp + sync of the output bytes; faster than naive. `--device cuda` runs ckpt on the GPU; `--workdir`
 chooses tmpfs (/dev/shm: the disk out of the figures) or a real disk, and the report says which. They are printed as
 met / NOT met; `--check-targets` makes an unmet target exit 1. Correctness is checked too: ckpt's output

@@ -393,8 +393,8 @@ def _compare(a: str, b: str) -> dict:
 
 # ------------------------------------------------------------------------- common bench yardsticks
 
-# Mirrors of ckpt.io.pipeline.DEPTH and ckpt.io.output.BAND_ELEMS (this module must not import ckpt or
-# torch; tests/test_scripts.py checks that they agree): the write pipeline's buffers are a function of them.
+# Mirrors of ckpt.io.write_stages.DEPTH and ckpt.io.output.BAND_ELEMS (this module must not import ckpt or
+# torch; tests/test_scripts.py checks that they agree): the write stages' buffers are a function of them.
 PIPELINE_DEPTH = 3
 BAND_ELEMS = 8 << 20
 RSS_SLACK = 300e6  # the "+ 300 MB" of the issue's bound
@@ -449,7 +449,7 @@ def import_baseline(device: str = "cpu") -> Measurement:
 
 
 def pipeline_bytes(in_itemsize: int, out_itemsize: int) -> int:
-    """Buffers of the write pipeline: DEPTH bands in flight, each holding its input band, its output band
+    """Buffers of the write stages: DEPTH bands in flight, each holding its input band, its output band
     and one fp32 intermediate (a decode's or a merge's); on CUDA the pinned in/out buffers take the place
     of the CPU ones."""
     return PIPELINE_DEPTH * BAND_ELEMS * (in_itemsize + out_itemsize + 4)

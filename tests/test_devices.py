@@ -12,7 +12,7 @@ import ckpt.cast as cast
 from ckpt.cast import Caster
 from ckpt.devices import TF32_OVERRIDE, exact_fp32, resolve_device
 from ckpt.errors import CkptError
-from ckpt.io.pipeline import Slot
+from ckpt.io.write_stages import Slot
 from ckpt.report import Report
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -250,7 +250,7 @@ def test_cuda_pinned_buffers_are_a_fixed_set_reused_band_after_band(tmp_path, mo
     """Bands move through each slot's own pinned buffers ("raw" in, "d2h" out): however many bands a run
     moves, it holds at most DEPTH x 2 of them (plus torch's small cached blocks for counts)."""
     from ckpt.io.buffers import Buffers
-    from ckpt.io.pipeline import DEPTH
+    from ckpt.io.write_stages import DEPTH
 
     monkeypatch.setattr("ckpt.io.output.BAND_ELEMS", 1024)
     src = tmp_path / "m.safetensors"

@@ -17,7 +17,7 @@ from ckpt.interrupts import signals_deferred
 
 
 def busy_threads(n=3):
-    """Unmasked threads that sleep in short steps (as the write pipeline's stages wait for bands)."""
+    """Unmasked threads that sleep in short steps (as the write stages' threads wait for bands)."""
     stop = threading.Event()
     threads = [threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(stop.is_set, True)], daemon=True)
                for _ in range(n)]

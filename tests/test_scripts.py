@@ -148,7 +148,7 @@ def test_benchlib_pipeline_constants_mirror_ckpt():
     """benchlib may not import ckpt (it must stay small: see its docstring); its copy of the pipeline's
     depth and band size, which the RSS bound uses, must follow ckpt's."""
     from ckpt.io.output import BAND_ELEMS
-    from ckpt.io.pipeline import DEPTH
+    from ckpt.io.write_stages import DEPTH
 
     assert (bl.PIPELINE_DEPTH, bl.BAND_ELEMS) == (DEPTH, BAND_ELEMS)
 

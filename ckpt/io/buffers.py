@@ -5,7 +5,7 @@ On CUDA the buffers that copies go through are pinned (page-locked: the copy eng
 them directly, at full PCIe speed and asynchronously) and reused the same way, one per role: a run holds
 a fixed set of them however many bands it moves. A pinned buffer is handed out again only after the
 copy that last used it has finished (`fence` records where that copy was queued; `pinned` waits for it,
-which in the write pipeline's steady state has long happened, so the wait costs nothing)."""
+which in the write stages' steady state has long happened, so the wait costs nothing)."""
 
 from __future__ import annotations
 

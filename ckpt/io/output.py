@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ckpt.errors import CkptError
-from ckpt.io.pipeline import BandPipeline
+from ckpt.io.write_stages import WriteStages
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
@@ -29,7 +29,7 @@ from ckpt.report import listed, plural
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
-BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; ckpt.io.pipeline.DEPTH sets in flight)
+BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; ckpt.io.write_stages.DEPTH sets in flight)
 
 
 def _exists(out: Path) -> bool:
@@ -155,7 +155,7 @@ def _write_file(path: Path, f, device, progress, fd: int) -> None:
     w = _open_writer(path, f, fd)
     pipe = None
     try:
-        pipe = BandPipeline(w, device, progress)
+        pipe = WriteStages(w, device, progress)
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
             _stream_tensor(t, pipe, device)
@@ -168,9 +168,9 @@ def _write_file(path: Path, f, device, progress, fd: int) -> None:
         raise
 
 
-def _stream_tensor(t: OutTensor, pipe: BandPipeline, device) -> None:
-    """Read `t`'s bands on this thread (see ckpt.io.pipeline for why reads stay here) and hand each to
-    the pipeline; a stateless cast runs on its compute stage, any other one here."""
+def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:
+    """Read `t`'s bands on this thread (see ckpt.io.write_stages for why reads stay here) and hand each to
+    the write stages; a stateless cast runs on its compute stage, any other one here."""
     src = t.source
     for a, b in bands(src):
         slot = pipe.band()

@@ -24,8 +24,8 @@ class OutTensor:
     """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`.
 
     `stateless`: the cast depends on its band alone (it reads no tensor and keeps nothing across bands,
-    like `ckpt.cast.Caster`), so the write pipeline may run it on its compute thread while later bands are
-    read (ckpt.io.pipeline); any other cast runs on the reading thread, in band order."""
+    like `ckpt.cast.Caster`), so the write stages may run it on its compute thread while later bands are
+    read (ckpt.io.write_stages); any other cast runs on the reading thread, in band order."""
 
     name: str
     dtype: torch.dtype

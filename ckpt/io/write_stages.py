@@ -1,4 +1,4 @@
-"""The write pipeline: bands of every output tensor flow read -> compute -> write, concurrently.
+"""The write stages: bands of every output tensor flow read -> compute -> write, concurrently.
 
 Three stages, each on its own long-lived thread for the whole output file (never a thread per band):
 
@@ -19,7 +19,7 @@ stages pass the GIL back and forth only between torch kernels and syscalls, whic
 
 On CUDA the reader works on its own stream (host->device copies from pinned memory, decode, merge), the
 cast on a second and the device->host copy into pinned memory on a third, so copies overlap compute and
-file I/O; the writer waits on one event per band, the only synchronisation the pipeline makes.
+file I/O; the writer waits on one event per band, the only synchronisation the stages make.
 Counts the cast found on the device (overflow, NaN) travel back with the band (`Slot.defer`).
 """
 
@@ -38,7 +38,7 @@ DEPTH = 3  # bands in flight: one being read, one cast, one written (tests vary 
 
 
 def stage_threads(cores: int) -> int:
-    """torch intra-op threads while the pipeline runs: half of the cores left after the writer and the
+    """torch intra-op threads while the stages run: half of the cores left after the writer and the
     reader's own I/O, at least one. The reading and the compute stage each run torch ops (decode, merge;
     cast) at the same time, and two OpenMP teams that together ask for more threads than there are
     cores stall each other at every op's barrier (measured on 2 cores: 2 threads each made a convert 2x
@@ -72,7 +72,7 @@ class _Band:
         self.host: list = []  # (callback, pinned host tensor) of deferred values
 
 
-class BandPipeline:
+class WriteStages:
     """`band()` hands the reader a free slot, `submit()` passes the band read into it on; `finish()`
     waits for every band to be written (and raises what a stage raised); `abort()` stops the stages."""
 
@@ -214,7 +214,7 @@ class BandPipeline:
 
 
 class _CudaStreams:
-    """The three CUDA streams of the pipeline and the hand-offs between them. Tensors made on one
+    """The three CUDA streams of the write stages and the hand-offs between them. Tensors made on one
     stream and used on another are `record_stream`-ed, so the caching allocator never reuses their memory
     early; host memory is pinned (torch's caching host allocator keeps a pinned block until the copies
     that used it are done, so it is reused without page faults and never while a copy reads it)."""

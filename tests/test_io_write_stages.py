@@ -1,4 +1,4 @@
-"""The write pipeline (ckpt.io.pipeline): output bytes do not depend on how many bands are in flight or
+"""The write stages (ckpt.io.write_stages): output bytes do not depend on how many bands are in flight or
 how small they are; reads stay on one thread and in order (stateful reads: merges, mapped pickles);
 stages are long-lived threads; memory is a fixed set of slots; a failing stage fails the run cleanly.
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpt.io.output as output
-import ckpt.io.pipeline as pipeline
+import ckpt.io.write_stages as pipeline
 
 DEPTHS = [1, 2, 3, 6]
 
