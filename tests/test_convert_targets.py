@@ -36,9 +36,9 @@ def test_registry_names_suffixes_and_file_suffixes():
 
 
 def test_cli_and_batch_choices_are_the_registry():
-    from ckpt.batch.cli import batch
+    from ckpt.cli.batch import batch
     from ckpt.cli import cli
-    from ckpt.cli_options import CONVERT_OR_GGUF, CONVERT_TARGETS, CONVERT_TO_HELP
+    from ckpt.cli.options import CONVERT_OR_GGUF, CONVERT_TARGETS, CONVERT_TO_HELP
 
     to = {p.name: p for p in cli.commands["convert"].params}["to"]
     assert to.type is CONVERT_OR_GGUF and list(to.type.choices) == targets.names()

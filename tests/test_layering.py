@@ -20,8 +20,8 @@ import ckpt
 
 ROOT = Path(ckpt.__file__).parent
 # Commands and what composes them: nothing below may import these.
-COMMANDS = ("ckpt.convert", "ckpt.merge", "ckpt.lora", "ckpt.batch", "ckpt.inspect", "ckpt.cli", "ckpt.cli_options",
-            "ckpt.cli_report", "ckpt.run")
+COMMANDS = ("ckpt.convert", "ckpt.merge", "ckpt.lora", "ckpt.batch", "ckpt.inspect", "ckpt.cli", "ckpt.cli.options",
+            "ckpt.cli.report", "ckpt.run")
 LOWER = ("ckpt.io", "ckpt.quant", "ckpt.families", "ckpt.report", "ckpt.errors", "ckpt.dtypes", "ckpt.cast",
          "ckpt.progress", "ckpt.interrupts")
 # `ckpt dequant` is a command that lives beside the decoders it drives.

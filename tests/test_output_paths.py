@@ -128,7 +128,7 @@ def test_report_naming_a_link_a_fifo_or_a_device_is_refused(tmp_path, run_ckpt):
 
 
 def test_report_that_fails_after_the_output_was_written_is_exit_3(tmp_path, run_ckpt, monkeypatch):
-    import ckpt.cli_report as cli_report
+    import ckpt.cli.report as cli_report
 
     src = one_file(tmp_path)
     real = os.replace

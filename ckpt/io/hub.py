@@ -8,7 +8,7 @@ huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE once, at import; ckpt reads 
 time and passes them explicitly, so the environment of the run is what counts.
 
 Paths a command names are looked at through `local_path` here (SRC and LoRAs by `check_source` and
-`check_lora`, options such as -o, --shapes-from, --lora by the callbacks of `ckpt.cli_options`), so a
+`check_lora`, options such as -o, --shapes-from, --lora by the callbacks of `ckpt.cli.options`), so a
 folder the user cannot enter is "permission denied" in one line rather than a traceback, and a spec that
 looks local (see `looks_like_repo_id`) is a local "no such file" at once. Only what is left goes to the
 hub, through `_lookup`: one line saying so, a deadline (CKPT_HUB_TIMEOUT seconds) for the hub's answer

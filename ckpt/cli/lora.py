@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import click
 
-from ckpt.cli_options import DEVICE, DRY_RUN, OVERWRITE, QUIET, OneLineGroup
+from ckpt.cli.options import DEVICE, DRY_RUN, OVERWRITE, QUIET, OneLineGroup
+from ckpt.cli.report import REPORT, print_report, record
 from ckpt.io.hub import check_lora, check_source
 
 
@@ -49,8 +50,6 @@ def _alpha(f):
 
 
 def _common(f):
-    from ckpt.cli_report import REPORT
-
     f = REPORT(f)
     f = QUIET(f)
     f = OVERWRITE(f)
@@ -65,9 +64,7 @@ def _options(**kw):
     return LoraOptions(**kw)
 
 
-def _show(report, path, quiet, dry_run, print_report):
-    from ckpt.cli_report import record
-
+def _show(report, path, quiet, dry_run):
     record(report, output=path, status="dry-run" if dry_run else "ok", summary=list(report.summary))
     if not quiet:
         for line in report.module_lines():
@@ -105,14 +102,13 @@ def extract(base, tuned, out, rank, conv_rank, dynamic, threshold, clamp_quantil
     """A LoRA approximating TUNED - BASE (truncated SVD of each weight's delta, one weight at a time)."""
     for spec in (base, tuned):  # refused before torch is imported
         check_source(spec)
-    from ckpt.cli import print_report
     from ckpt.lora.extract import extract as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
                     clamp_quantile=clamp_quantile, save_dtype=save_dtype, format=fmt, lowrank=lowrank, niter=niter,
                     device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet, skip_nonfinite=skip_nonfinite)
     path, report = run(base, tuned, out, opts, min_diff=min_diff, exclude=list(exclude))
-    _show(report, path, quiet, dry_run, print_report)
+    _show(report, path, quiet, dry_run)
 
 
 @lora.command()
@@ -128,14 +124,13 @@ def resize(lora_file, out, rank, conv_rank, dynamic, threshold, save_dtype, fmt,
            device, overwrite, quiet):
     """Lower a LoRA's rank by SVD of each module's up @ down, keeping its effective scale."""
     check_lora(lora_file)
-    from ckpt.cli import print_report
     from ckpt.lora.resize import resize as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold, save_dtype=save_dtype,
                     format=fmt, device=device, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
                     alphas=tuple(alphas), skip_nonfinite=skip_nonfinite)
     path, report = run(lora_file, out, opts, base=base)
-    _show(report, path, quiet, dry_run, print_report)
+    _show(report, path, quiet, dry_run)
 
 
 @lora.command()
@@ -158,7 +153,6 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
     """One LoRA equal to applying A, B, ... in order (with their ratios)."""
     for spec in loras:
         check_lora(spec)
-    from ckpt.cli import print_report
     from ckpt.lora.merge import merge as run
 
     opts = _options(rank=rank, conv_rank=conv_rank, dynamic=dynamic, threshold=threshold,
@@ -166,7 +160,7 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
                     dry_run=dry_run, overwrite=overwrite, quiet=quiet, alphas=tuple(alphas),
                     skip_nonfinite=skip_nonfinite)
     path, report = run(list(loras), out, opts, ratios=list(ratios), mode=mode, base=base)
-    _show(report, path, quiet, dry_run, print_report)
+    _show(report, path, quiet, dry_run)
 
 
 @lora.command()
@@ -187,10 +181,9 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
 def convert(lora_file, fmt, base, out, to_lora, save_dtype, alphas, skip_nonfinite, dry_run, device, overwrite, quiet):
     """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI): fused <-> split q/k/v, alpha placed."""
     check_lora(lora_file)
-    from ckpt.cli import print_report
     from ckpt.lora.convert import convert as run
 
     opts = _options(format=fmt, save_dtype=save_dtype, device=device, dry_run=dry_run, overwrite=overwrite,
                     quiet=quiet, alphas=tuple(alphas), skip_nonfinite=skip_nonfinite)
     path, report = run(lora_file, out, opts, base=base, to_lora=to_lora)
-    _show(report, path, quiet, dry_run, print_report)
+    _show(report, path, quiet, dry_run)

@@ -164,3 +164,12 @@ def finish(exit_code: int, error: str | None = None, report=None) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise ReportNotWritten(f"{label}: cannot write it ({e.strerror or e}){done}") from None
+
+
+def print_report(report, quiet: bool) -> None:
+    """A command's notes (unless --quiet) and warnings, on stderr: what every command says besides its result."""
+    if not quiet:
+        for n in report.notes:
+            click.echo(f"note: {n}", err=True)
+    for w in report.warnings():
+        click.echo(w, err=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli_options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE,
+from ckpt.cli.options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE,
                               MERGE_TO, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
 from ckpt.errors import CkptError
 from ckpt.interrupts import load

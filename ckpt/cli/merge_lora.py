@@ -1,0 +1,62 @@
+"""`ckpt merge-lora`: the click command over its Python API (imports only click and ckpt's light modules until it
+runs)."""
+
+from __future__ import annotations
+
+import click
+
+from ckpt.cli.options import (ALLOW_UNMATCHED, DEVICE, FORMAT, MERGE_TO, OVERWRITE, QUIET, OneLineCommand,
+                              check_output)
+from ckpt.cli.report import REPORT, print_report, record
+from ckpt.interrupts import load
+from ckpt.io.hub import check_lora, check_source
+
+
+@click.command("merge-lora", cls=OneLineCommand)
+@click.argument("base")
+@click.argument("loras", nargs=-1)
+@click.option("-o", "--output", "out", callback=check_output,
+              help="Output file or folder (default: BASE-merged beside BASE).")
+@click.option("--ratio", "ratios", type=float, multiple=True, metavar="R",
+              help="Strength of each LoRA, once per LoRA in order (default 1.0 each).")
+@click.option("--alpha", "alphas", type=float, multiple=True, metavar="A",
+              help="Alpha of modules whose LoRA gives none (no alpha key, adapter_config.json or "
+                   "lora_adapter_metadata): once for all LoRAs or once per LoRA. Without it alpha = rank "
+                   "(scale 1) is assumed, with a warning.")
+@MERGE_TO
+@ALLOW_UNMATCHED
+@FORMAT
+@click.option("--keep-format", is_flag=True,
+              help="Write the base's own format: changed tensors re-encoded in its quantization (GGUF, ComfyUI "
+                   "scaled fp8 / comfy_quant, kohya fp8_scaled, optimum-quanto), everything else copied as stored.")
+@click.option("--dry-run", is_flag=True, help="Print the matching report only; write nothing.")
+@DEVICE
+@OVERWRITE
+@QUIET
+@REPORT
+def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_format, dry_run, device, overwrite,
+               quiet):
+    """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
+
+    A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
+    its hyperparameters.yaml names and writes a LitGPT checkpoint folder."""
+    check_source(base)
+    for spec in loras:
+        check_lora(spec)
+    load("ckpt.merge.command")
+    from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
+
+    opts = MergeOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
+                        allow_unmatched=allow_unmatched, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
+                        format=fmt, keep_format=keep_format)
+    try:
+        path, report = run(base, list(loras), out, opts)
+    except MergeError as e:
+        for line in e.report.summary:
+            click.echo(line)
+        raise
+    record(report, inputs=[base, *loras], output=path, status="dry-run" if dry_run else "ok")
+    for line in report.summary:
+        click.echo(line)
+    print_report(report, quiet)
+    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
