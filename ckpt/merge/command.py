@@ -6,6 +6,10 @@ own keys, matched tensors become `MergedTensor`s, and `plan_checkpoint` + `execu
 with the input's layout, metadata and per-tensor dtypes. Every problem with the inputs (unmatched or
 ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
 
+Matching and its report are the same for every run; how the output is planned and named is one strategy
+chosen once after the inputs are open (`ckpt.merge.strategies`: plain, --keep-format, LitGPT around either).
+Matched patches are kept per component under the base tensor's view key.
+
 A matched module whose delta is zero (rank 0, an untrained all-zero lora_B) gets no patch: the summary names
 it, and a LoRA made only of such modules is reported as the no-op it is rather than as tensors "changed".
 Modules are counted by their stored name (LitGPT's q/k/v pieces of one `attn.qkv` module are one module,
@@ -18,26 +22,21 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from ckpt.devices import resolve_device
-from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
-from ckpt.io.layout import plan_checkpoint
+from ckpt.io.checkpoint import open_checkpoint
 from ckpt.merge import litgpt
 from ckpt.merge.adapters import make_adapter
 from ckpt.merge.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
 from ckpt.merge.keymap import build_keymap, family_note
 from ckpt.merge.loading import LoraFile, load_lora
-from ckpt.merge.merged import MergedTensor, Patch
+from ckpt.merge.merged import Patch
+from ckpt.merge.strategies import Patches, Strategy, choose
 from ckpt.quant import logical_view
 from ckpt.report import Report, listed, plural
-from ckpt.run import (cast_outputs, decoded_notes, default_output, file_ext, output_format, output_path,
-                     write)
+from ckpt.run import output_path, write
 
 MERGE_TARGETS = ("fp16", "bf16", "fp32")
-FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
 SHOW_UNMATCHED = 10  # keys listed in the summary; --report FILE.json holds all of them
 
 
@@ -68,7 +67,7 @@ class MergeReport(Report):
     requantization: dict = field(default_factory=dict)  # --keep-format: mean and per-tensor relative RMS
 
     def facts(self) -> dict:
-        """merge-lora's part of `--report FILE.json` (ckpt.cli_report): every unmatched key, not the first few;
+        """merge-lora's part of `--report FILE.json` (ckpt.cli.report): every unmatched key, not the first few;
         with --keep-format, the requantization error of every re-encoded tensor."""
         return {"summary": self.summary, "matched": self.matched, "changed": self.changed, "unmatched": self.unmatched,
                 "zero_delta": self.zero, "requantization": self.requantization or None}
@@ -125,74 +124,32 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
             stack.callback(f.close)
             settle_alphas(f, alpha, report)
             files.append(f)
-        if opts.keep_format:
-            fmt = _keep_container(ckpt, opts, out)
-        else:
-            fmt = output_format(opts.format, out, "torch" if any(f.litgpt for f in files) else "safetensors")
-        plan = _plan(ckpt, files, ratios, opts, report, fmt)
-        if finetune_dir is not None and out and Path(out).suffix in WEIGHT_SUFFIXES:
-            # `-o merged/lit_model.pth` is that one file (never a folder named lit_model.pth)
-            names = [n for _, n in litgpt.sidecars(finetune_dir, base_dir)]
-            report.note(f"-o {out} names a file: only the merged weights are written there; a LitGPT checkpoint "
-                        f"folder also holds {', '.join(names) or 'its config files'} (-o FOLDER writes them too)")
-            derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=False, ext=file_ext(fmt))
-        elif finetune_dir is not None:  # a LitGPT checkpoint folder: weights + the finetune folder's files
-            litgpt.as_folder(plan, "lit_model" + file_ext(fmt), litgpt.sidecars(finetune_dir, base_dir))
-            derived = default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
-        else:
-            ext = ".gguf" if fmt == "gguf" else file_ext(fmt)
-            tag = "merged" + (f"-{opts.to}" if opts.to else "")  # `--to bf16` beside a plain merge: no collision
-            derived = default_output(base, ckpt.path, tag, folder=not plan.single_file, ext=ext)
+        strategy = choose(opts, files, finetune_dir, base_dir)
+        fmt = strategy.output_format(ckpt, out)
+        plan = _plan(ckpt, files, ratios, opts, report, strategy, fmt)
+        derived = strategy.default_output(base, ckpt, plan, fmt, out, report)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
-    if opts.keep_format:
-        from ckpt.merge.keep_format import summarize
-
-        lines, facts = summarize(report.meters)
-        report.summary += lines[:1] if opts.dry_run else lines
-        report.requantization = {} if opts.dry_run else facts
+    strategy.finish(report, opts.dry_run)
     return out_path, report
 
 
-def _keep_container(ckpt, opts: MergeOptions, out) -> str:
-    """--keep-format writes the base's container: a .gguf stays GGUF; safetensors and torch pickles keep
-    theirs unless -o / --format name the other one."""
-    from ckpt.merge.keep_format import container
-
-    kind = container(ckpt)
-    if kind == "gguf":
-        suffix = Path(out).suffix if out else ""
-        if opts.format is not None:
-            raise CkptError(f"--format {opts.format} with --keep-format: the base is a GGUF file, and so is the output")
-        if suffix not in ("", ".gguf") and not Path(out).is_dir():
-            raise CkptError(f"-o {out}: --keep-format on a GGUF base writes a GGUF file; name it .gguf")
-        return "gguf"
-    return output_format(opts.format, out, kind)
-
-
 def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, report: MergeReport,
-          file_format: str = "safetensors"):
+          strategy: Strategy, file_format: str):
+    """Match every LoRA to the base (the same for every strategy), report on it, refuse what does not fit,
+    and let the strategy plan the output from the matched patches."""
     views = [logical_view(c) for c in ckpt.components]
-    if opts.keep_format:
-        from ckpt.merge.keep_format import refuse_plain
-
-        refuse_plain(ckpt, views)
-    # A LitGPT LoRA: older attn.attn bases read as attn.qkv, and without --to every floating tensor is
-    # written in the LoRA's dtype, as litgpt writes it.
-    lit = next((f for f in files if f.litgpt is not None), None)
-    lit_notes = litgpt.current_layout(views, lit.litgpt) if lit is not None else []
-    default_dtype = lit.dtype if lit is not None else None
+    notes = strategy.prepare(ckpt, views)
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
     where = [c.subdir for c in ckpt.components]
-    patches: dict[int, list[Patch]] = {}  # id(base logical tensor) -> patches in order
-    bases: dict[int, object] = {}
+    patches: Patches = [{} for _ in views]  # per component: view key -> patches in order
     for f, ratio in zip(files, ratios):
-        _match(f, ratio, views, keymaps, where, patches, bases, report)
-    report.changed = sorted(bases[i].name for i in patches)
+        _match(f, ratio, views, keymaps, where, patches, report)
+    report.changed = sorted(views[c].tensors[k].name for c, ps in enumerate(patches) for k in ps)
     zero = sum(len(z) for z in report.zero.values())
-    if zero and not patches:
+    if zero and not report.changed:
         report.summary.append("base tensors changed: 0 (the merge is a no-op: every matched module's delta is zero)")
         report.warn("the merge changes nothing: every matched LoRA module's delta is zero (the output equals the base)")
     else:
@@ -205,42 +162,11 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         raise MergeError(f"{s}: {plural(len(u), 'LoRA key')} match{'es' * (len(u) == 1)} no base tensor (e.g. {u[0]!r}; "
                          f"{family_note(f.modules.values(), keymaps)}){swapped}; nothing was written "
                          "(pass --allow-unmatched to merge the rest)", report)
-    if not patches and not zero:
+    if not report.changed and not zero:
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
     names = [Path(f.spec).name for f in files]
-    op = merge_operation(names, ratios, opts)
-    if opts.keep_format:
-        from ckpt.merge.keep_format import plan_keep_format
-
-        plan, report.meters, notes = plan_keep_format(ckpt, views, patches, report, op, file_format)
-        plan.notes += notes + lit_notes
-        return plan
-
-    target = TARGETS[opts.to] if opts.to else None
-    lit_note = None
-    if target is None and default_dtype is not None and is_float(default_dtype):
-        target = default_dtype
-        lit_note = (f"written in {short_name(default_dtype)}, the LitGPT LoRA's dtype, as litgpt merge_lora "
-                    "does (pass --to to choose)")
-    fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
-                   for v in views for t in v.tensors.values())
-    def out_dtype(t) -> torch.dtype:
-        if target is not None:
-            return target
-        return FP8_DEFAULT if t.natural_dtype in FP8 else t.natural_dtype
-
-    make = cast_outputs(report, out_dtype,
-                        source_of=lambda t: MergedTensor(t, patches[id(t)]) if id(t) in patches else t)
-
-    cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
-    plan = plan_checkpoint(ckpt, views, make, operation=op, file_format=file_format, output_dtype=lambda c: cfg_dtype)
-    plan.notes += decoded_notes(ckpt, views) + lit_notes
-    if lit_note:
-        plan.notes.append(lit_note)
-    if fp8_seen and target is None:
-        plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
-    return plan
+    return strategy.plan(ckpt, views, patches, report, merge_operation(names, ratios, opts), file_format, notes)
 
 
 def _looks_like_lora(ckpt) -> bool:
@@ -256,7 +182,7 @@ def _swapped_hint(ckpt) -> str:
     return f"; BASE {ckpt.spec} is itself a LoRA: swapped? the order is `ckpt merge-lora BASE LORA...`"
 
 
-def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, report: MergeReport) -> None:
+def _match(f: LoraFile, ratio: float, views, keymaps, where, patches: Patches, report: MergeReport) -> None:
     """Resolve every module of one LoRA to its base tensors, check shapes, queue its patches, and add
     its lines to the report."""
     unmatched = list(f.unknown)
@@ -285,11 +211,12 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches, bases, rep
         for target in targets:
             offset = target.part[0] if target.part else 0
             if adapter.has_weight:
-                _add(patches, bases, view.tensors[target.key],
-                     Patch(adapter, ratio, target.rows, target.transform, offset=offset))
+                patches[comp].setdefault(target.key, []).append(
+                    Patch(adapter, ratio, target.rows, target.transform, offset=offset))
             if adapter.bias_rows is not None:
-                _add(patches, bases, _bias_of(adapter, target, view.tensors, f),
-                     Patch(adapter, ratio, target.rows, target.transform, bias=True, offset=offset))
+                _check_bias(adapter, target, view.tensors, f)
+                patches[comp].setdefault(target.bias_key, []).append(
+                    Patch(adapter, ratio, target.rows, target.transform, bias=True, offset=offset))
     n_matched = len(matched)
     zero -= nonzero
     report.matched[f.spec] = n_matched
@@ -321,11 +248,6 @@ def _narrow(target, m, tensors, f):
         raise CkptError(f"{f.spec}: module {m.name!r} changes rows {start}:{stop} of a fused weight of {total} "
                         f"rows, but base tensor {target.key!r} is {list(shape)}")
     return replace(target, rows=(start, stop))
-
-
-def _add(patches, bases, t, patch):
-    patches.setdefault(id(t), []).append(patch)
-    bases[id(t)] = t
 
 
 def _resolve(m, keymaps, where, f):
@@ -368,48 +290,57 @@ def _slice_shape(target, shape) -> tuple[int, int] | None:
     return shape[0], cols
 
 
+def _why_not(adapter, targets, tensors) -> str | None:
+    """Why `adapter` cannot change its targets (the base tensors' shapes), or None when it fits."""
+    covered = 0
+    for target in targets:
+        shape = tuple(tensors[target.key].shape)
+        where = f"base tensor {target.key!r} {list(shape)}" + (
+            f" rows {target.rows[0]}:{target.rows[1]}" if target.rows else "")
+        own = _slice_shape(target, shape) if shape else None
+        if own is None:
+            return f"{where} cannot take a delta"
+        rows, cols = own
+        if target.part:
+            p0, p1 = target.part
+            if p1 - p0 != rows or (adapter.rows is not None and p1 > adapter.rows):
+                return f"delta rows {p0}:{p1} do not fit {where}"
+            if getattr(getattr(adapter, "dora", None), "row_local", True) is False:
+                return "input-axis DoRA cannot be split over several base tensors"
+            covered += p1 - p0
+            rows = adapter.rows if adapter.rows is not None else rows
+        why = adapter.check(rows, cols)
+        if why:
+            return f"{where}: {why}"
+    if covered and adapter.rows is not None and covered != adapter.rows:
+        return f"the base tensors take {covered} of its {adapter.rows} delta rows"
+    return None
+
+
+def _oriented(m, targets, tensors):
+    """The module as it merges into these targets. PEFT ignores fan_in_fan_out on plain Linear layers, so a
+    LoRA saved with it may be stored either way: the base tensors' shapes decide, once, before the module's
+    adapter is made. It keeps the stored (transposed) orientation unless that does not fit and the plain one
+    does; then it is a copy with fan_in_fan_out off (the loaded module itself is never changed)."""
+    if m.family != "lora" or not m.fan_in_fan_out:
+        return m
+    if _why_not(make_adapter(m), targets, tensors) is None:
+        return m
+    plain = replace(m, fan_in_fan_out=False)
+    return plain if _why_not(make_adapter(plain), targets, tensors) is None else m
+
+
 def _fit(m, targets, tensors, f):
     """The adapter for module `m` on its targets, checked against the base tensors' shapes."""
-    def why_not(adapter):
-        covered = 0
-        for target in targets:
-            shape = tuple(tensors[target.key].shape)
-            where = f"base tensor {target.key!r} {list(shape)}" + (
-                f" rows {target.rows[0]}:{target.rows[1]}" if target.rows else "")
-            own = _slice_shape(target, shape) if shape else None
-            if own is None:
-                return f"{where} cannot take a delta"
-            rows, cols = own
-            if target.part:
-                p0, p1 = target.part
-                if p1 - p0 != rows or (adapter.rows is not None and p1 > adapter.rows):
-                    return f"delta rows {p0}:{p1} do not fit {where}"
-                if getattr(getattr(adapter, "dora", None), "row_local", True) is False:
-                    return "input-axis DoRA cannot be split over several base tensors"
-                covered += p1 - p0
-                rows = adapter.rows if adapter.rows is not None else rows
-            why = adapter.check(rows, cols)
-            if why:
-                return f"{where}: {why}"
-        if covered and adapter.rows is not None and covered != adapter.rows:
-            return f"the base tensors take {covered} of its {adapter.rows} delta rows"
-        return None
-
-    adapter = make_adapter(m)
-    why = why_not(adapter)
-    if why and m.family == "lora" and m.fan_in_fan_out:
-        # PEFT ignores fan_in_fan_out on plain Linear layers: the stored shape tells which it was.
-        m.fan_in_fan_out = False
-        plain = make_adapter(m)
-        if why_not(plain) is None:
-            return plain
-        m.fan_in_fan_out = True
+    adapter = make_adapter(_oriented(m, targets, tensors))
+    why = _why_not(adapter, targets, tensors)
     if why:
         raise CkptError(f"{f.spec}: module {m.name!r} does not fit: {why}")
     return adapter
 
 
-def _bias_of(adapter, target, tensors, f):
+def _check_bias(adapter, target, tensors, f) -> None:
+    """The base has the bias a module's bias delta lands on, with the rows the delta changes."""
     m = adapter.module
     b = tensors.get(target.bias_key)
     if b is None:
@@ -419,4 +350,3 @@ def _bias_of(adapter, target, tensors, f):
     if have != want or (target.part and target.part[1] > adapter.bias_rows):
         raise CkptError(f"{f.spec}: module {m.name!r}: bias delta of {adapter.bias_rows} does not fit "
                         f"{target.bias_key!r} ({want} rows)")
-    return b

@@ -91,18 +91,29 @@ def _conform(o: OutTensor, stored: Tensor, label: str) -> OutTensor:
                     f"writes {o.dtype} {list(o.shape)}; this layout cannot be re-encoded; nothing was written")
 
 
-def plan_keep_format(ckpt, views, patches: dict[int, list], report: Report, operation: str,
+class Reencoded(Tensor):
+    """A stored key the merge re-encodes, standing in the stored view with its output: a plan's `make` sees
+    one tensor at a time, so the output travels on it (stored names repeat across a pipeline's components)."""
+
+    def __init__(self, stored: Tensor, out: OutTensor):
+        self.stored, self.out = stored, out
+        self.name, self.dtype, self.shape, self.home = stored.name, stored.dtype, tuple(stored.shape), stored.home
+
+
+def plan_keep_format(ckpt, views, patches: list[dict[str, list]], report: Report, operation: str,
                      file_format: str) -> tuple[Plan, list[ErrorMeter], list[str]]:
     """The plan (stored keys in stored order, changed tensors re-encoded), one ErrorMeter per changed tensor,
-    and the notes to print."""
+    and the notes to print. `patches`: per component, view key -> the patches of that logical tensor."""
     refuse_plain(ckpt, views)
     meters: list[ErrorMeter] = []
     notes: list[str] = []
-    replaced: dict[int, OutTensor] = {}  # id(stored tensor) -> its re-encoded output
-    for comp, view in zip(ckpt.components, views):
+    replaced: list[dict[str, OutTensor]] = []  # per component: stored key -> its re-encoded output
+    for comp, view, comp_patches in zip(ckpt.components, views, patches):
         where = f"{comp.subdir}/" if comp.subdir else ""
-        for t in view.tensors.values():
-            if id(t) not in patches:
+        done: dict[str, OutTensor] = {}
+        replaced.append(done)
+        for key, t in view.tensors.items():
+            if key not in comp_patches:
                 continue
             enc = encoding_of(t)
             if enc is None:
@@ -114,31 +125,34 @@ def plan_keep_format(ckpt, views, patches: dict[int, list], report: Report, oper
                 raise CkptError(f"--keep-format: {where}{t.name} ({enc.label}) cannot be re-encoded: {why}; "
                                 "nothing was written")
             meter = ErrorMeter(f"{where}{t.name}", enc.label)
-            for o in enc.encode(MergedTensor(t, patches[id(t)]), report, meter):
+            for o in enc.encode(MergedTensor(t, comp_patches[key]), report, meter):
                 stored = comp.tensors.get(o.name)
-                if stored is None or id(stored) in replaced:
+                if stored is None or o.name in done:
                     raise RuntimeError(f"{o.name}: the {enc.label} encoding writes a key the base does not store once")
-                replaced[id(stored)] = _conform(o, stored, enc.label)
+                done[o.name] = _conform(o, stored, enc.label)
             meters.append(meter)
             if enc.note and enc.note not in notes:
                 notes.append(enc.note)
 
     def make(t: Tensor) -> list[OutTensor]:
-        return [replaced.get(id(t)) or as_stored(t)]
+        return [t.out if isinstance(t, Reencoded) else as_stored(t)]
 
+    stored = [{k: Reencoded(t, done[k]) if k in done else t for k, t in c.tensors.items()}
+              for c, done in zip(ckpt.components, replaced)]
     n_stored = sum(len(c.tensors) for c in ckpt.components)
+    n_replaced = sum(len(done) for done in replaced)
     formats = sorted({f for v in views for f in v.formats})
     notes.append(f"kept the base's encoding ({', '.join(formats)}): {plural(len(meters), 'changed tensor')} "
-                 f"re-encoded into {plural(len(replaced), 'stored key')}, {n_stored - len(replaced)} of "
+                 f"re-encoded into {plural(n_replaced, 'stored key')}, {n_stored - n_replaced} of "
                  f"{plural(n_stored, 'stored key')} copied unchanged")
     if file_format == "gguf":
-        return _plan_gguf(ckpt, make, operation), meters, notes
-    stored_views = [View(dict(c.tensors), {}, [], set(), False, [], None) for c in ckpt.components]
+        return _plan_gguf(ckpt, stored[0], make, operation), meters, notes
+    stored_views = [View(tensors, {}, [], set(), False, [], None) for tensors in stored]
     plan = plan_checkpoint(ckpt, stored_views, make, operation=operation, file_format=file_format)
     return plan, meters, notes
 
 
-def _plan_gguf(ckpt, make, operation: str) -> Plan:
+def _plan_gguf(ckpt, tensors: dict[str, Tensor], make, operation: str) -> Plan:
     """One GGUF file: the base's key-values (exact types, order) plus ckpt's provenance, tensors in order."""
     from ckpt.io.gguf_writer import fields_from, string
 
@@ -146,7 +160,7 @@ def _plan_gguf(ckpt, make, operation: str) -> Plan:
     header = comp.files[0].gguf
     fields = [f for f in fields_from(header) if f.key not in ("ckpt.version", "ckpt.operation")]
     fields += [string("ckpt.version", __version__), string("ckpt.operation", operation)]
-    outs = [o for t in comp.tensors.values() for o in make(t)]
+    outs = [o for t in tensors.values() for o in make(t)]
     return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)])
 
 

@@ -7,6 +7,9 @@ its own ratio). The result is fp32; the convert `Caster` then rounds once to the
 When every patch is row-local (a row of the result depends only on the same row of the base: LoRA,
 LoHa, LoKr, full, IA3, GLoRA, output-axis DoRA), the tensor is read in row bands like any other, so
 memory stays at a few bands. Otherwise (input-axis DoRA, targets with a `Transform`) it is read whole.
+
+Before the plan wraps it, a matched base tensor stands in its view as `Patched`: the patches travel on the
+tensor, so nothing has to look them up by object identity.
 """
 
 from __future__ import annotations
@@ -69,6 +72,24 @@ class MergedTensor(Wrapper):
             for p in self.patches:
                 p.adapter.release()
         return w
+
+
+class Patched(Wrapper):
+    """A base tensor with the patches matched to it, standing for the base in the view a plan is made from.
+
+    A plan's `make` sees one tensor at a time: carrying the patches here gives it what it needs without a
+    side table keyed by object identity (names alone repeat across a pipeline's components). To the planning
+    it is the base (name, dtype, shape, natural dtype); `merged()` is what gets written."""
+
+    def __init__(self, base: Tensor, patches: list[Patch]):
+        self.base, self.patches = base, patches
+        self.name, self.shape, self.home, self.row_align = base.name, tuple(base.shape), base.home, base.row_align
+
+    dtype = property(lambda self: self.base.dtype)
+    dtype_name = property(lambda self: self.base.dtype_name)
+
+    def merged(self) -> MergedTensor:
+        return MergedTensor(self.base, self.patches)
 
 
 def _apply_transformed(p: Patch, seg: torch.Tensor) -> None:
