@@ -24,7 +24,8 @@ from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL
 from ckpt.families.pipelines import PIPELINES, Part
-from ckpt.convert.layout import DIFFUSERS_STEM, Renamed, relayout
+from ckpt.convert.layout import DIFFUSERS_STEM, relayout
+from ckpt.io.wrapper import Renamed
 from ckpt.io.layout import provenance
 from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Tensor

@@ -31,7 +31,7 @@ from ckpt.errors import file_error
 from ckpt.families.llm import ARCHS, TOP, LLMArch
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
-from ckpt.io.wrapper import Wrapper
+from ckpt.io.wrapper import Renamed, Wrapper
 from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.common import Decoded
 from ckpt.report import plural
@@ -123,15 +123,9 @@ class HeadRowsPermutedEncoding(Encoding):
         return self.inner.encode(HeadRowsPermuted(value, self.head), report, meter)
 
 
-class Renamed(Wrapper):
-    """A stored tensor under its HF name (plain GGUF types need no decoding, only the name)."""
-
-    def __init__(self, base: Tensor, name: str):
-        self.base, self.name, self.home = base, name, base.home
-        self.shape, self.row_align = tuple(base.shape), base.row_align
-
-    dtype = property(lambda self: self.base.dtype)  # the base's, asked when needed (planning needs no torch)
-    dtype_name = property(lambda self: self.base.dtype_name)
+class HFNamed(Renamed):
+    """A stored GGUF tensor under its HF name (plain GGUF types need no decoding, only the name) that still
+    says how it is stored, so --keep-format re-encodes a changed one into its own type."""
 
     @property
     def encoding(self):
@@ -337,7 +331,7 @@ def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decod
         if hf is None:
             raise file_error(header.path, f"tensor {gname!r} has no Hugging Face name in ckpt's {arch.arch} table "
                                           "(a variant ckpt does not know); nothing was written")
-        value = values(t, hf) if t.quantized else Renamed(t, hf)
+        value = values(t, hf) if t.quantized else HFNamed(t, hf)
         if arch.rope_permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
             n = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             value = HeadRowsUnpermuted(value, n, hf)
