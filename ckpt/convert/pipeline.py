@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL
-from ckpt.families.pipelines import PIPELINES, Part
+from ckpt.families.pipelines import PIPELINES, PipelinePart
 from ckpt.convert.layout import DIFFUSERS_STEM, relayout
 from ckpt.io.wrapper import Renamed
 from ckpt.io.layout import provenance
@@ -79,7 +79,7 @@ def single_file_kind(tensors: dict[str, Tensor]) -> str | None:
     return "sd1" if m.family is families.get("sd1") and m.family_id is None else None
 
 
-def _converted(tensors: dict[str, Tensor], part: Part, to: str) -> tuple[dict[str, Tensor], list[str]]:
+def _converted(tensors: dict[str, Tensor], part: PipelinePart, to: str) -> tuple[dict[str, Tensor], list[str]]:
     fam = families.get(part.family)
     if part.naming == "hf":
         if to == ORIGINAL:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Part:
+class PipelinePart:
     folder: str  # pipeline subfolder
     prefix: str  # key prefix in the single file
     family: str  # family id of the part
@@ -22,23 +22,23 @@ class Part:
 
 
 # kind -> (the diffusers pipeline class of model_index.json, its parts)
-PIPELINES: dict[str, tuple[str, list[Part]]] = {
+PIPELINES: dict[str, tuple[str, list[PipelinePart]]] = {
     "sd1": ("StableDiffusionPipeline", [
-        Part("unet", "model.diffusion_model.", "sd1", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "cond_stage_model.transformer.", "clip", "hf"),
+        PipelinePart("unet", "model.diffusion_model.", "sd1", "layout"),
+        PipelinePart("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        PipelinePart("text_encoder", "cond_stage_model.transformer.", "clip", "hf"),
     ]),
     "sdxl": ("StableDiffusionXLPipeline", [
-        Part("unet", "model.diffusion_model.", "sdxl", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "conditioner.embedders.0.transformer.", "clip", "hf"),
-        Part("text_encoder_2", "conditioner.embedders.1.model.", "clip", "layout"),
+        PipelinePart("unet", "model.diffusion_model.", "sdxl", "layout"),
+        PipelinePart("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        PipelinePart("text_encoder", "conditioner.embedders.0.transformer.", "clip", "hf"),
+        PipelinePart("text_encoder_2", "conditioner.embedders.1.model.", "clip", "layout"),
     ]),
     "sd3": ("StableDiffusion3Pipeline", [
-        Part("transformer", "model.diffusion_model.", "sd3", "layout"),
-        Part("vae", "first_stage_model.", "autoencoder_kl", "layout"),
-        Part("text_encoder", "text_encoders.clip_l.transformer.", "clip", "hf"),
-        Part("text_encoder_2", "text_encoders.clip_g.transformer.", "clip", "hf"),
-        Part("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5", "hf"),
+        PipelinePart("transformer", "model.diffusion_model.", "sd3", "layout"),
+        PipelinePart("vae", "first_stage_model.", "autoencoder_kl", "layout"),
+        PipelinePart("text_encoder", "text_encoders.clip_l.transformer.", "clip", "hf"),
+        PipelinePart("text_encoder_2", "text_encoders.clip_g.transformer.", "clip", "hf"),
+        PipelinePart("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5", "hf"),
     ]),
 }
