@@ -19,3 +19,22 @@ def run_ckpt(capsys):
         return code, out, err
 
     return run
+
+
+# Modules whose tests start subprocesses, Ray, benches or whole-README walks (seconds each): `slow`, so
+# `pytest -m "not slow"` is a developer's inner loop of well under two minutes; CI (`make test`) runs all.
+SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test_io_publish", "test_merge_bench",
+                "test_bench_gguf", "test_lora_bench", "test_batch_joblist", "test_batch_hardening",
+                "test_readme_quickstart", "test_startup", "test_lora_convert_families", "test_batch",
+                "test_merge_unet", "test_interrupts"}
+# Single tests of a few seconds in otherwise quick modules (a 100 MB header, a fresh interpreter, a signal).
+SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
+              "test_mutants_are_refused_in_one_line_or_read_as_gguf_reads_them", "test_a_new_target_is_a_new_module",
+              "test_every_module_imports_in_a_fresh_interpreter", "test_sigterm_to_a_running_convert_leaves_nothing"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ((item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES)
+                or item.originalname in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)

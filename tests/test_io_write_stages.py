@@ -103,7 +103,7 @@ def test_merges_read_in_order_on_one_thread_whatever_the_depth(tmp_path, monkeyp
     lo = tmp_path / "l.safetensors"
     save_file(lora, lo)
     readers, outs = set(), []
-    import ckpt.merge.merged as merged
+    import ckpt.merge_lora.merged as merged
 
     real = merged.MergedTensor.read
 

@@ -20,7 +20,7 @@ import ckpt
 
 ROOT = Path(ckpt.__file__).parent
 # Commands and what composes them: nothing below may import these.
-COMMANDS = ("ckpt.convert", "ckpt.merge", "ckpt.lora", "ckpt.batch", "ckpt.inspect", "ckpt.cli", "ckpt.cli.options",
+COMMANDS = ("ckpt.convert", "ckpt.merge_lora", "ckpt.lora", "ckpt.batch", "ckpt.inspect", "ckpt.cli", "ckpt.cli.options",
             "ckpt.cli.report", "ckpt.run")
 LOWER = ("ckpt.io", "ckpt.quant", "ckpt.families", "ckpt.report", "ckpt.errors", "ckpt.dtypes", "ckpt.cast",
          "ckpt.progress", "ckpt.interrupts")

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from ckpt.io.tensors import Tensor
-from ckpt.merge.merged import MergedTensor, Patch, Patched
-from ckpt.merge.strategies import KeepFormat, LitGPT, Plain, choose
+from ckpt.merge_lora.merged import MergedTensor, Patch, Patched
+from ckpt.merge_lora.strategies import KeepFormat, LitGPT, Plain, choose
 
 
 def _opts(**kw):

@@ -65,7 +65,7 @@ def _peft_lora(path: Path, seed: int) -> None:
 
 @pytest.mark.parametrize("extra", [{}, {"ratios": [0.5]}, {"to": "bf16"}])
 def test_merge_lora_writes_what_batch_compares_for_either_fixed_side(tmp_path, extra):
-    from ckpt.merge.command import MergeOptions, merge_lora
+    from ckpt.merge_lora.command import MergeOptions, merge_lora
 
     base, lora = tmp_path / "base.safetensors", tmp_path / "loras" / "style.safetensors"
     st(base, 1, **{"lin.weight": (8, 4)})

@@ -261,7 +261,7 @@ def test_hub_that_never_answers_end_to_end(tmp_path):
 # ----------------------------------------------------------------------------- 3. permission denied
 
 PRELOAD = ("ckpt.cli", "ckpt.batch.runner", "ckpt.batch.operations", "ckpt.batch.worker", "ckpt.convert",
-           "ckpt.quant.dequant", "ckpt.merge.command", "ckpt.inspect", "ckpt.io.output", "ckpt.io.publish",
+           "ckpt.quant.dequant", "ckpt.merge_lora.command", "ckpt.inspect", "ckpt.io.output", "ckpt.io.publish",
            "huggingface_hub", "shlex", "tqdm")
 
 

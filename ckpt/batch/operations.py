@@ -238,7 +238,7 @@ class MergeLoraOp(Operation):
     OWN = ("lora", "base")
 
     def _options(self, **extra):
-        from ckpt.merge.command import MergeOptions
+        from ckpt.merge_lora.command import MergeOptions
 
         return MergeOptions(**{k: v for k, v in self.params.items() if k not in self.OWN}, **extra)
 
@@ -268,7 +268,7 @@ class MergeLoraOp(Operation):
 
     def provenance(self, item: Found) -> str:
         """merge-lora records the LoRA's file name and ratio: `merge-lora NAME@R [--to X]`."""
-        from ckpt.merge.command import merge_operation
+        from ckpt.merge_lora.command import merge_operation
 
         role, path = self.fixed
         lora = path if role == "lora" else item.path
@@ -316,7 +316,7 @@ class MergeLoraOp(Operation):
         return header_estimate(base, 4, 3) + sum(f.stat().st_size for f in _weight_files(lora))
 
     def run(self, src, out, overwrite):
-        from ckpt.merge.command import merge_lora
+        from ckpt.merge_lora.command import merge_lora
 
         role, path = self.fixed
         opts = self._options(overwrite=overwrite, quiet=True)

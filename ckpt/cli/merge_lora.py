@@ -43,8 +43,8 @@ def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_
     check_source(base)
     for spec in loras:
         check_lora(spec)
-    load("ckpt.merge.command")
-    from ckpt.merge.command import MergeError, MergeOptions, merge_lora as run
+    load("ckpt.merge_lora.command")
+    from ckpt.merge_lora.command import MergeError, MergeOptions, merge_lora as run
 
     opts = MergeOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
                         allow_unmatched=allow_unmatched, dry_run=dry_run, overwrite=overwrite, quiet=quiet,

@@ -31,7 +31,7 @@ class ConvertOptions:
 
 
 def convert_operation(opts: ConvertOptions) -> str:
-    """The `ckpt_operation` convert records in its outputs' metadata (`ckpt.io.layout.provenance`). The one
+    """The `ckpt_operation` convert records in its outputs' metadata (`ckpt.io.checkpoint_plan.provenance`). The one
     spelling of it: batch's resume recognises a killed run's finished outputs by comparing with this."""
     return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "")
             + (" --scaled" if opts.scaled else ""))

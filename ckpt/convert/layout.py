@@ -32,7 +32,7 @@ from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL, Family, Pair, Transform
 from ckpt.families.prefixes import model_prefix
 from ckpt.families.spec import ConventionError
-from ckpt.io.layout import provenance
+from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
 from ckpt.io.wrapper import Renamed

@@ -26,7 +26,7 @@ from ckpt.families import DIFFUSERS, ORIGINAL
 from ckpt.families.pipelines import PIPELINES, PipelinePart
 from ckpt.convert.layout import DIFFUSERS_STEM, relayout
 from ckpt.io.wrapper import Renamed
-from ckpt.io.layout import provenance
+from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import Plan, plan_files
 from ckpt.io.tensors import Tensor
 from ckpt.report import plural

@@ -1,7 +1,7 @@
 """Logical tensors: a name, a dtype, a shape and a way to read row bands of values on demand.
 
 Everything that flows through the engine is a `Tensor`. Stored tensors (`RawTensor`, `PickleTensor`)
-read bytes; decoders (ckpt.quant) and adapters (ckpt.merge) wrap other tensors and compute. Reading
+read bytes; decoders (ckpt.quant) and adapters (ckpt.merge_lora) wrap other tensors and compute. Reading
 happens in bands of rows along dim 0 so that one huge tensor never needs its own full-size buffers;
 `row_align` says which band starts a tensor accepts (None: whole tensor at once).
 """

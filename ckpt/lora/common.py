@@ -13,7 +13,7 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
-from ckpt.merge.checks import finite
+from ckpt.merge_lora.checks import finite
 from ckpt.report import Report, listed, plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,7 +34,7 @@ class LoraOptions:
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
-    alphas: tuple[float, ...] = ()  # --alpha: for modules whose file gives none (ckpt.merge.checks.alphas)
+    alphas: tuple[float, ...] = ()  # --alpha: for modules whose file gives none (ckpt.merge_lora.checks.alphas)
     skip_nonfinite: bool = False  # leave out (and count) modules with NaN/Inf instead of refusing them
 
     def check(self, rank_required: bool = True) -> None:

@@ -51,7 +51,7 @@ from ckpt.lora.modules import Source, factor_shapes, open_lora, stored
 from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
-from ckpt.merge.checks import alphas as check_alphas
+from ckpt.merge_lora.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write

@@ -40,7 +40,7 @@ from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target
 from ckpt.lora.formats import FORMATS, Layout, OutModule, plan_lora
 from ckpt.lora.naming import Naming
 from ckpt.lora.store import FactorStore
-from ckpt.merge.checks import finite
+from ckpt.merge_lora.checks import finite
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
 from ckpt.report import listed, plural

@@ -31,7 +31,7 @@ import torch
 
 from ckpt.cast import Caster
 from ckpt.dtypes import is_float
-from ckpt.io.layout import provenance
+from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import OutTensor, Plan, plan_files
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.report import Report
@@ -125,7 +125,7 @@ class Layout:
 
     @classmethod
     def like(cls, lora) -> Layout:
-        """The layout of an input LoRA (`ckpt.merge.adapter_files.LoraFile`)."""
+        """The layout of an input LoRA (`ckpt.merge_lora.adapter_files.LoraFile`)."""
         from pathlib import Path
 
         keys = list(lora.ckpt.components[0].tensors)

@@ -4,7 +4,7 @@ layouts convert decodes) back to plain state dicts that load into the unquantize
 
 Decoding is the shared logical view (`ckpt.quant.logical_view`), so there is one decode layer for
 convert, merge-lora and dequant. Layout, sidecars, index and config edits come from
-`ckpt.io.layout.plan_checkpoint`; writing is `ckpt.io.output.execute` (atomic, bounded memory).
+`ckpt.io.checkpoint_plan.plan_checkpoint`; writing is `ckpt.io.output.execute` (atomic, bounded memory).
 Each dequantized weight keeps its natural dtype (the scale's dtype for quanto: the model's original
 dtype) unless `--to` names another.
 """
@@ -19,7 +19,7 @@ from ckpt.devices import resolve_device
 from ckpt.dtypes import TARGETS, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
-from ckpt.io.layout import plan_checkpoint
+from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.plan import parse_size
 from ckpt.quant import logical_view
 from ckpt.quant.quanto import canonical_qtype, shapes_from

@@ -81,7 +81,7 @@ class Target:
 
     def plan(self, ckpt, views, opts, report, file_format: str):
         """The output's Plan (checks already made)."""
-        from ckpt.io.layout import plan_checkpoint
+        from ckpt.io.checkpoint_plan import plan_checkpoint
         from ckpt.io.plan import parse_size
 
         make, finish = self.outputs(views, opts, report)

@@ -1,6 +1,6 @@
 """The three ways merge-lora writes its result, chosen once per run: plain, --keep-format and LitGPT.
 
-Matching LoRA modules to base tensors and reporting on it is the same for every run (`ckpt.merge.command`);
+Matching LoRA modules to base tensors and reporting on it is the same for every run (`ckpt.merge_lora.command`);
 what differs is what happens around it, and each strategy answers the same four questions:
 
 - `output_format`: the container written (from --format / -o, else the strategy's default);
@@ -12,7 +12,7 @@ what differs is what happens around it, and each strategy answers the same four 
 plus `finish`, what the strategy adds to the report once the output is written.
 
 `Plain` casts every logical tensor to one dtype (--to, else the model's own); `KeepFormat` writes the base's
-stored encoding again (`ckpt.merge.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
+stored encoding again (`ckpt.merge_lora.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
 older `attn.attn` bases read as `attn.qkv`, the LoRA's dtype and the torch container as defaults, and a
 finetune folder merged into a LitGPT checkpoint folder. Choosing once keeps these decisions out of the
 matching code, where they used to be woven through the plain path.
@@ -28,9 +28,9 @@ import torch
 from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import WEIGHT_SUFFIXES
-from ckpt.io.layout import plan_checkpoint
-from ckpt.merge import litgpt
-from ckpt.merge.merged import Patch, Patched
+from ckpt.io.checkpoint_plan import plan_checkpoint
+from ckpt.merge_lora import litgpt
+from ckpt.merge_lora.merged import Patch, Patched
 from ckpt.run import cast_outputs, decoded_notes, default_output, file_ext, output_format
 
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
@@ -111,7 +111,7 @@ class KeepFormat(Strategy):
     def output_format(self, ckpt, out) -> str:
         """A .gguf base stays GGUF; safetensors and torch pickles keep theirs unless -o / --format name the
         other one."""
-        from ckpt.merge.keep_format import container
+        from ckpt.merge_lora.keep_format import container
 
         kind = container(ckpt)
         if kind == "gguf":
@@ -124,20 +124,20 @@ class KeepFormat(Strategy):
         return output_format(self.fmt, out, kind)
 
     def prepare(self, ckpt, views) -> list[str]:
-        from ckpt.merge.keep_format import refuse_plain
+        from ckpt.merge_lora.keep_format import refuse_plain
 
         refuse_plain(ckpt, views)
         return []
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        from ckpt.merge.keep_format import plan_keep_format
+        from ckpt.merge_lora.keep_format import plan_keep_format
 
         plan, report.meters, own = plan_keep_format(ckpt, views, patches, report, operation, file_format)
         plan.notes += own + notes
         return plan
 
     def finish(self, report, dry_run: bool) -> None:
-        from ckpt.merge.keep_format import summarize
+        from ckpt.merge_lora.keep_format import summarize
 
         lines, facts = summarize(report.meters)
         report.summary += lines[:1] if dry_run else lines

@@ -32,7 +32,7 @@ from ckpt.families import ORIGINAL, Match, Pair, Shapes, module_of
 from ckpt.families import clip as clip_family
 from ckpt.families.lora_namings import lora_target
 from ckpt.families.prefixes import MODEL_PREFIXES, accepts
-from ckpt.merge.targets import Target
+from ckpt.merge_lora.targets import Target
 
 DM_DOTTED = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "unet.", "base_model.model.",
              "unet.base_model.model.")

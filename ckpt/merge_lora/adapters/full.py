@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ckpt.merge.adapters.base import Adapter
+from ckpt.merge_lora.adapters.base import Adapter
 
 
 class Full(Adapter):

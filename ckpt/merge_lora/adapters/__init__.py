@@ -1,20 +1,20 @@
 """One small module per adapter family behind one interface (`base.Adapter`).
 
 `make_adapter(module)` picks the family from the parts a LoRA module carries (see
-`ckpt.merge.loading` for how stored keys become parts).
+`ckpt.merge_lora.loading` for how stored keys become parts).
 """
 
 from __future__ import annotations
 
 from ckpt.errors import CkptError
-from ckpt.merge.adapters.base import Adapter
-from ckpt.merge.adapters.full import Full
-from ckpt.merge.adapters.glora import GLoRA
-from ckpt.merge.adapters.ia3 import IA3
-from ckpt.merge.adapters.loha import LoHa
-from ckpt.merge.adapters.lokr import LoKr
-from ckpt.merge.adapters.lora import LoRA
-from ckpt.merge.adapters.replace import Replace
+from ckpt.merge_lora.adapters.base import Adapter
+from ckpt.merge_lora.adapters.full import Full
+from ckpt.merge_lora.adapters.glora import GLoRA
+from ckpt.merge_lora.adapters.ia3 import IA3
+from ckpt.merge_lora.adapters.loha import LoHa
+from ckpt.merge_lora.adapters.lokr import LoKr
+from ckpt.merge_lora.adapters.lora import LoRA
+from ckpt.merge_lora.adapters.replace import Replace
 
 FAMILIES: dict[str, type[Adapter]] = {"lora": LoRA, "loha": LoHa, "lokr": LoKr, "full": Full, "ia3": IA3, "glora": GLoRA,
                                    "replace": Replace}

@@ -7,7 +7,7 @@ with the input's layout, metadata and per-tensor dtypes. Every problem with the 
 ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
 
 Matching and its report are the same for every run; how the output is planned and named is one strategy
-chosen once after the inputs are open (`ckpt.merge.strategies`: plain, --keep-format, LitGPT around either).
+chosen once after the inputs are open (`ckpt.merge_lora.strategies`: plain, --keep-format, LitGPT around either).
 Matched patches are kept per component under the base tensor's view key.
 
 A matched module whose delta is zero (rank 0, an untrained all-zero lora_B) gets no patch: the summary names
@@ -25,13 +25,13 @@ from pathlib import Path
 from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
-from ckpt.merge import litgpt
-from ckpt.merge.adapters import make_adapter
-from ckpt.merge.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
-from ckpt.merge.keymap import build_keymap, family_note
-from ckpt.merge.loading import LoraFile, load_lora
-from ckpt.merge.merged import Patch
-from ckpt.merge.strategies import Patches, Strategy, choose
+from ckpt.merge_lora import litgpt
+from ckpt.merge_lora.adapters import make_adapter
+from ckpt.merge_lora.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
+from ckpt.merge_lora.keymap import build_keymap, family_note
+from ckpt.merge_lora.loading import LoraFile, load_lora
+from ckpt.merge_lora.merged import Patch
+from ckpt.merge_lora.strategies import Patches, Strategy, choose
 from ckpt.quant import logical_view
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
@@ -51,7 +51,7 @@ class MergeOptions:
     overwrite: bool = False
     quiet: bool = False
     format: str | None = None  # "safetensors" | "torch"; None: from -o, else torch for LitGPT, else safetensors
-    keep_format: bool = False  # write the base's own encoding and container (ckpt.merge.keep_format)
+    keep_format: bool = False  # write the base's own encoding and container (ckpt.merge_lora.keep_format)
 
 
 @dataclass

@@ -25,10 +25,10 @@ from ckpt.io.wrapper import Wrapper
 
 @dataclass
 class Patch:
-    adapter: object  # ckpt.merge.adapters.base.Adapter
+    adapter: object  # ckpt.merge_lora.adapters.base.Adapter
     ratio: float
     rows: tuple[int, int] | None = None  # slice of a fused target owned by the module
-    transform: Transform | None = None  # the target's (ckpt.merge.targets); the patch is applied whole
+    transform: Transform | None = None  # the target's (ckpt.merge_lora.targets); the patch is applied whole
     bias: bool = False  # the patch changes the bias beside the adapter's weight
     offset: int = 0  # row of the module's delta that lands on the slice's first row (Target.part)
 

@@ -3,7 +3,7 @@ input axis when the module's `on_input` flag is set (conv: broadcast over the ke
 
 from __future__ import annotations
 
-from ckpt.merge.adapters.base import Adapter
+from ckpt.merge_lora.adapters.base import Adapter
 
 
 class IA3(Adapter):

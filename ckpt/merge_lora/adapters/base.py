@@ -3,7 +3,7 @@
 An adapter is one LoRA *module* (all keys of one spelling such as `lora_unet_x` or
 `base_model.model.layers.0.q_proj`) turned into a rule for changing the rows of its target slice.
 Everything works on 2-D row views `[rows, prod(shape[1:])]` of the target slice in fp32, so that
-`ckpt.merge.merged.MergedTensor` can apply adapters band by band: `apply(w, a, b, ratio)` changes
+`ckpt.merge_lora.merged.MergedTensor` can apply adapters band by band: `apply(w, a, b, ratio)` changes
 `w` (rows [a, b) of the module's slice) in place. Adapters whose result for a row depends on other
 rows (DoRA with input-axis norms) say `row_local = False` and then get the whole slice at once.
 
@@ -27,7 +27,7 @@ class Adapter:
     has_weight: bool = True  # False for modules that only carry a bias delta
 
     def __init__(self, module):
-        self.module = module  # ckpt.merge.loading.LoraModule
+        self.module = module  # ckpt.merge_lora.loading.LoraModule
         self._cache: dict[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
 
@@ -154,11 +154,11 @@ class LowRankFamily(Adapter):
     """
 
     scale: float = 1.0
-    dora = None  # ckpt.merge.adapters.dora.Dora or None
+    dora = None  # ckpt.merge_lora.adapters.dora.Dora or None
 
     def __init__(self, module):
         super().__init__(module)
-        from ckpt.merge.adapters.dora import dora_for
+        from ckpt.merge_lora.adapters.dora import dora_for
 
         self.dora = dora_for(self)
         self.row_local = self.dora is None or self.dora.row_local

@@ -30,7 +30,7 @@ import torch
 from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, WEIGHT_SUFFIXES, open_checkpoint
 from ckpt.io.tensors import RowSlice, Tensor
-from ckpt.merge.adapter_files import LoraFile, LoraModule
+from ckpt.merge_lora.adapter_files import LoraFile, LoraModule
 
 LORA_FILE = "lit_model.pth.lora"
 MODEL_FILE = "lit_model.pth"

@@ -22,10 +22,10 @@ from dataclasses import replace
 
 from ckpt import __version__
 from ckpt.errors import CkptError
-from ckpt.io.layout import plan_checkpoint
+from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.io.tensors import Tensor
-from ckpt.merge.merged import MergedTensor
+from ckpt.merge_lora.merged import MergedTensor
 from ckpt.quant.encoding import ErrorMeter, encoding_of
 from ckpt.quant.view import View
 from ckpt.report import Report, plural

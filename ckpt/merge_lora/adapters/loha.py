@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ckpt.merge.adapters.base import LowRankFamily, alpha_scale
+from ckpt.merge_lora.adapters.base import LowRankFamily, alpha_scale
 
 ROLES = ("w1a", "w1b", "w2a", "w2b")
 

@@ -5,7 +5,7 @@ A stored key is a module name plus a suffix naming its part (`x.lora_down.weight
 unmatched, never dropped silently. Alpha comes from, in order: the module's own `alpha` tensor, the
 PEFT `adapter_config.json` (lora_alpha, alpha_pattern, use_rslora), or the diffusers safetensors
 metadata `lora_adapter_metadata`; without any, the commands give it --alpha or assume alpha = rank (scale 1)
-with a warning (`ckpt.merge.checks.settle_alphas`).
+with a warning (`ckpt.merge_lora.checks.settle_alphas`).
 
 Tensors are read through `ckpt.io` (validated headers, pread on demand): a LoRA is never loaded whole.
 """
@@ -22,9 +22,9 @@ from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.hub import check_lora
 from ckpt.io.tensors import Tensor
-from ckpt.merge import litgpt
-from ckpt.merge.adapter_files import LoraFile, LoraModule
-from ckpt.merge.xlabs import xlabs_part
+from ckpt.merge_lora import litgpt
+from ckpt.merge_lora.adapter_files import LoraFile, LoraModule
+from ckpt.merge_lora.xlabs import xlabs_part
 
 PEFT_PREFIX = "base_model.model."
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ckpt.merge.adapters.base import Adapter, alpha_scale
+from ckpt.merge_lora.adapters.base import Adapter, alpha_scale
 
 
 class GLoRA(Adapter):

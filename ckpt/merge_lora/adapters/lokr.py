@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ckpt.merge.adapters.base import LowRankFamily, alpha_scale
+from ckpt.merge_lora.adapters.base import LowRankFamily, alpha_scale
 
 
 class LoKr(LowRankFamily):

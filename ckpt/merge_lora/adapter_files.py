@@ -1,7 +1,7 @@
 """What a loaded adapter is: its modules (name, family, part tensors, alpha) and the file they came from.
 
-The data types shared by the readers: `ckpt.merge.loading` (LoRA files of every family, PEFT folders) and
-`ckpt.merge.litgpt` (LitGPT's fused q/k/v LoRA) both produce them, and merging consumes them.
+The data types shared by the readers: `ckpt.merge_lora.loading` (LoRA files of every family, PEFT folders) and
+`ckpt.merge_lora.litgpt` (LitGPT's fused q/k/v LoRA) both produce them, and merging consumes them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LoraFile:
     modules: dict[str, LoraModule]
     unknown: list[str]  # stored keys that are no adapter part
     ckpt: Checkpoint
-    litgpt: object | None = None  # ckpt.merge.litgpt.LitSettings for a LitGPT LoRA
+    litgpt: object | None = None  # ckpt.merge_lora.litgpt.LitSettings for a LitGPT LoRA
     dtype: torch.dtype | None = None  # the dtype its own merge tool writes (LitGPT: the LoRA's)
 
     @property
