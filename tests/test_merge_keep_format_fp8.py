@@ -21,46 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from helpers.keep_format import kohya_lora, plain_merge, rel_rms, reported
 
-ck = pytest.importorskip("comfy_kitchen.tensor")
-from comfy_kitchen.tensor import (QuantizedTensor, TensorCoreFP8Layout, TensorCoreMXFP8Layout,  # noqa: E402
-                                  TensorCoreNVFP4Layout, TensorWiseINT8Layout)
-
-LAYOUTS = {"nvfp4": TensorCoreNVFP4Layout, "mxfp8": TensorCoreMXFP8Layout, "int8_tensorwise": TensorWiseINT8Layout,
-           "float8_e4m3fn": TensorCoreFP8Layout, "float8_e5m2": TensorCoreFP8Layout}
-STORAGE = {"nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn, "int8_tensorwise": torch.int8,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-            and torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)))
+pytest.importorskip("comfy_kitchen.tensor")
+from helpers.comfy_ref import comfy_load, ck_quantize, same_bytes  # noqa: E402
 
 
 def ck_state(fmt: str, w: torch.Tensor, rowwise=False) -> dict[str, torch.Tensor]:
     """comfy-kitchen's stored tensors ({suffix: tensor}) of W's fp32 values."""
-    layout = LAYOUTS[fmt]
-    if fmt == "int8_tensorwise":
-        q, p = layout.quantize(w.float(), per_channel=rowwise)
-    elif fmt.startswith("float8"):
-        q, p = layout.quantize(w.float(), dtype=STORAGE[fmt])
-    else:
-        q, p = layout.quantize(w.float())
-    return layout.state_dict_tensors(q, p)
-
-
-def comfy_load(sd: dict, layer: str, shape) -> torch.Tensor:
-    """What ComfyUI's loader makes of one quantized Linear (fp32 compute dtype)."""
-    fmt = json.loads(sd[f"{layer}.comfy_quant"].numpy().tobytes())["format"]
-    w = sd[f"{layer}.weight"]
-    if fmt == "nvfp4":
-        scales = {"scale": sd[f"{layer}.weight_scale_2"], "block_scale": sd[f"{layer}.weight_scale"].view(torch.float8_e4m3fn)}
-    elif fmt == "mxfp8":
-        scales = {"scale": sd[f"{layer}.weight_scale"].view(torch.float8_e8m0fnu)}
-    else:
-        scales = {"scale": sd[f"{layer}.weight_scale"]}
-    layout = LAYOUTS[fmt]
-    params = layout.Params(**scales, orig_dtype=torch.float32, orig_shape=tuple(shape))
-    return QuantizedTensor(w.to(dtype=STORAGE[fmt]), layout.__name__, params).dequantize()
+    return ck_quantize(fmt, w, rowwise)[2]
 
 
 def weight(shape, seed):

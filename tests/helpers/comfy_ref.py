@@ -10,13 +10,15 @@ import pytest
 import torch
 
 pytest.importorskip("comfy_kitchen.tensor")
-from comfy_kitchen.tensor import (QuantizedTensor, TensorCoreMXFP8Layout, TensorCoreNVFP4Layout,  # noqa: E402
-                                  TensorWiseINT8Layout)
+from comfy_kitchen.tensor import (QuantizedTensor, TensorCoreFP8Layout, TensorCoreMXFP8Layout,  # noqa: E402
+                                  TensorCoreNVFP4Layout, TensorWiseINT8Layout)
 
-LAYOUTS = {"nvfp4": TensorCoreNVFP4Layout, "mxfp8": TensorCoreMXFP8Layout, "int8_tensorwise": TensorWiseINT8Layout}
+LAYOUTS = {"nvfp4": TensorCoreNVFP4Layout, "mxfp8": TensorCoreMXFP8Layout, "int8_tensorwise": TensorWiseINT8Layout,
+           "float8_e4m3fn": TensorCoreFP8Layout, "float8_e5m2": TensorCoreFP8Layout}
 
 
-STORAGE = {"nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn, "int8_tensorwise": torch.int8}
+STORAGE = {"nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn, "int8_tensorwise": torch.int8,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,7 +41,12 @@ def weight(shape, seed=0, dtype=torch.bfloat16):
 def ck_quantize(fmt, w: torch.Tensor, rowwise=False):
     """comfy-kitchen's quantize of W's fp32 values: (qdata, params, {suffix: tensor} as saved)."""
     layout = LAYOUTS[fmt]
-    q, p = layout.quantize(w.float(), per_channel=rowwise) if fmt == "int8_tensorwise" else layout.quantize(w.float())
+    if fmt == "int8_tensorwise":
+        q, p = layout.quantize(w.float(), per_channel=rowwise)
+    elif fmt.startswith("float8"):
+        q, p = layout.quantize(w.float(), dtype=STORAGE[fmt])
+    else:
+        q, p = layout.quantize(w.float())
     return q, p, layout.state_dict_tensors(q, p)
 
 
@@ -59,6 +66,6 @@ def comfy_load(sd: dict, layer: str, orig_shape, compute_dtype=torch.float32) ->
         scales = {"scale": sd[f"{layer}.weight_scale"].view(torch.float8_e8m0fnu)}
     else:
         scales = {"scale": sd[f"{layer}.weight_scale"]}
-    params = LAYOUTS[fmt].Params(**scales, orig_dtype=compute_dtype, orig_shape=tuple(orig_shape))
-    name = {"nvfp4": "TensorCoreNVFP4Layout", "mxfp8": "TensorCoreMXFP8Layout", "int8_tensorwise": "TensorWiseINT8Layout"}
-    return QuantizedTensor(w.to(dtype=STORAGE[fmt]), name[fmt], params).dequantize()
+    layout = LAYOUTS[fmt]
+    params = layout.Params(**scales, orig_dtype=compute_dtype, orig_shape=tuple(orig_shape))
+    return QuantizedTensor(w.to(dtype=STORAGE[fmt]), layout.__name__, params).dequantize()
