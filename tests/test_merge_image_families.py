@@ -1,5 +1,6 @@
 """merge-lora on Chroma, Z-Image, Lumina 2, HiDream and Qwen-Image, both layouts, against diffusers' own
-LoRA loading (the helpers and the method of tests/test_merge_families.py).
+LoRA loading (the helpers of tests/helpers/merge_compare.py; diffusers-format LoRAs onto the original
+layout are the table of tests/test_merge_diffusers_loras.py).
 
 Bases: a tiny diffusers model saved with `save_pretrained` (diffusers layout), or its original layout made
 from the family's pairs and checked by diffusers' converter. LoRAs: PEFT adapters saved by the pipeline's
@@ -67,25 +68,6 @@ def _chroma_convert():
     return with_constants(_sfu().convert_chroma_transformer_checkpoint_to_diffusers, {3072: 16})
 
 
-def test_diffusers_chroma_lora_onto_original_base(tmp_path, run_ckpt):
-    """to_q/k/v, add_*_proj, proj_mlp: rows of the fused `qkv` and `linear1`; the approximator's
-    `linear_1` is `in_layer`; x/context embedders, proj_out renamed."""
-    torch.manual_seed(0)
-    model = tiny_chroma()
-    base_sd = state_dict(model)
-    original = _original_base("chroma", base_sd, _chroma_convert(), tmp_path / "chroma.safetensors")
-    targets = ["to_q", "to_k", "to_v", "add_q_proj", "add_v_proj", "proj_mlp", "proj_out", "ff.net.0.proj",
-               "linear_1", "x_embedder", "context_embedder", "to_add_out"]
-    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.ChromaPipeline)
-    want = diffusers_fused(tiny_chroma, base_sd, lora, diffusers.ChromaPipeline, 0.7)
-
-    out = tmp_path / "out.safetensors"
-    code, stdout, err = run_ckpt("merge-lora", tmp_path / "chroma.safetensors", lora, "--ratio", "0.7", "-o", out)
-    assert code == 0, err
-    got = _merged_original(out, _chroma_convert(), original, stdout)
-    assert compare(got, want, base_sd) == 22  # every target module of every block
-
-
 def test_kohya_chroma_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch):
     """A kohya/ai-toolkit Chroma LoRA (original names: fused qkv and linear1) on a diffusers folder; oracle:
     diffusers' kohya Flux converter, which ChromaPipeline uses (its linear1 split set to the tiny width).
@@ -142,27 +124,6 @@ def test_inspect_reports_family_id_and_layout(tmp_path, run_ckpt, family_id):
 
 def _z_convert():
     return _sfu().convert_z_image_transformer_checkpoint_to_diffusers
-
-
-def test_diffusers_z_image_lora_onto_original_base(tmp_path, run_ckpt):
-    """to_q/k/v land on thirds of the fused `attention.qkv`, to_out.0 on `attention.out`, the patch-keyed
-    `all_final_layer.2-1.linear` on `final_layer.linear`; shared names (w1, adaLN_modulation.0) as they are."""
-    from families_util import tiny_z_image
-
-    torch.manual_seed(2)
-    model = tiny_z_image()
-    base_sd = state_dict(model)
-    original = _original_base("z_image", base_sd, _z_convert(), tmp_path / "z.safetensors")
-    targets = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[13]|(layers|noise_refiner)\.\d+\."
-               r"adaLN_modulation\.0|all_final_layer\.2-1\.linear|all_x_embedder\.2-1|cap_embedder\.1)")
-    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.ZImagePipeline)
-    want = diffusers_fused(tiny_z_image, base_sd, lora, diffusers.ZImagePipeline, 0.8)
-
-    out = tmp_path / "out.safetensors"
-    code, stdout, err = run_ckpt("merge-lora", tmp_path / "z.safetensors", lora, "--ratio", "0.8", "-o", out)
-    assert code == 0, err
-    got = _merged_original(out, _z_convert(), original, stdout)
-    assert compare(got, want, base_sd) == 4 * (4 + 2) + 3 + 3  # 4 blocks, 3 modulated, 3 top-level
 
 
 def test_musubi_z_image_lora_onto_original_base(tmp_path, run_ckpt):
@@ -233,27 +194,6 @@ def test_comfyui_z_image_lora_onto_diffusers_folder(tmp_path, run_ckpt):
 
 def _lumina_convert():
     return with_constants(_sfu().convert_lumina2_to_diffusers, {2304: 32, 768: 16})
-
-
-def test_diffusers_lumina2_lora_onto_original_base(tmp_path, run_ckpt):
-    """Grouped-query attention: to_q on the first 32 rows of `attention.qkv`, to_k/to_v on 16 rows each;
-    feed_forward.linear_N on w_N, norm1.linear on adaLN_modulation.1, norm_out.linear_1/2 on final_layer."""
-    from families_util import tiny_lumina2
-
-    torch.manual_seed(5)
-    model = tiny_lumina2()
-    base_sd = state_dict(model)
-    original = _original_base("lumina2", base_sd, _lumina_convert(), tmp_path / "lu.safetensors")
-    targets = (r".*(attn\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.linear_[12]|norm1\.linear|norm_out\.linear_[12]"
-               r"|x_embedder|caption_embedder\.1|timestep_embedder\.linear_1)")
-    lora = peft_lora_file(model, targets, tmp_path / "lora", diffusers.Lumina2Pipeline)
-    want = diffusers_fused(tiny_lumina2, base_sd, lora, diffusers.Lumina2Pipeline, 1.3)
-
-    out = tmp_path / "out.safetensors"
-    code, stdout, err = run_ckpt("merge-lora", tmp_path / "lu.safetensors", lora, "--ratio", "1.3", "-o", out)
-    assert code == 0, err
-    got = _merged_original(out, _lumina_convert(), original, stdout)
-    assert compare(got, want, base_sd) == 6 * (4 + 2) + 4 + 5  # 6 blocks, 4 modulated, 5 top-level
 
 
 def test_comfyui_lumina2_lora_onto_diffusers_folder(tmp_path, run_ckpt, monkeypatch):
