@@ -69,6 +69,13 @@ def output_format(fmt: str | None, out: str | Path | None, default: str = "safet
     return fmt
 
 
+def check_gguf_output(out: str | Path | None, what: str) -> None:
+    """A GGUF output is one .gguf file: -o must end in .gguf, have no suffix, or be a folder to put it in.
+    `what` says why the output is GGUF (`--to gguf-q8_0`, `--keep-format on a GGUF base`)."""
+    if out and Path(out).suffix not in ("", ".gguf") and not Path(out).is_dir():
+        raise CkptError(f"-o {out}: {what} writes a GGUF file; name it .gguf")
+
+
 def file_ext(fmt: str) -> str:
     return ".pth" if fmt == "torch" else ".safetensors"
 

@@ -242,6 +242,14 @@ class _Scan:
         start = self.skip_string(what)
         return bytes(self.buf[start:self.pos])
 
+    def new_name(self, what: str, seen: set[str]) -> str:
+        """`name`, refused when the header already had it (a duplicate key or tensor name); adds it to `seen`."""
+        name = self.name(what)
+        if name in seen:
+            raise self.fail(f"invalid GGUF header (duplicate {what} {name!r})")
+        seen.add(name)
+        return name
+
     def name(self, what: str) -> str:
         at = self.pos
         raw = self.string(what)
@@ -275,10 +283,7 @@ def _prescan(s: _Scan) -> None:
     keys: set[str] = set()
     alignment, array_values = 32, 0
     for _ in range(n_kv):
-        key = s.name("metadata key")
-        if key in keys:
-            raise s.fail(f"invalid GGUF header (duplicate metadata key {key!r})")
-        keys.add(key)
+        key = s.new_name("metadata key", keys)
         vtype = s.u32(f"value type of {key!r}")
         if vtype == _ARRAY:
             sub = s.u32(f"array type of {key!r}")
@@ -312,10 +317,7 @@ def _prescan(s: _Scan) -> None:
     names: set[str] = set()
     spans = []
     for _ in range(n_tensors):
-        name = s.name("tensor name")
-        if name in names:
-            raise s.fail(f"invalid GGUF header (duplicate tensor name {name!r})")
-        names.add(name)
+        name = s.new_name("tensor name", names)
         n_dims = s.u32(f"n_dims of tensor {name!r}")
         if n_dims > MAX_DIMS:
             raise s.fail(f"tensor {name!r} has {n_dims} dims; ckpt reads GGUF tensors of at most {MAX_DIMS} "

@@ -31,7 +31,7 @@ from ckpt.io.checkpoint import WEIGHT_SUFFIXES
 from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.merge_lora import litgpt
 from ckpt.merge_lora.merged import Patch, Patched
-from ckpt.run import cast_outputs, decoded_notes, default_output, file_ext, output_format
+from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
 
@@ -115,11 +115,9 @@ class KeepFormat(Strategy):
 
         kind = container(ckpt)
         if kind == "gguf":
-            suffix = Path(out).suffix if out else ""
             if self.fmt is not None:
                 raise CkptError(f"--format {self.fmt} with --keep-format: the base is a GGUF file, and so is the output")
-            if suffix not in ("", ".gguf") and not Path(out).is_dir():
-                raise CkptError(f"-o {out}: --keep-format on a GGUF base writes a GGUF file; name it .gguf")
+            check_gguf_output(out, "--keep-format on a GGUF base")
             return "gguf"
         return output_format(self.fmt, out, kind)
 

@@ -5,7 +5,6 @@ is a new module with `TARGETS = (GGUF("gguf-<type>", "<GGML TYPE>"),)`."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from ckpt.convert.targets.base import Target
 from ckpt.errors import CkptError
@@ -35,11 +34,11 @@ class GGUF(Target):
 
     def output_format(self, opts, out) -> str:
         """GGUF only from --to gguf-*, never from a suffix alone; -o must say .gguf (or be a folder)."""
-        suffix = Path(out).suffix if out else ""
+        from ckpt.run import check_gguf_output
+
         if opts.format is not None:
             raise CkptError(f"--format does not apply to --to {opts.to} (it writes a .gguf file)")
-        if suffix not in ("", ".gguf") and not Path(out).is_dir():
-            raise CkptError(f"-o {out}: --to {opts.to} writes a GGUF file; name it .gguf")
+        check_gguf_output(out, f"--to {opts.to}")
         return "gguf"
 
     def check(self, opts) -> None:
