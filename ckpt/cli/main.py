@@ -27,9 +27,10 @@ from ckpt.cli.convert import convert  # noqa: E402
 from ckpt.cli.dequant import dequant  # noqa: E402
 from ckpt.cli.inspect import inspect  # noqa: E402
 from ckpt.cli.lora import lora  # noqa: E402
+from ckpt.cli.merge import merge  # noqa: E402
 from ckpt.cli.merge_lora import merge_lora  # noqa: E402
 
-for _command in (convert, dequant, inspect, merge_lora, batch, lora):
+for _command in (convert, dequant, inspect, merge, merge_lora, batch, lora):
     cli.add_command(_command)
 
 

@@ -171,7 +171,7 @@ def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> 
     return out, dropped
 
 
-def _strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
+def strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
     """Keys without the single-file model prefix (`ckpt.families.prefixes`); mixed prefixes (a bundle)
     are refused."""
     prefix = model_prefix(tensors, {k: tuple(t.shape) for k, t in tensors.items()})
@@ -276,7 +276,7 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
         raise CkptError(f"{ckpt.path}: --layout converts one model (a single file, a sharded set or a model "
                         f"folder); this holds {len(ckpt.components)} ({', '.join(c.subdir or '.' for c in ckpt.components)})")
     comp, view = ckpt.components[0], views[0]
-    tensors, prefix = _strip_prefix(view.tensors)
+    tensors, prefix = strip_prefix(view.tensors)
     m = _match(tensors, comp.where)
     container = _container(ckpt, comp)
     # the names' layout; one naming serves both, so the container says which one the input is in

@@ -178,4 +178,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(x_embedder|context_embedder|time_text_embed|norm_out|proj_out)\.",),
     },
     gguf=GGUFStorage("flux"),
+    blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
 )

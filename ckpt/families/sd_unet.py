@@ -271,4 +271,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(conv_in|conv_out|conv_norm_out|time_embedding|add_embedding|class_embedding)\.",),
     },
     gguf=GGUFStorage({"sd1": "sd1", "sd2": "sd1", "sdxl": "sdxl", "": "sd1"}, reshape=True),  # "": keys cannot tell
+    blocks=(r"^input_blocks\.(\d+)\.", r"^middle_block\.", r"^output_blocks\.(\d+)\."),
 )

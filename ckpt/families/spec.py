@@ -246,6 +246,9 @@ class Family:
     - `high_precision`: layout -> regexes of tensor names kept in high precision when quantizing
       (input/output layers, embeddings); 1-D tensors stay high precision everywhere, unsaid.
     - `gguf`: how ComfyUI-GGUF stores the family (`GGUFStorage`), for `convert --to gguf-*`.
+    - `blocks`: the model's blocks in depth order, as regexes on original-layout names (prefix stripped), each
+      with one group for the block's index or none for a single block (SDXL's `middle_block`): what "layer"
+      means to `ckpt merge` gradients (`ckpt.merge.blocks`); empty: the language-model rule (`layers.N.`).
     - `kind`: what the model is; only a "diffusion" model answers to the guarded file prefix
       `model.model.` (`ckpt.families.prefixes`), which language-model wrappers use too.
     - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
@@ -270,6 +273,7 @@ class Family:
     diffusers_config: Callable[[Shapes], dict] | None = None
     priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
     kind: str = "diffusion"  # "diffusion" | "text_encoder" | "language_model" | "vae": which file prefixes apply
+    blocks: tuple[str, ...] = ()  # depth order of the blocks (ckpt merge's gradients); () = `layers.N.`
 
     @property
     def all_ids(self) -> tuple[str, ...]:

@@ -16,6 +16,15 @@ class Buffers:
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
         self._fences: dict[str, torch.cuda.Event] = {}
+        self._children: dict[object, Buffers] = {}
+
+    def child(self, key) -> "Buffers":
+        """Buffers of their own for one operand of a tensor that reads several (a model merge reads one band of
+        each input model into the same slot): the operands' role names never collide."""
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = Buffers()
+        return c
 
     def get(self, role: str, nbytes: int) -> torch.Tensor:
         """A uint8 CPU tensor of at least `nbytes`, reused by the next call with the same role."""

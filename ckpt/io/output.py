@@ -113,7 +113,8 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
             for f in plan.files:
                 _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath))
             for rel, index in {**plan.indexes, **plan.generated}.items():
-                stage.write_bytes(rel, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+                text = index if isinstance(index, str) else json.dumps(index, indent=2, sort_keys=True) + "\n"
+                stage.write_bytes(rel, text.encode())
             for src, rel in plan.copies:
                 _copy_sidecar(Path(src), rel, plan.json_edits.get(rel), stage)
         stage.publish(overwrite)

@@ -76,7 +76,7 @@ class Plan:
     indexes: dict[str, dict] = field(default_factory=dict)  # relpath -> index JSON
     copies: list[tuple[object, str]] = field(default_factory=list)  # (source Path, relpath)
     json_edits: dict[str, Callable[[dict], dict]] = field(default_factory=dict)  # relpath -> edit of a copied JSON
-    generated: dict[str, dict] = field(default_factory=dict)  # relpath -> JSON made by the plan (a GGUF's config)
+    generated: dict[str, dict | str] = field(default_factory=dict)  # relpath -> JSON (a GGUF's config) or text (a model card)
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -141,6 +141,16 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     and let the strategy plan the output from the matched patches."""
     views = [logical_view(c) for c in ckpt.components]
     notes = strategy.prepare(ckpt, views)
+    patches = match_loras(ckpt, views, files, ratios, report, opts.allow_unmatched)
+    names = [Path(f.spec).name for f in files]
+    return strategy.plan(ckpt, views, patches, report, merge_operation(names, ratios, opts), file_format, notes)
+
+
+def match_loras(ckpt, views, files: list[LoraFile], ratios: list[float], report: MergeReport,
+                allow_unmatched: bool = False) -> Patches:
+    """Every LoRA matched to the base's logical views: per component, view key -> its patches in order. The
+    summary lines go to `report`; unmatched keys (unless allowed) and a LoRA that matches nothing are errors.
+    Also what `ckpt merge` uses for mergekit's `model: BASE+LORA`."""
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
     where = [c.subdir for c in ckpt.components]
@@ -156,7 +166,7 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
         report.summary.append(f"base tensors changed: {len(report.changed)}")
     swapped = _swapped_hint(ckpt)
     bad = {s: u for s, u in report.unmatched.items() if u}
-    if bad and not opts.allow_unmatched:
+    if bad and not allow_unmatched:
         s, u = next(iter(bad.items()))
         f = next(f for f in files if f.spec == s)
         raise MergeError(f"{s}: {plural(len(u), 'LoRA key')} match{'es' * (len(u) == 1)} no base tensor (e.g. {u[0]!r}; "
@@ -165,8 +175,7 @@ def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeOptions, 
     if not report.changed and not zero:
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
-    names = [Path(f.spec).name for f in files]
-    return strategy.plan(ckpt, views, patches, report, merge_operation(names, ratios, opts), file_format, notes)
+    return patches
 
 
 def _looks_like_lora(ckpt) -> bool:

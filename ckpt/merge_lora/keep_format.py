@@ -25,7 +25,6 @@ from ckpt.errors import CkptError
 from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.io.tensors import Tensor
-from ckpt.merge_lora.merged import MergedTensor
 from ckpt.quant.encoding import ErrorMeter, encoding_of
 from ckpt.quant.view import View
 from ckpt.report import Report, plural
@@ -100,20 +99,21 @@ class Reencoded(Tensor):
         self.name, self.dtype, self.shape, self.home = stored.name, stored.dtype, tuple(stored.shape), stored.home
 
 
-def plan_keep_format(ckpt, views, patches: list[dict[str, list]], report: Report, operation: str,
+def plan_keep_format(ckpt, views, changed: list[dict[str, Tensor]], report: Report, operation: str,
                      file_format: str) -> tuple[Plan, list[ErrorMeter], list[str]]:
     """The plan (stored keys in stored order, changed tensors re-encoded), one ErrorMeter per changed tensor,
-    and the notes to print. `patches`: per component, view key -> the patches of that logical tensor."""
+    and the notes to print. `changed`: per component, view key -> the new value of that logical tensor (merge-lora's
+    `MergedTensor`, a model merge's `MergedModelTensor`), encoded as the stored tensor it replaces."""
     refuse_plain(ckpt, views)
     meters: list[ErrorMeter] = []
     notes: list[str] = []
     replaced: list[dict[str, OutTensor]] = []  # per component: stored key -> its re-encoded output
-    for comp, view, comp_patches in zip(ckpt.components, views, patches):
+    for comp, view, comp_changed in zip(ckpt.components, views, changed):
         where = f"{comp.subdir}/" if comp.subdir else ""
         done: dict[str, OutTensor] = {}
         replaced.append(done)
         for key, t in view.tensors.items():
-            if key not in comp_patches:
+            if key not in comp_changed:
                 continue
             enc = encoding_of(t)
             if enc is None:
@@ -125,7 +125,7 @@ def plan_keep_format(ckpt, views, patches: list[dict[str, list]], report: Report
                 raise CkptError(f"--keep-format: {where}{t.name} ({enc.label}) cannot be re-encoded: {why}; "
                                 "nothing was written")
             meter = ErrorMeter(f"{where}{t.name}", enc.label)
-            for o in enc.encode(MergedTensor(t, comp_patches[key]), report, meter):
+            for o in enc.encode(comp_changed[key], report, meter):
                 stored = comp.tensors.get(o.name)
                 if stored is None or o.name in done:
                     raise RuntimeError(f"{o.name}: the {enc.label} encoding writes a key the base does not store once")

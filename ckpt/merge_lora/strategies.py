@@ -130,7 +130,10 @@ class KeepFormat(Strategy):
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
         from ckpt.merge_lora.keep_format import plan_keep_format
 
-        plan, report.meters, own = plan_keep_format(ckpt, views, patches, report, operation, file_format)
+        from ckpt.merge_lora.merged import MergedTensor
+
+        changed = [{k: MergedTensor(v.tensors[k], ps) for k, ps in comp.items()} for v, comp in zip(views, patches)]
+        plan, report.meters, own = plan_keep_format(ckpt, views, changed, report, operation, file_format)
         plan.notes += own + notes
         return plan
 

@@ -1,0 +1,93 @@
+"""`ckpt merge`: the click command over its Python API (imports only click and ckpt's light modules until it
+runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckpt.cli.options import (DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QUIET, OneLineCommand,
+                              check_output)
+from ckpt.cli.report import REPORT, print_report, record
+from ckpt.errors import CkptError
+from ckpt.interrupts import load
+
+
+def _is_config(args) -> bool:
+    return len(args) == 1 and Path(args[0]).suffix.lower() in (".yaml", ".yml")
+
+
+@click.command("merge", cls=OneLineCommand)
+@click.argument("inputs", nargs=-1, metavar="CONFIG.yaml | MODEL...")
+@click.option("-o", "--output", "out", callback=check_output,
+              help="Output file or folder (default: beside the config, or the first model, named *-merged).")
+@click.option("--method", metavar="NAME", help="Merge method (flag-built merges; default for two models: weighted_sum).")
+@click.option("--base", metavar="MODEL", help="The base model (task-arithmetic methods, slerp, linear...).")
+@click.option("--alpha", type=float, help="alpha of weighted_sum / add_difference / train_difference / add_perpendicular.")
+@click.option("--weight", metavar="W[,W...]", help="weight: one value, or one per model in order.")
+@click.option("--density", metavar="D[,D...]", help="density: one value, or one per model in order.")
+@click.option("--param", "params", multiple=True, metavar="NAME=VALUE",
+              help="Any parameter of the method for all models (VALUE: number, true/false, comma list = gradient).")
+@click.option("--dtype", metavar="DTYPE", help="Compute dtype as mergekit's `dtype` (inputs rounded to it).")
+@click.option("--tokenizer-source", metavar="MODEL", help="Take the tokenizer from this model (default: the base's).")
+@click.option("--seed", type=int, help="Seed of the randomized methods (DARE, DELLA); default 0, said in a note.")
+@click.option("--print-config", is_flag=True, help="Print the YAML this merge runs, and exit.")
+@MERGE_TO
+@click.option("--keep-format", is_flag=True,
+              help="Write the reference's own format: merged tensors re-encoded in its quantization (GGUF, fp8, "
+                   "comfy_quant, quanto), as merge-lora --keep-format does.")
+@click.option("--layout", type=click.Choice(["diffusers", "original"]),
+              help="Write the family's diffusers or original layout (default: the reference's own).")
+@click.option("--allow-missing", is_flag=True,
+              help="Tensors some input lacks are taken from the reference (base, else first model), tensors only "
+                   "other inputs have are left out; both counted.")
+@MAX_SHARD_SIZE
+@FORMAT
+@DRY_RUN
+@DEVICE
+@OVERWRITE
+@QUIET
+@REPORT
+def merge(inputs, out, method, base, alpha, weight, density, params, dtype, tokenizer_source, seed, print_config,
+          to, keep_format, layout, allow_missing, max_shard_size, fmt, dry_run, device, overwrite, quiet):
+    """Merge whole models: a mergekit YAML config as it is (CONFIG.yaml), or MODEL... with flags. Every input
+    ckpt reads (safetensors, shards, model folders, hub ids, GGUF, fp8, quantized) is decoded as it streams."""
+    from ckpt.merge.flags import recipe_from_flags
+    from ckpt.merge.recipe import load_recipe
+
+    inputs = list(inputs)
+    config = inputs[0] if _is_config(inputs) else None
+    if config is not None:
+        flags = {"--method": method, "--base": base, "--alpha": alpha, "--weight": weight, "--density": density,
+                 "--param": params or None, "--dtype": dtype, "--tokenizer-source": tokenizer_source}
+        given = [k for k, v in flags.items() if v is not None]
+        if given:
+            raise CkptError(f"{given[0]} with a config: the config says the whole recipe (edit it, or merge with "
+                            "flags alone)")
+        recipe = load_recipe(config)
+    else:
+        recipe = recipe_from_flags(inputs, method=method, base=base, alpha=alpha, weight=weight, density=density,
+                                   params=list(params), dtype=dtype, tokenizer_source=tokenizer_source)
+    if seed is not None:
+        recipe.seed = seed
+    if print_config:
+        click.echo(recipe.to_yaml(), nl=False)
+        return
+    from ckpt.io.hub import check_source
+
+    for r in recipe.refs:
+        check_source(r.spec)
+    load("ckpt.merge.command")
+    from ckpt.merge.command import MergeModelsOptions, merge_models
+
+    opts = MergeModelsOptions(to=to, device=device, allow_missing=allow_missing, dry_run=dry_run,
+                              overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format, layout=layout,
+                              max_shard_size=max_shard_size, seed=seed)
+    path, report = merge_models(recipe, out, opts, default_from=config)
+    record(report, inputs=[config] if config else [r.spec for r in recipe.refs], output=path,
+           status="dry-run" if dry_run else "ok")
+    for line in report.summary:
+        click.echo(line)
+    print_report(report, quiet)
+    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")

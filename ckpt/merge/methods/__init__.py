@@ -1,0 +1,35 @@
+"""The registry of merge methods: every module of this package that defines `METHODS` (a tuple of
+`ckpt.merge.methods.base.Method`). Adding a method is adding a module; its name is its registry key."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ckpt.errors import CkptError
+from ckpt.merge.methods.base import Method
+
+_REGISTRY: dict[str, Method] | None = None
+
+
+def methods() -> dict[str, Method]:
+    global _REGISTRY
+    if _REGISTRY is None:
+        reg: dict[str, Method] = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+            if info.name == "base":
+                continue
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+            for m in getattr(mod, "METHODS", ()):
+                if m.name in reg:
+                    raise RuntimeError(f"merge method {m.name!r} is defined twice")
+                reg[m.name] = m
+        _REGISTRY = reg
+    return _REGISTRY
+
+
+def get_method(name) -> Method:
+    reg = methods()
+    if not isinstance(name, str) or name not in reg:
+        raise CkptError(f"merge_method: {name!r} is not a method ckpt has (it has {', '.join(sorted(reg))})")
+    return reg[name]

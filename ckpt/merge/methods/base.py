@@ -1,0 +1,173 @@
+"""The one interface every merge method implements, and the parameters it declares.
+
+A method is one module in `ckpt.merge.methods` defining `METHODS = (Method(...), ...)`: several configurations of
+one computation are several entries (mergekit builds TIES, DARE, DELLA and breadcrumbs from one generalized task
+arithmetic; so does `ckpt.merge.methods.task_arithmetic`). The YAML loader, the flags, `--print-config` and the
+merge itself all read the declared `params`.
+
+How a method computes decides how it streams (`kind`):
+
+- "rows": each output row depends on the same rows of the inputs only (elementwise methods, per-row statistics):
+  `merge` is called band by band, memory is a few bands per input.
+- "stats": it needs whole-tensor statistics (slerp's angle, TIES' magnitude threshold, DARE's L1 rescale):
+  `stats(job)` makes them first by passing over the tensor's bands (`job.passes()`, as often as it needs), then
+  `merge` applies them band by band. Memory stays a few bands per input.
+- "whole": it genuinely needs every value at once (karcher's iterations): one band spanning the whole tensor, one
+  tensor per input in memory.
+
+`merge(job, xs, band, state)` gets the inputs' values of rows [band.start, band.stop) as `job.compute` tensors (fp32,
+or fp64 for `dtype: float64`), in mergekit's input order (`job.inputs`: the models as listed, then the base when
+it is not among them; `job.base` is its index or None), and returns the merged band in the same dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ckpt.errors import CkptError
+
+SHARED, INPUT, NON_BASE = "shared", "input", "non_base"  # mergekit's ParameterScope
+
+
+@dataclass(frozen=True)
+class Param:
+    """A declared parameter: `scope` says where it binds (one value per tensor, one per input, one per non-base
+    input), `default` None with `required` means the config must give it. `low`/`high` bound numeric values
+    (`low_open`/`high_open`: the bound itself is refused); `why` says why, in the error."""
+
+    name: str
+    type: type = float
+    scope: str = SHARED
+    default: object = None
+    required: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+    help: str = ""
+
+    def cast(self, v):
+        if self.type is bool:
+            if isinstance(v, str):
+                return v.strip().lower() in ("1", "true", "yes", "on")
+            return bool(v)
+        if self.type is int:
+            return int(v)
+        if self.type is float:
+            return float(v)
+        return v
+
+    def validate(self, v, where: str) -> None:
+        if self.type is bool:
+            if not isinstance(v, bool) and v not in (0, 1) and str(v).lower() not in ("true", "false", "yes", "no"):
+                raise CkptError(f"{where}: {self.name} is true or false, not {v!r}")
+            return
+        if self.type in (int, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                try:
+                    v = float(v)  # YAML reads 1e-3 as a string; mergekit takes it as a number
+                except (TypeError, ValueError):
+                    raise CkptError(f"{where}: {self.name} is a number, not {v!r}") from None
+            if not math.isfinite(v):
+                raise CkptError(f"{where}: {self.name} must be finite, not {v!r}")
+            if self.type is int and float(v) != int(v):
+                raise CkptError(f"{where}: {self.name} is a whole number, not {v!r}")
+            lo_bad = self.low is not None and (v < self.low or (self.low_open and v == self.low))
+            hi_bad = self.high is not None and (v > self.high or (self.high_open and v == self.high))
+            if lo_bad or hi_bad:
+                lo = "" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
+                hi = "" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
+                rng = f"in {lo}, {hi}" if lo and hi else (f">= {self.low:g}" if lo and not self.low_open else
+                                                          f"> {self.low:g}" if lo else f"<= {self.high:g}")
+                raise CkptError(f"{where}: {self.name} must be {rng}, got {v!r}" + (f" ({self.why})" if self.why else ""))
+
+
+@dataclass(frozen=True)
+class Band:
+    start: int  # rows [start, stop) of the tensor
+    stop: int
+    row_numel: int  # elements per row: element offset of the band = start * row_numel
+
+    @property
+    def offset(self) -> int:
+        return self.start * self.row_numel
+
+
+@dataclass
+class Job:
+    """One output tensor's merge: its inputs (logical tensors, in mergekit's order), resolved parameters, and
+    how to pass over its bands (for `stats`)."""
+
+    name: str
+    names: tuple[str, ...]  # output name, original-layout name (filters, RNG keys use names[0])
+    shape: tuple[int, ...]
+    inputs: list  # ckpt.io.tensors.Tensor, one per input model
+    keys: list[str]  # each input's identity (its text in the config): RNG streams, messages
+    base: int | None  # index of the base in `inputs`
+    shared: dict  # shared parameters
+    per_input: list[dict]  # per input (the base gets only INPUT-scope ones)
+    seed: int | None
+    compute: object  # torch dtype of the values merge() sees
+    passes: Callable = None  # () -> iterator of (Band, [x per input]) over the whole tensor
+    device: object = None
+
+    @property
+    def non_base(self) -> list[int]:
+        return [i for i in range(len(self.inputs)) if i != self.base]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    params: tuple[Param, ...] = ()
+    base: str = "optional"  # "required" | "optional" | "none" | "primary" (the SD classics: models[0] is A)
+    min_models: int = 1  # inputs including the base
+    max_models: int | None = None
+    kind: str = "rows"  # "rows" | "stats" | "whole"
+    randomized: bool = False
+    merge: Callable | None = None  # (job, xs, band, state) -> tensor
+    stats: Callable | None = None  # (job) -> state, for kind "stats"
+    check: Callable | None = None  # (recipe, where) -> None: method-specific recipe checks
+    summary: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def shared_params(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if p.scope == SHARED)
+
+    @property
+    def input_params(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if p.scope != SHARED)
+
+    def check_recipe(self, recipe, where: str) -> None:
+        n = len(recipe.refs)
+        if self.base == "required" and recipe.base_model is None and not (
+                recipe.slices and all(s.base_model is not None for s in recipe.slices)):
+            raise CkptError(f"{where}: {self.name} needs a base_model (the model the others' differences are taken from)")
+        if self.base == "none" and recipe.base_model is not None:
+            raise CkptError(f"{where}: {self.name} takes no base_model")
+        if self.base == "primary" and recipe.base_model is not None:
+            raise CkptError(f"{where}: {self.name} takes models: [A, B{', C' if self.min_models > 2 else ''}] in order "
+                            "(A is the primary model), no base_model")
+        if n < self.min_models or (self.max_models is not None and n > self.max_models):
+            want = (f"exactly {self.min_models}" if self.max_models == self.min_models else
+                    f"at least {self.min_models}" if self.max_models is None else f"{self.min_models} to {self.max_models}")
+            raise CkptError(f"{where}: {self.name} merges {want} models (counting the base), got {n}")
+        if self.check is not None:
+            self.check(recipe, where)
+
+
+def weight_param(**kw) -> Param:
+    return Param("weight", float, NON_BASE, **kw)
+
+
+def density_param(default=1.0) -> Param:
+    return Param("density", float, NON_BASE, default=default, low=0.0, high=1.0, low_open=True,
+                 why="density 0 keeps nothing and returns the base; mergekit accepts it, ckpt takes it for the "
+                     "mistake it almost always is")

@@ -1,0 +1,91 @@
+"""The exact k-th largest of a tensor's values without holding the tensor: radix selection over bands.
+
+Methods that keep the top-k magnitudes of a whole tensor (TIES, breadcrumbs, sce's variance selection) need the
+threshold before the first band is written. Scores are non-negative floats, whose fp32 bit patterns order as
+integers: a first pass counts the top 16 bits of every score (a 32768-bin histogram), which names the bin holding
+the k-th largest; a second counts the low 16 bits inside that bin, which gives the value exactly. When several
+scores equal that value and only some of them fit in k, the first ones in flat index order are kept (a third
+pass finds the index of the last one kept), so the selection does not depend on how bands are read. (mergekit's
+argsort breaks such ties in an unspecified order; with real weights they are rare.) NaN scores count as the
+largest. Memory: the histograms and one band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ckpt.lazy import torch
+
+BINS = 1 << 16
+
+
+def _bits(x) -> "torch.Tensor":
+    """Non-negative fp32 scores as int64 keys that order as the values do (NaN above +inf)."""
+    b = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    return b & 0x7FFFFFFF  # -0.0 -> 0
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Keep a score when it is above `value`, or equal to it with flat index <= `cutoff` (None: every equal)."""
+
+    value_bits: int
+    cutoff: int | None
+    keep_none: bool = False
+    keep_all: bool = False
+
+    def mask(self, scores, offset: int) -> "torch.Tensor":
+        """Bool mask of the kept elements of a band of scores starting at flat index `offset`."""
+        if self.keep_all:
+            return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+        if self.keep_none:
+            return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        b = _bits(scores.reshape(-1))
+        keep = b > self.value_bits
+        eq = b == self.value_bits
+        if self.cutoff is not None:
+            idx = torch.arange(offset, offset + b.numel(), device=b.device)
+            eq &= idx <= self.cutoff
+        return (keep | eq).reshape(scores.shape)
+
+
+def kth_largest(passes: Callable[[], Iterable[tuple[int, "torch.Tensor"]]], k: int, numel: int) -> Threshold:
+    """The threshold keeping exactly the k largest of `numel` scores. `passes()` yields (flat offset, scores band)
+    over the whole tensor, afresh on every call."""
+    if k >= numel:
+        return Threshold(0, None, keep_all=True)
+    if k <= 0:
+        return Threshold(0, None, keep_none=True)
+    hi = None
+    for _, s in passes():
+        h = torch.bincount((_bits(s.reshape(-1)) >> 16).cpu(), minlength=BINS)
+        hi = h if hi is None else hi + h
+    above = torch.flip(torch.cumsum(torch.flip(hi, [0]), 0), [0])  # above[i]: scores with top bits >= i
+    b1 = int((above >= k).nonzero().max())
+    need = k - (int(above[b1 + 1]) if b1 + 1 < BINS else 0)
+    lo = torch.zeros(BINS, dtype=torch.int64)
+    for _, s in passes():
+        b = _bits(s.reshape(-1))
+        sel = b[(b >> 16) == b1] & 0xFFFF
+        if sel.numel():
+            lo += torch.bincount(sel.cpu(), minlength=BINS)
+    above_lo = torch.flip(torch.cumsum(torch.flip(lo, [0]), 0), [0])
+    b2 = int((above_lo >= need).nonzero().max())
+    value = (b1 << 16) | b2
+    take = need - (int(above_lo[b2 + 1]) if b2 + 1 < BINS else 0)  # scores equal to the value that are kept
+    equal = int(lo[b2])
+    if take >= equal:
+        return Threshold(value, None)
+    seen = 0
+    for off, s in passes():  # the index of the `take`-th equal score, in flat order
+        eq = (_bits(s.reshape(-1)) == value).nonzero().reshape(-1)
+        if seen + eq.numel() >= take:
+            return Threshold(value, off + int(eq[take - seen - 1]))
+        seen += eq.numel()
+    raise RuntimeError("radix selection: the passes changed between reads")
+
+
+def kth_smallest_keep(passes, k: int, numel: int) -> Threshold:
+    """A threshold keeping exactly the numel - k largest: every score but the k smallest."""
+    return kth_largest(passes, numel - k, numel)

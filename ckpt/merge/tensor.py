@@ -1,0 +1,83 @@
+"""One merged output tensor as a logical `Tensor` the ordinary writer streams.
+
+`read(start, stop)` reads rows [start, stop) of every input (each into its own scratch buffers), widens them to
+the compute dtype (rounding them to the config's `dtype` first, as mergekit casts its inputs), and lets the method
+merge them. A method of kind "stats" makes its whole-tensor statistics on the first read, by passing over the
+inputs' bands (`Job.passes`), and keeps them (a few numbers or per-row vectors) for the tensor's life, so the rows
+of a fused tensor read piecewise by a layout conversion (`--layout`) reuse them. A "whole" method reads the tensor
+in one band.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ckpt.lazy import torch
+
+from ckpt.io.tensors import Tensor, row_bands
+from ckpt.merge.methods.base import Band, Job, Method
+
+
+def _lcm(values) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+class MergedModelTensor(Tensor):
+    def __init__(self, job: Job, method: Method, home: str, round_to=None):
+        self.job, self.method, self.home = job, method, home
+        self.name, self.shape = job.names[0], tuple(job.shape)
+        self.dtype = job.compute
+        self.round_to = round_to  # the config's `dtype` below fp32: inputs rounded to it first
+        aligns = [t.row_align for t in job.inputs]
+        self.row_align = None if (method.kind == "whole" or not self.shape or None in aligns) else _lcm(aligns)
+        self.state = None
+        self.stated = False
+        job.passes = self._passes
+
+    @property
+    def natural_dtype(self):
+        return self.job.inputs[self.job.base if self.job.base is not None else 0].natural_dtype
+
+    @property
+    def source_bytes(self):
+        return sum(t.source_bytes for t in self.job.inputs)
+
+    def _inputs(self, start, stop, device, scratch):
+        xs = []
+        for i, t in enumerate(self.job.inputs):
+            sub = scratch.child(i) if scratch is not None else None
+            x = t.read(start, stop, device, sub)
+            if self.round_to is not None and x.dtype != self.round_to and x.is_floating_point():
+                x = x.to(self.round_to)
+            if sub is not None and device.type == "cpu":
+                y = sub.typed("merge-in", self.dtype, x.shape)
+                y.copy_(x)
+            else:
+                y = x.to(self.dtype, copy=True)
+            xs.append(y)
+        return xs
+
+    def _passes(self):
+        """One pass over the whole tensor: (Band, inputs) per band, at the writer's band size."""
+        from ckpt.io.output import BAND_ELEMS
+
+        device = self.job.device or torch.device("cpu")
+        align = self.row_align if self.row_align is not None else None
+        for a, b in row_bands(self.rows, self.row_numel, align, BAND_ELEMS):
+            yield Band(a, b, self.row_numel), self._inputs(a, b, device, None)
+
+    def read(self, start, stop, device, scratch=None):
+        self.job.device = device
+        if self.method.kind == "stats" and not self.stated:
+            self.state = self.method.stats(self.job)
+            self.stated = True
+        if not self.shape:  # 0-d: the whole value
+            start, stop = 0, 1
+        xs = self._inputs(start, stop, device, scratch)
+        y = self.method.merge(self.job, xs, Band(start, stop, self.row_numel), self.state)
+        if y.dtype != self.dtype:
+            y = y.to(self.dtype)
+        return y
