@@ -31,8 +31,9 @@ class MergedModelTensor(Tensor):
         self.name, self.shape = job.names[0], tuple(job.shape)
         self.dtype = job.compute
         self.round_to = round_to  # the config's `dtype` below fp32: inputs rounded to it first
+        self.kind = method.kind_of(job) if method.kind_of is not None else method.kind
         aligns = [t.row_align for t in job.inputs]
-        self.row_align = None if (method.kind == "whole" or not self.shape or None in aligns) else _lcm(aligns)
+        self.row_align = None if (self.kind == "whole" or not self.shape or None in aligns) else _lcm(aligns)
         self.state = None
         self.stated = False
         job.passes = self._passes
@@ -71,7 +72,7 @@ class MergedModelTensor(Tensor):
 
     def read(self, start, stop, device, scratch=None):
         self.job.device = device
-        if self.method.kind == "stats" and not self.stated:
+        if self.kind == "stats" and not self.stated:
             self.state = self.method.stats(self.job)
             self.stated = True
         if not self.shape:  # 0-d: the whole value

@@ -15,6 +15,8 @@ How a method computes decides how it streams (`kind`):
 - "whole": it genuinely needs every value at once (karcher's iterations): one band spanning the whole tensor, one
   tensor per input in memory.
 
+`kind_of(job)`, where given, decides the kind per tensor (DELLA ranks within rows, but a 1-D tensor is one row).
+
 `merge(job, xs, band, state)` gets the inputs' values of rows [band.start, band.stop) as `job.compute` tensors (fp32,
 or fp64 for `dtype: float64`), in mergekit's input order (`job.inputs`: the models as listed, then the base when
 it is not among them; `job.base` is its index or None), and returns the merged band in the same dtype.
@@ -127,6 +129,7 @@ class Method:
     min_models: int = 1  # inputs including the base
     max_models: int | None = None
     kind: str = "rows"  # "rows" | "stats" | "whole"
+    kind_of: Callable | None = None  # (job) -> kind, where it depends on the tensor (1-D vs 2-D, a parameter)
     randomized: bool = False
     merge: Callable | None = None  # (job, xs, band, state) -> tensor
     stats: Callable | None = None  # (job) -> state, for kind "stats"
