@@ -2,14 +2,15 @@
 
 Output layer j of a slice of n layers is merged from layer `start + j` of each of the slice's sources, with
 t = j / (n - 1) (t = 1 for a one-layer slice), and the layers are numbered on across slices. Tensors outside the
-layers (embeddings, final norm, head) are merged from the first slice's sources when they come before the layers
-in the reference and from the last slice's after them, at t = 0, as mergekit's pre- and post-layer weights. The
+layers are merged from the first slice's sources when they come before the layers (the embeddings) and from the
+last slice's otherwise (final norm, head), at t = 0, as mergekit's pre- and post-layer weights. The
 output config's layer count follows (`num_hidden_layers`). Layers are `layers.N.` (language models); a slice of a
 model whose layers ckpt cannot number is refused.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from ckpt.errors import CkptError
@@ -47,7 +48,6 @@ def sliced_views(recipe, method, models, ref, opts, report):
     split = {k: _split(m) for k, m in models.items()}
     prefix, ref_layers, ref_other = split[ref.ref.text]
     keys = list(ref.views[0].tensors)
-    first_layer = next(i for i, k in enumerate(keys) if layer_split(k) is not None)
     out: dict[str, object] = {}
     base_global = recipe.base_model.text if recipe.base_model is not None else None
 
@@ -80,8 +80,8 @@ def sliced_views(recipe, method, models, ref, opts, report):
                 inputs.append(x)
             out[k] = merged(k, inputs, sl, order, base, 0.0, chains)
 
-    pre = [k for k in keys[:first_layer] if k in ref_other]
-    post = [k for k in keys[first_layer:] if k in ref_other]
+    pre = [k for k in keys if k in ref_other and _before_layers(k)]
+    post = [k for k in keys if k in ref_other and not _before_layers(k)]
     outside(pre, recipe.slices[0])
     n_out = 0
     for si, sl in enumerate(recipe.slices):
@@ -112,6 +112,11 @@ def sliced_views(recipe, method, models, ref, opts, report):
     report.summary.append(f"{method.name}: {plural(n_out, 'layer')} from {plural(len(recipe.slices), 'slice')}, "
                           f"{plural(report.merged, 'tensor')}")
     return [replace(ref.views[0], tensors={k: (t if t.name == k else Renamed(t, k)) for k, t in out.items()})]
+
+
+def _before_layers(name: str) -> bool:
+    """Embeddings come before the layers (mergekit's pre-weights); the final norm and the head after them."""
+    return re.search(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|embeddings)(\.|$)", name) is not None
 
 
 def _chains(sl, order, recipe):

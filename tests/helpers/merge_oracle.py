@@ -8,6 +8,8 @@ tensor.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -27,7 +29,8 @@ def tiny_llama(path: Path, seed: int, *, scale: float = 0.02, layers: int = 4, t
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, scale)
-    model.to(dtype).save_pretrained(path)
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar
+        model.to(dtype).save_pretrained(path)
     return path
 
 
