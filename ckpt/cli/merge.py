@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ckpt.cli.options import (DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QUIET, OneLineCommand,
-                              check_output)
+                              check_output, check_source_option)
 from ckpt.cli.report import REPORT, print_report, record
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
@@ -39,6 +39,9 @@ def _is_config(args) -> bool:
                    "comfy_quant, quanto), as merge-lora --keep-format does.")
 @click.option("--layout", type=click.Choice(["diffusers", "original"]),
               help="Write the family's diffusers or original layout (default: the reference's own).")
+@click.option("--config", "config_ref", metavar="REF", callback=check_source_option,
+              help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) instead "
+                   "of the one derived from the shapes.")
 @click.option("--allow-missing", is_flag=True,
               help="Tensors some input lacks are taken from the reference (base, else first model), tensors only "
                    "other inputs have are left out; both counted.")
@@ -50,7 +53,7 @@ def _is_config(args) -> bool:
 @QUIET
 @REPORT
 def merge(inputs, out, method, base, alpha, weight, density, params, dtype, tokenizer_source, seed, print_config,
-          to, keep_format, layout, allow_missing, max_shard_size, fmt, dry_run, device, overwrite, quiet):
+          to, keep_format, layout, config_ref, allow_missing, max_shard_size, fmt, dry_run, device, overwrite, quiet):
     """Merge whole models: a mergekit YAML config as it is (CONFIG.yaml), or MODEL... with flags. Every input
     ckpt reads (safetensors, shards, model folders, hub ids, GGUF, fp8, quantized) is decoded as it streams."""
     from ckpt.merge.flags import recipe_from_flags
@@ -83,7 +86,7 @@ def merge(inputs, out, method, base, alpha, weight, density, params, dtype, toke
 
     opts = MergeModelsOptions(to=to, device=device, allow_missing=allow_missing, dry_run=dry_run,
                               overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format, layout=layout,
-                              max_shard_size=max_shard_size, seed=seed)
+                              max_shard_size=max_shard_size, seed=seed, config=config_ref)
     path, report = merge_models(recipe, out, opts, default_from=config)
     record(report, inputs=[config] if config else [r.spec for r in recipe.refs], output=path,
            status="dry-run" if dry_run else "ok")

@@ -46,6 +46,7 @@ class MergeModelsOptions:
     layout: str | None = None
     max_shard_size: str | None = None
     seed: int | None = None
+    config: str | None = None  # --layout diffusers: the config.json to write (else derived from the shapes)
 
 
 @dataclass
@@ -276,7 +277,7 @@ def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
             from ckpt.convert.layout import plan_layout
 
             plan = plan_layout(ref.ckpt, views, make, layout=opts.layout, operation=operation,
-                               max_shard_size=max_shard, file_format=fmt)
+                               config_ref=opts.config, max_shard_size=max_shard, file_format=fmt)
         else:
             fp8 = any(is_float(t.dtype) and t.natural_dtype in FP8 for v in views for t in v.tensors.values())
             cfg = target or (torch.bfloat16 if fp8 else None)

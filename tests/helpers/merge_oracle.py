@@ -60,7 +60,7 @@ def mergekit_yaml(config_text: str, out: Path, *, seed: int | None = None) -> Pa
 
     cfg = MergeConfiguration.model_validate(yaml.safe_load(config_text))
     opts = MergeOptions(copy_tokenizer=False, lazy_unpickle=False, low_cpu_memory=False, quiet=True,
-                        random_seed=seed)
+                        random_seed=seed, lora_merge_cache=str(Path(out).parent / "mergekit_lora_cache"))
     run_merge(cfg, str(out), options=opts)
     return out
 
