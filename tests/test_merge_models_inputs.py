@@ -116,3 +116,20 @@ models:
     parameters: {{weight: 0.5}}
 dtype: float32
 """, tol=2e-7)
+
+
+def test_keep_format_on_a_gguf_reference_writes_gguf(run_ckpt, tmp_path, flux):
+    import gguf
+
+    aq = tmp_path / "aq.gguf"
+    code, out, err = run_ckpt("convert", flux / "a.safetensors", "--to", "gguf-q8_0", "-o", aq, "-q")
+    assert code == 0, err
+    got = _merge(run_ckpt, tmp_path, aq, flux / "b.safetensors", tmp_path / "kf.gguf", "--keep-format")
+    plain = _merge(run_ckpt, tmp_path, aq, flux / "b.safetensors", tmp_path / "plain.safetensors", "--to", "fp32")
+    code, out, err = run_ckpt("convert", plain, "--to", "gguf-q8_0", "-o", tmp_path / "enc.gguf", "-q")
+    assert code == 0, err
+    a = {t.name: t for t in gguf.GGUFReader(got).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(tmp_path / "enc.gguf").tensors}
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].tensor_type == b[k].tensor_type and bytes(a[k].data) == bytes(b[k].data), k
