@@ -167,3 +167,40 @@ def test_dry_run_and_seed_note(run_ckpt, tmp_path, models):
                               "-o", tmp_path / "o")
     assert code == 0 and "would write" in out and not (tmp_path / "o").exists()
     assert "not randomized" in out + err
+
+
+@pytest.mark.parametrize("args, culprit, problem", [
+    (["{m0}", "{m1}", "--weight", "0.1,0.2,0.3", "--method", "linear"], "--weight 0.1,0.2,0.3", "one per model"),
+    (["{m0}", "{m1}", "--param", "alpha"], "--param alpha", "NAME=VALUE"),
+    (["{m0}", "{m1}", "{m2}"], "merge: --method is needed", "weighted_sum"),
+    (["{m0}", "{m1}", "--alpha", "0.5", "--keep-format", "--to", "bf16"], "--to bf16 and --keep-format", "choose one"),
+    (["{m0}", "{m1}", "--alpha", "0.5", "--keep-format", "--layout", "original"], "--layout and --keep-format",
+     "choose one"),
+    (["{m0}", "{m1}", "--alpha", "0.5", "--tokenizer-source", "{m2}"], "tokenizer_source", "not one of the merged"),
+    ([], "merge: give a config", "models to merge"),
+])
+def test_flag_errors_are_one_line(run_ckpt, tmp_path, models, args, culprit, problem):
+    fill = {f"m{i}": str(m) for i, m in enumerate(models)}
+    args = [a.format(**fill) for a in args]
+    assert_refused(run_ckpt, tmp_path, ["merge", *args, "-o", tmp_path / "o"], culprit.format(**fill), problem)
+
+
+def test_slices_of_a_model_without_layers_and_other_families_are_refused(run_ckpt, tmp_path, models):
+    flux = tmp_path / "flux.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(24, 8), "img_in.weight": torch.zeros(8, 4),
+               "single_blocks.0.linear1.weight": torch.zeros(40, 8)}, flux)
+    cfg = _config(tmp_path, f"merge_method: passthrough\nslices:\n  - sources:\n      - model: {flux}\n"
+                            "        layer_range: [0, 1]\n")
+    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], str(flux), "no `layers.N.` tensors")
+    assert_refused(run_ckpt, tmp_path, ["merge", models[0], flux, "--alpha", "0.5", "-o", tmp_path / "o"],
+                   f"{flux} is Flux", "models of one family")
+
+
+def test_a_lora_that_matches_nothing_is_named(run_ckpt, tmp_path, models):
+    lora = tmp_path / "lora.safetensors"
+    save_file({"lora_unet_foo.lora_down.weight": torch.zeros(2, 8), "lora_unet_foo.lora_up.weight": torch.zeros(8, 2)},
+              lora)
+    cfg = _config(tmp_path, f"merge_method: linear\nmodels:\n  - model: {models[0]}\n    parameters: {{weight: 1}}\n"
+                            f"  - model: {models[1]}+{lora}\n    parameters: {{weight: 1}}\n")
+    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], f"model {models[1]}+{lora}",
+                   "match")
