@@ -102,7 +102,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: MergeModelsOption
         views = _merged_views(recipe, method, models, ref, opts, report, device)
         plan, fmt = _plan(recipe, models, ref, views, opts, report, to, out)
         name_from = default_from or ref.ref.spec
-        derived = _default_output(name_from, ref, plan, fmt, to)
+        derived = _default_output(name_from, ref, plan, fmt, to, method.name)
         inputs = [p for m in models.values() for p in m.ckpt.inputs]
         if default_from:
             inputs.append(Path(default_from))
@@ -329,12 +329,15 @@ def model_card(recipe: Recipe, recipe_yaml: str) -> str:
     return "\n".join(lines)
 
 
-def _default_output(name_from: str, ref: Model, plan, fmt: str, to: str | None) -> Path:
+def _default_output(name_from: str, ref: Model, plan, fmt: str, to: str | None, method: str) -> Path:
+    """Beside the config, named after it (`recipe.yaml` -> `recipe-merged/`); a flag-built merge beside the
+    reference, named after it and the method (`a.safetensors` -> `a-weighted_sum.safetensors`), never what
+    merge-lora names its output (`a-merged.safetensors`)."""
     from ckpt.run import default_output, file_ext
 
     ext = ".gguf" if fmt == "gguf" else file_ext(fmt)
-    tag = "merged" + (f"-{to}" if to else "")
+    suffix = f"-{to}" if to else ""
     p = Path(name_from)
     if p.suffix in (".yaml", ".yml") and p.is_file():
-        return default_output(name_from, p, tag, folder=not plan.single_file, ext=ext)
-    return default_output(name_from, ref.ckpt.path, tag, folder=not plan.single_file, ext=ext)
+        return default_output(name_from, p, "merged" + suffix, folder=not plan.single_file, ext=ext)
+    return default_output(name_from, ref.ckpt.path, method + suffix, folder=not plan.single_file, ext=ext)
