@@ -20,4 +20,5 @@ FAMILY = Family(
     high_precision={ORIGINAL: (r"t_embedder\.", r"init_x_linear\.", r"^modF\.1\.weight$", r"^cond_seq_linear\.weight$",
                                r"^final_linear\.weight$", r"^positional_encoding$", r"^register_tokens$")},
     gguf=GGUFStorage("aura"),
+    blocks=(r"^double_layers\.(\d+)\.", r"^single_layers\.(\d+)\."),
 )

@@ -133,4 +133,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(x_embedder|context_embedder|proj_out|distilled_guidance_layer)\.",),
     },
     gguf=GGUFStorage("flux"),  # ComfyUI-GGUF stores Chroma as a Flux architecture
+    blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
 )

@@ -24,4 +24,5 @@ FAMILY = Family(
     # convert.py: the position embedder stays F32; Transformer Engine `_extra_state` and `accum_` counters
     # are no weights and are left out
     gguf=GGUFStorage("cosmos", f32=(r"pos_embedder",), ignore=(r"_extra_state", r"accum_")),
+    blocks=(r"^blocks\.(\d+)\.",),
 )

@@ -124,4 +124,5 @@ FAMILY = Family(
                     r"|(double|single)_stream_modulation\w*)\.",),
     },
     gguf=GGUFStorage("flux"),  # ComfyUI-GGUF names Flux.2 "flux" too (its Flux.2 filter is the modulation rule)
+    blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
 )

@@ -90,4 +90,5 @@ FAMILY = Family(
     # original files use the same names, so `convert --layout original --to <quant>` keeps the same layers.
     high_precision={DIFFUSERS: HIGH_PRECISION, ORIGINAL: HIGH_PRECISION},
     gguf=GGUFStorage("hidream", f32=(r"\.ff_i\.gate\.weight$", r"img_emb\.emb_pos")),
+    blocks=(r"^double_stream_blocks\.(\d+)\.", r"^single_stream_blocks\.(\d+)\."),
 )

@@ -304,4 +304,5 @@ FAMILY = Family(
     },
     gguf=GGUFStorage("hyvid"),  # ComfyUI-GGUF's name; its 5-D patch embedding is F32 as for every family
     priority=1,  # over Flux.1, whose BFL signature also finds `double_blocks.N.img_attn_...`
+    blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
 )

@@ -137,4 +137,5 @@ FAMILY = Family(
                     r"|norm_out|proj_out)\.",),
     },
     priority=1,  # over Flux.1 and HunyuanVideo 1.x, whose signatures also find `double_blocks.N.img_...`
+    blocks=(r"^double_blocks\.(\d+)\.",),
 )

@@ -161,4 +161,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^((audio_)?proj_in|(audio_)?time_embed|av_cross_attn\w*|(audio_)?prompt_adaln"
                     r"|(audio_)?caption_projection|(audio_)?proj_out)\.", r"scale_shift_table$"),
     },
+    blocks=(r"^transformer_blocks\.(\d+)\.",),
 )

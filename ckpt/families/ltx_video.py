@@ -111,4 +111,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(proj_in|time_embed|caption_projection|proj_out)\.", r"scale_shift_table$"),
     },
     gguf=GGUFStorage("ltxv", f32=(r"scale_shift_table",)),  # ComfyUI-GGUF: ComfyUI reads the tables as F32
+    blocks=(r"^transformer_blocks\.(\d+)\.",),
 )

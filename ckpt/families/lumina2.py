@@ -178,4 +178,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(x_embedder|time_caption_embed|norm_out|noise_refiner|context_refiner)\.",),
     },
     gguf=GGUFStorage("lumina2", f32=(r"^(x|cap)_pad_token$",)),
+    blocks=(r"^layers\.(\d+)\.",),
 )

@@ -87,4 +87,5 @@ FAMILY = Family(
     # original files use the same names, so `convert --layout original --to <quant>` keeps the same layers.
     high_precision={DIFFUSERS: HIGH_PRECISION, ORIGINAL: HIGH_PRECISION},
     gguf=GGUFStorage("qwen_image"),
+    blocks=(r"^transformer_blocks\.(\d+)\.",),
 )

@@ -136,4 +136,5 @@ FAMILY = Family(
         DIFFUSERS: (r"^(pos_embed|time_text_embed|context_embedder|norm_out|proj_out)",),
     },
     gguf=GGUFStorage("sd3"),
+    blocks=(r"^joint_blocks\.(\d+)\.",),
 )

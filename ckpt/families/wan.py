@@ -152,4 +152,5 @@ FAMILY = Family(
     },
     gguf=GGUFStorage("wan", f32=(r"\.modulation", r"\.encoder\.padding_tokens", r"trainable_cond_mask",
                                  r"casual_audio_encoder\.(weights|encoder\.conv)")),
+    blocks=(r"^blocks\.(\d+)\.",),
 )

@@ -177,4 +177,5 @@ FAMILY = Family(
                     r"|context_refiner)\.", r"_pad_token$"),
     },
     gguf=GGUFStorage("lumina2", f32=(r"^(x|cap)_pad_token$",)),  # ComfyUI-GGUF: Lumina 2's architecture
+    blocks=(r"^layers\.(\d+)\.",),
 )
