@@ -53,37 +53,65 @@ class Threshold:
 def kth_largest(passes: Callable[[], Iterable[tuple[int, "torch.Tensor"]]], k: int, numel: int) -> Threshold:
     """The threshold keeping exactly the k largest of `numel` scores. `passes()` yields (flat offset, scores band)
     over the whole tensor, afresh on every call."""
-    if k >= numel:
-        return Threshold(0, None, keep_all=True)
-    if k <= 0:
-        return Threshold(0, None, keep_none=True)
-    hi = None
-    for _, s in passes():
-        h = torch.bincount((_bits(s.reshape(-1)) >> 16).cpu(), minlength=BINS)
-        hi = h if hi is None else hi + h
-    above = torch.flip(torch.cumsum(torch.flip(hi, [0]), 0), [0])  # above[i]: scores with top bits >= i
-    b1 = int((above >= k).nonzero().max())
-    need = k - (int(above[b1 + 1]) if b1 + 1 < BINS else 0)
-    lo = torch.zeros(BINS, dtype=torch.int64)
-    for _, s in passes():
-        b = _bits(s.reshape(-1))
-        sel = b[(b >> 16) == b1] & 0xFFFF
-        if sel.numel():
-            lo += torch.bincount(sel.cpu(), minlength=BINS)
-    above_lo = torch.flip(torch.cumsum(torch.flip(lo, [0]), 0), [0])
-    b2 = int((above_lo >= need).nonzero().max())
-    value = (b1 << 16) | b2
-    take = need - (int(above_lo[b2 + 1]) if b2 + 1 < BINS else 0)  # scores equal to the value that are kept
-    equal = int(lo[b2])
-    if take >= equal:
-        return Threshold(value, None)
-    seen = 0
-    for off, s in passes():  # the index of the `take`-th equal score, in flat order
-        eq = (_bits(s.reshape(-1)) == value).nonzero().reshape(-1)
-        if seen + eq.numel() >= take:
-            return Threshold(value, off + int(eq[take - seen - 1]))
-        seen += eq.numel()
-    raise RuntimeError("radix selection: the passes changed between reads")
+    return select_many(lambda: ((off, [s]) for off, s in passes()), [k], numel)[0]
+
+
+def select_many(passes: Callable[[], Iterable[tuple[int, list]]], ks: list[int], numel: int) -> list[Threshold]:
+    """Several selections over one tensor's bands in the same passes (TIES: one per model; breadcrumbs: two):
+    `passes()` yields (flat offset, [scores band per selection]); selection j keeps its ks[j] largest. Two passes
+    for all of them, plus one where a tie at a threshold has to be cut, instead of two or three per selection."""
+    out: list[Threshold | None] = [None] * len(ks)
+    todo = []
+    for j, k in enumerate(ks):
+        if k >= numel:
+            out[j] = Threshold(0, None, keep_all=True)
+        elif k <= 0:
+            out[j] = Threshold(0, None, keep_none=True)
+        else:
+            todo.append(j)
+    if not todo:
+        return out
+    hi = {j: torch.zeros(BINS, dtype=torch.int64) for j in todo}
+    for _, scores in passes():
+        for j in todo:
+            hi[j] += torch.bincount((_bits(scores[j].reshape(-1)) >> 16).cpu(), minlength=BINS)
+    b1, need = {}, {}
+    for j in todo:
+        above = torch.flip(torch.cumsum(torch.flip(hi[j], [0]), 0), [0])  # above[i]: scores with top bits >= i
+        b1[j] = int((above >= ks[j]).nonzero().max())
+        need[j] = ks[j] - (int(above[b1[j] + 1]) if b1[j] + 1 < BINS else 0)
+    lo = {j: torch.zeros(BINS, dtype=torch.int64) for j in todo}
+    for _, scores in passes():
+        for j in todo:
+            b = _bits(scores[j].reshape(-1))
+            sel = b[(b >> 16) == b1[j]] & 0xFFFF
+            if sel.numel():
+                lo[j] += torch.bincount(sel.cpu(), minlength=BINS)
+    value, take, cut = {}, {}, []
+    for j in todo:
+        above_lo = torch.flip(torch.cumsum(torch.flip(lo[j], [0]), 0), [0])
+        b2 = int((above_lo >= need[j]).nonzero().max())
+        value[j] = (b1[j] << 16) | b2
+        take[j] = need[j] - (int(above_lo[b2 + 1]) if b2 + 1 < BINS else 0)  # scores equal to the value kept
+        if take[j] >= int(lo[j][b2]):
+            out[j] = Threshold(value[j], None)
+        else:
+            cut.append(j)
+    if cut:
+        seen = dict.fromkeys(cut, 0)
+        for off, scores in passes():  # the index of the `take`-th equal score, in flat order
+            for j in cut:
+                if out[j] is not None:
+                    continue
+                eq = (_bits(scores[j].reshape(-1)) == value[j]).nonzero().reshape(-1)
+                if seen[j] + eq.numel() >= take[j]:
+                    out[j] = Threshold(value[j], off + int(eq[take[j] - seen[j] - 1]))
+                seen[j] += eq.numel()
+            if all(out[j] is not None for j in cut):
+                break
+        if any(out[j] is None for j in cut):
+            raise RuntimeError("radix selection: the passes changed between reads")
+    return out
 
 
 def kth_smallest_keep(passes, k: int, numel: int) -> Threshold:

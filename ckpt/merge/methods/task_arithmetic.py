@@ -161,29 +161,41 @@ def _keep(c: Config, job, i, d, band: Band, select):
 
 
 def _selectors(c: Config, job, passes) -> dict:
-    """Per sparsified model, (scores band, flat offset) -> kept mask from exact whole-tensor thresholds."""
+    """Per sparsified model, (scores band, flat offset) -> kept mask from exact whole-tensor thresholds, all
+    models' thresholds found in the same passes over the bands (`select_many`)."""
     import math
 
-    from ckpt.merge.select import kth_largest
+    from ckpt.merge.select import select_many
 
     if c.sparsify not in ("magnitude", "magnitude_outliers"):
         return {}
     b = job.base
     numel = math.prod(job.shape)
-    out = {}
-    for i in _sparse(c, job):
-        def scores(i=i):
-            return ((band.offset, (xs[i] - xs[b]).abs()) for band, xs in passes())
-
+    models = list(_sparse(c, job))
+    ks: list[int] = []
+    for i in models:
         p = _density(job, i)
         if c.sparsify == "magnitude":
-            out[i] = kth_largest(scores, max(1, int(p * numel)), numel).mask
+            ks.append(max(1, int(p * numel)))
             continue
         target = int(p * numel)
         n_top = int(job.per_input[i]["gamma"] * numel)
         n_bot = max(0, numel - target - n_top)
-        upto = kth_largest(scores, numel - n_bot, numel)  # sorted ascending, positions >= n_bot
-        above = kth_largest(scores, numel - n_bot - target, numel)  # ... and >= n_bot + target: dropped
+        ks += [numel - n_bot, numel - n_bot - target]  # sorted ascending: positions >= n_bot, >= n_bot + target
+    per = 1 if c.sparsify == "magnitude" else 2
+
+    def scores():
+        for band, xs in passes():
+            ds = [(xs[i] - xs[b]).abs() for i in models]
+            yield band.offset, [d for d in ds for _ in range(per)]
+
+    found = select_many(scores, ks, numel)
+    out = {}
+    for n, i in enumerate(models):
+        if per == 1:
+            out[i] = found[n].mask
+            continue
+        upto, above = found[2 * n], found[2 * n + 1]
 
         def window(s, offset, upto=upto, above=above):
             return upto.mask(s, offset) & ~above.mask(s, offset)
