@@ -188,3 +188,21 @@ def test_gradient_follows_the_original_blocks_in_a_diffusers_reference(run_ckpt,
     for k, v in got.items():
         torch.testing.assert_close(v, torch.full_like(v, _flux_t(original[k])), rtol=0, atol=1e-7, msg=k)
     assert any(k.startswith("single_transformer_blocks.1.") for k in got)
+
+
+def test_gradient_on_an_all_in_one_sd_file_follows_the_unet_only(run_ckpt, tmp_path):
+    """An A1111-style bundle (UNet under model.diffusion_model., CLIP, VAE): the UNet's blocks carry t, the text
+    encoder's `encoder.layers.N` (a language model's layer pattern) and the VAE get t = 0."""
+    keys = ["model.diffusion_model.input_blocks.0.0.weight", "model.diffusion_model.input_blocks.1.1.proj_in.weight",
+            "model.diffusion_model.middle_block.1.proj_in.weight", "model.diffusion_model.output_blocks.0.0.in_layers.2.weight",
+            "model.diffusion_model.output_blocks.1.1.proj_out.weight", "model.diffusion_model.out.2.weight",
+            "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight",
+            "cond_stage_model.transformer.text_model.encoder.layers.1.mlp.fc1.weight",
+            "first_stage_model.decoder.conv_out.weight"]
+    save_file({k: torch.zeros(4, 4) for k in keys}, tmp_path / "a.safetensors")
+    save_file({k: torch.ones(4, 4) for k in keys}, tmp_path / "b.safetensors")
+    code, out, err = run_ckpt("merge", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--param", "alpha=0,1",
+                              "-o", tmp_path / "o.safetensors", "-q")
+    assert code == 0, err
+    got = {k: v[0, 0].item() for k, v in load_file(tmp_path / "o.safetensors").items()}
+    assert [round(got[k], 6) for k in keys] == [0, 0.25, 0.5, 0.75, 1, 0, 0, 0, 0]

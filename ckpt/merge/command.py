@@ -204,7 +204,7 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
             if not all(is_float(x.dtype) for x in inputs):
                 tensors[key] = t  # integer buffers (position ids, counters): the reference's
                 continue
-            names_t = (key, names.get(key, key))
+            names_t = (key, names.get(key, key) or key)
             job = make_job(method, key, names_t, ts.get(key, 0.0), t.shape, inputs, order, base, chains,
                        [recipe.parameters], recipe, compute, "parameters")
             tensors[key] = MergedModelTensor(job, method, t.home, round_to)

@@ -142,23 +142,24 @@ def aligned(ref: Model, other: Model) -> tuple[list[dict[str, Tensor]], list[str
 
 
 def original_names(model: Model, ci: int) -> tuple[dict[str, str], object]:
-    """Each output key of component `ci` -> the name filters and blocks match (its original-layout name with the
-    file prefix stripped; the key itself where the family has one naming), and the family (None if unknown)."""
-    from ckpt.convert.layout import strip_prefix
+    """Each output key of component `ci` -> the name filters and blocks match: its original-layout name with the
+    file prefix stripped (the key itself where the family has one naming); "" for the keys of an all-in-one file
+    outside its diffusion model (text encoders, VAE: no block, t = 0; filters still see their full key). Also
+    the family (None if unknown)."""
+    from ckpt.families.prefixes import model_prefix
 
     tensors = model.views[ci].tensors
-    try:
-        stripped, prefix = strip_prefix(tensors)
-    except CkptError:
-        return {k: k for k in tensors}, None
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    prefix = model_prefix(tensors, shapes)
+    stripped = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+    names = {k: (k[len(prefix):] if k.startswith(prefix) else "") for k in tensors}
     m = _family(stripped)
-    names = {prefix + k: k for k in stripped}
     if m is None:
         return names, None
     if m.layout == families.DIFFUSERS and m.family.pairs is not None and families.ORIGINAL in m.family.layouts:
-        shapes = {k: tuple(t.shape) for k, t in stripped.items()}
+        inner = {k: v for k, v in ((k[len(prefix):], s) for k, s in shapes.items() if k.startswith(prefix))}
         try:
-            for p in m.family.pairs(shapes, families.DIFFUSERS):
+            for p in m.family.pairs(inner, families.DIFFUSERS):
                 if p.diffusers in stripped and p.original:
                     names[prefix + p.diffusers] = p.original
         except (CkptError, KeyError, ValueError):
