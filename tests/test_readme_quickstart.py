@@ -78,6 +78,9 @@ def test_quick_start_runs_as_written(tmp_path):
     merged = load_file(tmp_path / "flux1-dev-merged.safetensors")
     k = "double_blocks.0.img_attn.proj.weight"
     torch.testing.assert_close(merged[k], want["original"][k] + want["delta"], rtol=0, atol=1e-6)
+    blend = load_file(tmp_path / "flux1-dev-weighted_sum.safetensors")
+    assert all(torch.equal(blend[k], torch.lerp(v, want["fp8"][k].float(), torch.tensor(0.3)))
+               for k, v in want["original"].items())
     resized = load_file(tmp_path / "my_lora-resized.safetensors")
     assert resized["lora_unet_double_blocks_0_img_attn_proj.lora_down.weight"].shape[0] == 8
     plain = load_file(tmp_path / "dequant-checkpoint-4000" / "diffusion_pytorch_model.safetensors")
