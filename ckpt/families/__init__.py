@@ -56,10 +56,9 @@ that reads it.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
 
+from ckpt.registry import entry_modules
 from ckpt.families.spec import (DIFFUSERS, LAYOUTS, ORIGINAL, Alias, Family, GGUFStorage, Match, Pair, Shapes,
                                 Signature, Transform, module_of)
 
@@ -73,16 +72,13 @@ def _load() -> dict[str, Family]:
     global _REGISTRY
     if _REGISTRY is None:
         found: dict[str, Family] = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if info.name.startswith("_") or info.ispkg:  # subpackages hold knowledge that is no Family
-                continue
-            mod = importlib.import_module(f"{__name__}.{info.name}")
-            fam = getattr(mod, "FAMILY", None)
+        for mod in entry_modules(__name__, __path__, "FAMILY"):  # subpackages hold knowledge that is no Family
+            fam = mod.FAMILY
             if not isinstance(fam, Family):
                 continue
             for fid in fam.all_ids:
                 if fid in found:
-                    raise RuntimeError(f"family id {fid!r} declared twice ({info.name})")
+                    raise RuntimeError(f"family id {fid!r} declared twice ({mod.__name__})")
                 found[fid] = fam
         _REGISTRY = found
     return _REGISTRY

@@ -11,16 +11,14 @@ Each module of this package (but `base`) is one kind of target and declares, wit
              that are not registered, so the kind refuses them in its own words (`gguf-q4_k_m`: no
              encoder) instead of a generic "unknown target"
 
-Adding a target is adding a module here: modules are found by listing the package (`pkgutil`), not
+Adding a target is adding a module here: modules are found by listing the package (`ckpt.registry`), not
 by a table, and their heavy work (torch, encoders) is imported inside the methods that plan.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from ckpt.convert.targets.base import Target
+from ckpt.registry import entry_modules
 
 _KINDS: list | None = None
 
@@ -29,9 +27,7 @@ def kinds() -> list:
     """The target-kind modules of this package, in ORDER (found once, then kept)."""
     global _KINDS
     if _KINDS is None:
-        mods = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
-                if m.name != "base" and not m.name.startswith("_")]
-        _KINDS = sorted((m for m in mods if hasattr(m, "TARGETS")), key=lambda m: (m.ORDER, m.__name__))
+        _KINDS = sorted(entry_modules(__name__, __path__, "TARGETS"), key=lambda m: (m.ORDER, m.__name__))
     return _KINDS
 
 

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import Method
+from ckpt.registry import entry_modules
 
 _REGISTRY: dict[str, Method] | None = None
 
@@ -16,11 +14,8 @@ def methods() -> dict[str, Method]:
     global _REGISTRY
     if _REGISTRY is None:
         reg: dict[str, Method] = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if info.name == "base":
-                continue
-            mod = importlib.import_module(f"{__name__}.{info.name}")
-            for m in getattr(mod, "METHODS", ()):
+        for mod in entry_modules(__name__, __path__, "METHODS"):
+            for m in mod.METHODS:
                 if m.name in reg:
                     raise RuntimeError(f"merge method {m.name!r} is defined twice")
                 reg[m.name] = m
