@@ -155,8 +155,8 @@ def test_refuses_bad_inputs(run_ckpt, tmp_path, models, case):
 def test_nearswap_needs_t(run_ckpt, tmp_path, models):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(_yaml("nearswap", models, ["m1"]))
-    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "out"], "parameters: ",
-                   "parameter t is missing")
+    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "out"], f"{cfg}: ",
+                   "nearswap needs parameter t")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -204,3 +204,14 @@ def test_a_lora_that_matches_nothing_is_named(run_ckpt, tmp_path, models):
                             f"  - model: {models[1]}+{lora}\n    parameters: {{weight: 1}}\n")
     assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], f"model {models[1]}+{lora}",
                    "match")
+
+
+def test_a_parameter_only_some_filters_give_is_named_per_tensor(run_ckpt, tmp_path, models):
+    cfg = _config(tmp_path, f"merge_method: linear\nmodels:\n  - model: {models[0]}\n    parameters: {{weight: 1}}\n"
+                            f"  - model: {models[1]}\n    parameters:\n      weight: [{{filter: mlp, value: 1}}]\n")
+    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], f"{cfg}: parameters ({models[1]})",
+                   "parameter weight is missing for")
+    cfg.write_text(f"merge_method: linear\nmodels:\n  - model: {models[0]}\n    parameters: {{weight: 1}}\n"
+                   f"  - model: {models[1]}\n")
+    assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], f"{cfg}: linear needs parameter weight",
+                   f"for {models[1]}")

@@ -285,7 +285,7 @@ def test_refused_configurations(run_ckpt, tmp_path, ms, edge):
         ("slerp-three", f"merge_method: slerp\nbase_model: {ms[0]}\nmodels:\n"
                         f"{model_list((ms[1], None), (ms[2], None))}\nparameters: {{t: 0.5}}", "exactly 2 models"),
         ("slerp-no-t", f"merge_method: slerp\nbase_model: {ms[0]}\nmodels:\n{model_list((ms[1], None))}",
-         "parameters: ", "parameter t is missing"),
+         "slerp needs parameter t"),
         ("slerp-slice-three", f"""merge_method: slerp
 base_model: {ms[0]}
 slices:
@@ -301,7 +301,7 @@ parameters: {{t: 0.5}}""", "slices[0]: slerp merges exactly 2 models"),
         ("nuslerp-one", f"merge_method: nuslerp\nbase_model: {ms[0]}\nmodels:\n{model_list((ms[1], '{weight: 1}'))}",
          "exactly 2 models besides the base"),
         ("nuslerp-no-weight", f"merge_method: nuslerp\nmodels:\n{model_list((ms[1], '{weight: 1}'), (ms[2], None))}",
-         "parameters (", "parameter weight is missing"),
+         "nuslerp needs parameter weight for"),
         ("multislerp-base-only", f"merge_method: multislerp\nbase_model: {ms[0]}\nmodels:\n{model_list((ms[0], None))}",
          "at least 1 model besides the base, got 0"),
         ("karcher-tol", f"merge_method: karcher\nmodels:\n{model_list((ms[1], None), (ms[2], None))}\n"

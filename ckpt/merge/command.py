@@ -206,7 +206,7 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
                 continue
             names_t = (key, names.get(key, key) or key)
             job = make_job(method, key, names_t, ts.get(key, 0.0), t.shape, inputs, order, base, chains,
-                       [recipe.parameters], recipe, compute, "parameters")
+                       [recipe.parameters], recipe, compute, f"{recipe.source}: parameters")
             tensors[key] = MergedModelTensor(job, method, t.home, round_to)
             report.merged += 1
         out_views.append(replace(view, tensors=tensors))

@@ -93,7 +93,8 @@ def resolve(param, chain, names: tuple[str, ...], t: float, where: str):
             if v is not None:
                 return v
     if param.required:
-        raise CkptError(f"{where}: parameter {param.name} is missing for {names[0]} (give it in parameters:)")
+        raise CkptError(f"{where}: parameter {param.name} is missing for {names[0]} (no filter matches it; add a "
+                        "condition without filter)")
     return param.cast(param.default) if param.default is not None else None
 
 

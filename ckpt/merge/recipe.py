@@ -73,6 +73,7 @@ class Recipe:
     out_dtype: str | None = None
     tokenizer_source: ModelRef | None = None  # None: the base's (or the first model's)
     seed: int | None = None  # randomized methods (DARE, DELLA): --seed
+    source: str = "merge"  # the config file (or "merge" for flags): what errors found later name
 
     @property
     def refs(self) -> list[ModelRef]:
@@ -263,4 +264,34 @@ def recipe_from_dict(data, where: str) -> Recipe:
         if ts != "base":
             r.tokenizer_source = model_ref(ts, f"{where}: tokenizer_source")
     method.check_recipe(r, where)
+    _check_required(r, method, where)
+    r.source = where
     return r
+
+
+def _check_required(r: Recipe, method, where: str) -> None:
+    """A required parameter that no setting of a model can give (not its own, not its slice's, not the global
+    ones) is refused now; one that only some filters give is checked per tensor when the merge is planned."""
+    from ckpt.merge.methods.base import NON_BASE, SHARED
+
+    groups = ([[(m.model, m.parameters) for m in r.models]] if r.slices is None else
+              [[(x.model, x.parameters) for x in sl.sources] for sl in r.slices])
+    slice_params = [{}] if r.slices is None else [sl.parameters for sl in r.slices]
+    bases = [r.base_model] * len(groups) if r.slices is None else [sl.base_model or r.base_model for sl in r.slices]
+    for p in method.params:
+        if not p.required:
+            continue
+        for group, sp, base in zip(groups, slice_params, bases):
+            if p.name in r.parameters or p.name in sp:
+                continue
+            if p.scope == SHARED:
+                raise CkptError(f"{where}: {method.name} needs parameter {p.name} (give it in parameters:)")
+            refs = [(ref, ps) for ref, ps in group]
+            if base is not None and all(ref.text != base.text for ref, _ in refs):
+                refs.append((base, {}))
+            for ref, ps in refs:
+                if p.scope == NON_BASE and base is not None and ref.text == base.text:
+                    continue
+                if p.name not in ps:
+                    raise CkptError(f"{where}: {method.name} needs parameter {p.name} for {ref.text} (give it in its "
+                                    "parameters: or the global ones)")
