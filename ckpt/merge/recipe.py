@@ -9,7 +9,8 @@ by name: an unknown key, a mergekit feature ckpt does not have (`modules`, `toke
 are checked against the method's declared types and ranges here, before any input is opened, for every value a
 gradient or filter list can produce.
 
-`to_yaml()` writes the recipe back (resolved: the method's defaults filled in, the seed where one is used):
+`to_yaml()` writes the recipe back (resolved: the method's defaults filled in, the seed where one is used, dtypes
+by mergekit's names, so mergekit runs it too):
 `--print-config`, the safetensors `__metadata__` and the model card all print it.
 """
 
@@ -30,6 +31,7 @@ LACKING = {  # mergekit keys ckpt does not implement: refused by name, never ign
 DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "float16": "fp16", "fp16": "fp16", "half": "fp16",
           "bfloat16": "bf16", "bf16": "bf16", "float64": "fp64", "fp64": "fp64", "double": "fp64"}
 OUT_DTYPES = ("fp32", "fp16", "bf16")
+MERGEKIT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
 
 
 @dataclass
@@ -86,7 +88,9 @@ class Recipe:
             seen.setdefault(r.text, r)
         return list(seen.values())
 
-    def to_dict(self) -> dict:
+    def to_dict(self, resolved: bool = True) -> dict:
+        """The recipe as mergekit's YAML schema spells it (dtype names as mergekit reads them); `resolved`: with
+        the method's defaults written into the global parameters."""
         d: dict = {"merge_method": self.method}
         if self.base_model is not None:
             d["base_model"] = self.base_model.text
@@ -95,11 +99,18 @@ class Recipe:
         else:
             d["models"] = [({"model": m.model.text, "parameters": m.parameters} if m.parameters else
                             {"model": m.model.text}) for m in self.models]
-        if self.parameters:
-            d["parameters"] = self.parameters
+        params = dict(self.parameters)
+        if resolved:  # the method's defaults, said: what the merge ran with (a model's own settings still win)
+            from ckpt.merge.methods import get_method
+
+            for p in get_method(self.method).params:
+                if not p.required and p.default is not None:
+                    params.setdefault(p.name, p.default)
+        if params:
+            d["parameters"] = params
         for k in ("dtype", "out_dtype"):
             if getattr(self, k):
-                d[k] = getattr(self, k)
+                d[k] = MERGEKIT_DTYPES[getattr(self, k)]
         if self.tokenizer_source is not None:
             d["tokenizer_source"] = self.tokenizer_source.text
         return d
