@@ -215,3 +215,21 @@ def test_a_parameter_only_some_filters_give_is_named_per_tensor(run_ckpt, tmp_pa
                    f"  - model: {models[1]}\n")
     assert_refused(run_ckpt, tmp_path, ["merge", cfg, "-o", tmp_path / "o"], f"{cfg}: linear needs parameter weight",
                    f"for {models[1]}")
+
+
+def test_max_shard_size_and_torch_format(run_ckpt, tmp_path, models):
+    code, out, err = run_ckpt("merge", models[0], models[1], "--alpha", "0.5", "--max-shard-size", "20KB", "-o",
+                              tmp_path / "s", "-q")
+    assert code == 0, err
+    shards = sorted(p.name for p in (tmp_path / "s").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "s" / "model.safetensors.index.json").exists()
+    want = tensors(tmp_path / "s")
+    code, out, err = run_ckpt("merge", models[0], models[1], "--alpha", "0.5", "--format", "torch", "-o",
+                              tmp_path / "t", "-q")
+    assert code == 0, err
+    got = {}
+    for p in (tmp_path / "t").glob("*.bin"):
+        got.update(torch.load(p, weights_only=True))
+    for p in (tmp_path / "t").glob("*.pth"):
+        got.update(torch.load(p, weights_only=True))
+    assert max_diff(want, got) == 0
