@@ -305,9 +305,7 @@ def _tokenizer(recipe: Recipe, models, ref: Model, plan, report) -> None:
     if src is None or src.text == ref.ref.text:
         return
     other = models.get(src.text)
-    if other is None:
-        from ckpt.merge.sources import open_model  # noqa: F401  (a model outside the merge: refused)
-
+    if other is None:  # a model outside the merge: refused (its tokenizer need not fit these embeddings)
         raise CkptError(f"tokenizer_source: {src.text} is not one of the merged models")
     theirs = [rel for rel in other.ckpt.copies if PurePosixPath(rel).name in TOKENIZER_FILES]
     if not theirs:

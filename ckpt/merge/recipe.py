@@ -88,6 +88,23 @@ class Recipe:
             seen.setdefault(r.text, r)
         return list(seen.values())
 
+    def groups(self):
+        """(where, inputs, base) for every group of inputs one output tensor merges: the models with the base, or
+        each slice's sources with its base (the slice's, else the global one), in mergekit's order."""
+        glob = self.base_model.text if self.base_model is not None else None
+        if self.slices is None:
+            yield "", [r.text for r in self.refs], glob
+            return
+        for i, sl in enumerate(self.slices):
+            order: list[str] = []
+            for s in sl.sources:
+                if s.model.text not in order:
+                    order.append(s.model.text)
+            base = sl.base_model.text if sl.base_model is not None else glob
+            if base is not None and base not in order:
+                order.append(base)
+            yield f"slices[{i}]: ", order, base
+
     def to_dict(self, resolved: bool = True) -> dict:
         """The recipe as mergekit's YAML schema spells it (dtype names as mergekit reads them); `resolved`: with
         the method's defaults written into the global parameters."""

@@ -21,7 +21,6 @@ below that size they are the same values.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import Method
-from ckpt.merge.methods.nearswap import check_non_base
 
 EPS = 1e-8  # added to both softmaxes
 QUARTILES = (1, 2, 3)  # q1, median, q3: positions k (n - 1) // 4 of the sorted importances
@@ -146,13 +145,9 @@ def _merge(job, xs, band, state):
     return base + (other - base) * mask
 
 
-def _check(recipe, where):
-    check_non_base(recipe, where, "arcee_fusion", 1, 1)
-
-
 METHODS = (
-    Method("arcee_fusion", (), base="required", min_models=2, kind="stats", kind_of=_kind,
-           stats=_stats, merge=_merge, check=_check,
+    Method("arcee_fusion", (), base="required", others=(1, 1), kind="stats", kind_of=_kind,
+           stats=_stats, merge=_merge,
            summary="the base with one model's changes where their importance (|change| x the row's KL) is an "
                    "outlier"),
 )

@@ -126,8 +126,8 @@ class Method:
     name: str
     params: tuple[Param, ...] = ()
     base: str = "optional"  # "required" | "optional" | "none" | "primary" (the SD classics: models[0] is A)
-    min_models: int = 1  # inputs including the base
-    max_models: int | None = None
+    models: tuple[int, int | None] = (1, None)  # (min, max or None) inputs of each group, the base counted
+    others: tuple[int, int | None] = (0, None)  # (min, max or None) inputs of each group besides its base
     kind: str = "rows"  # "rows" | "stats" | "whole"
     kind_of: Callable | None = None  # (job) -> kind, where it depends on the tensor (1-D vs 2-D, a parameter)
     randomized: bool = False
@@ -149,19 +149,25 @@ class Method:
         return tuple(p for p in self.params if p.scope != SHARED)
 
     def check_recipe(self, recipe, where: str) -> None:
-        n = len(recipe.refs)
-        if self.base == "required" and recipe.base_model is None and not (
-                recipe.slices and all(s.base_model is not None for s in recipe.slices)):
-            raise CkptError(f"{where}: {self.name} needs a base_model (the model the others' differences are taken from)")
+        """The base policy and the input counts, per group of inputs one output tensor merges (the models, or each
+        slice's sources with its base: mergekit checks them per tensor), then the method's own `check`."""
         if self.base == "none" and recipe.base_model is not None:
             raise CkptError(f"{where}: {self.name} takes no base_model")
         if self.base == "primary" and recipe.base_model is not None:
-            raise CkptError(f"{where}: {self.name} takes models: [A, B{', C' if self.min_models > 2 else ''}] in order "
+            raise CkptError(f"{where}: {self.name} takes models: [A, B{', C' if self.models[0] > 2 else ''}] in order "
                             "(A is the primary model), no base_model")
-        if n < self.min_models or (self.max_models is not None and n > self.max_models):
-            want = (f"exactly {self.min_models}" if self.max_models == self.min_models else
-                    f"at least {self.min_models}" if self.max_models is None else f"{self.min_models} to {self.max_models}")
-            raise CkptError(f"{where}: {self.name} merges {want} models (counting the base), got {n}")
+        counted = " (counting the base)" if self.base in ("required", "optional") else ""
+        for at, order, base in recipe.groups():
+            if self.base == "required" and base is None:
+                raise CkptError(f"{where}: {at}{self.name} needs a base_model (the model the others' differences are "
+                                "taken from)")
+            n, others = len(order), len(order) - (base is not None)
+            for have, (lo, hi), what in ((n, self.models, f"model{{s}}{counted}"),
+                                         (others, self.others, "model{s} besides the base")):
+                if have < lo or (hi is not None and have > hi):
+                    want = f"exactly {lo}" if hi == lo else f"at least {lo}" if hi is None else f"{lo} to {hi}"
+                    plural = "" if (hi if hi is not None else lo) == 1 else "s"
+                    raise CkptError(f"{where}: {at}{self.name} merges {want} {what.format(s=plural)}, got {have}")
         if self.check is not None:
             self.check(recipe, where)
 

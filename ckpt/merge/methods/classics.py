@@ -90,7 +90,7 @@ def _add_perpendicular(job, xs, band, state):
 
 
 def _classic(name, n, merge, alpha, summary, **kw) -> Method:
-    return Method(name, (_alpha(*alpha),), base="primary", min_models=n, max_models=n, merge=merge, check=_check,
+    return Method(name, (_alpha(*alpha),), base="primary", models=(n, n), merge=merge, check=_check,
                   summary=summary, **kw)
 
 

@@ -67,6 +67,6 @@ METHODS = (
                        Param("tol", float, SHARED, default=1e-5, low=0,
                              why="a negative tolerance makes identical directions 0/0",
                              help="stop when a step is shorter; norms at most this have no direction")),
-           base="optional", min_models=1, kind="whole", merge=_merge,
+           base="optional", kind="whole", merge=_merge,
            summary="Riemannian (Karcher) mean of the models' directions on the sphere, times their mean norm"),
 )

@@ -22,5 +22,5 @@ def _merge(job, xs, band, state):
 METHODS = (
     Method("linear", (Param("weight", float, INPUT, required=True, help="each model's weight"),
                       Param("normalize", bool, SHARED, default=True, help="divide by the sum of the weights")),
-           base="optional", min_models=1, merge=_merge, summary="weighted mean of the models"),
+           base="optional", merge=_merge, summary="weighted mean of the models"),
 )

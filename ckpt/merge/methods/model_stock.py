@@ -17,7 +17,6 @@ to fp32 rounding.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
-from ckpt.merge.methods.nearswap import check_non_base
 
 NORM_MIN = 1e-6  # the product of two offsets' norms is at least this
 SINGULAR = 1e-6  # |1 + (N - 1) cos| below this keeps the base
@@ -85,14 +84,10 @@ def _merge(job, xs, band, state):
     return (t * average + (1 - t) * base).reshape(base.shape)
 
 
-def _check(recipe, where):
-    check_non_base(recipe, where, "model_stock", 2, None)
-
-
 METHODS = (
     Method("model_stock", (Param("filter_wise", bool, SHARED, default=False,
                                  help="one interpolation factor per row (along the last dimension) instead of per "
                                       "tensor"),),
-           base="required", min_models=3, kind="stats", kind_of=_kind, stats=_stats, merge=_merge, check=_check,
+           base="required", models=(3, None), others=(2, None), kind="stats", kind_of=_kind, stats=_stats, merge=_merge,
            summary="base and the fine-tunes' average, interpolated by how much the fine-tunes agree"),
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
-from ckpt.merge.methods.slerp import check_counts
 
 
 def _kind(job) -> str:
@@ -96,15 +95,11 @@ def _merge(job, xs, band, state):
     return out if job.base is None else out + xs[job.base]
 
 
-def _check(recipe, where):
-    check_counts(recipe, where, "multislerp", non_base=(1, None))
-
-
 METHODS = (
     Method("multislerp", (Param("weight", float, NON_BASE, required=True, help="each model's weight"),
                           Param("normalize_weights", bool, SHARED, default=True,
                                 help="divide the weights by their sum"),
                           Param("eps", float, SHARED, default=1e-8, help="added to norms against division by zero")),
-           base="optional", min_models=1, kind="stats", kind_of=_kind, stats=_stats, merge=_merge, check=_check,
+           base="optional", others=(1, None), kind="stats", kind_of=_kind, stats=_stats, merge=_merge,
            summary="spherical barycentric interpolation of several models (of their task vectors from a base)"),
 )

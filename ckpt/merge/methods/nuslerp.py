@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
-from ckpt.merge.methods.slerp import check_counts
 
 NORM_MIN = 1e-7  # a vector is divided by max(its norm, this)
 COLINEAR_EPS = 1e-8  # colinear when 1 - cos^2 <= COLINEAR_EPS^2
@@ -101,10 +100,6 @@ def _merge(job, xs, band, state):
     return out if job.base is None else xs[job.base] + out
 
 
-def _check(recipe, where):
-    check_counts(recipe, where, "nuslerp", non_base=(2, 2))
-
-
 METHODS = (
     Method("nuslerp", (Param("weight", float, NON_BASE, required=True,
                              help="each model's weight: t = w2 / (w1 + w2)"),
@@ -112,6 +107,6 @@ METHODS = (
                              help="with nuslerp_flatten false: slerp columns (along dim 0) instead of rows"),
                        Param("nuslerp_flatten", bool, SHARED, default=True,
                              help="slerp the whole tensor as one vector (else per row or column)")),
-           base="optional", min_models=2, kind="stats", kind_of=_kind, stats=_stats, merge=_merge, check=_check,
+           base="optional", others=(2, 2), kind="stats", kind_of=_kind, stats=_stats, merge=_merge,
            summary="slerp of two weighted models, or of their task vectors from a base"),
 )

@@ -82,7 +82,7 @@ def _epsilon(low_open: bool) -> Param:
 
 
 METHODS = (
-    Method("ram", (_epsilon(False),), base="required", min_models=1, kind="rows", merge=_ram,
+    Method("ram", (_epsilon(False),), base="required", kind="rows", merge=_ram,
            summary="base + task vectors: unique changes taken whole, overlapping ones averaged"),
     Method("ramplus_tl", (Param("r", float, SHARED, default=0.1, low=0.0,
                                 why="r scales the boost of a model's unique changes",
@@ -91,6 +91,6 @@ METHODS = (
                                 why="rho is clamped to [0, alpha]",
                                 help="upper bound of the shared/unique ratio rho"),
                           _epsilon(True)),
-           base="required", min_models=1, kind="stats", stats=_plus_stats, merge=_plus,
+           base="required", kind="stats", stats=_plus_stats, merge=_plus,
            summary="ram with each model's unique changes boosted by its tensor's shared/unique ratio"),
 )

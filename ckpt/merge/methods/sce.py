@@ -117,6 +117,6 @@ METHODS = (
                          help="fraction of elements (those of largest variance across the models) kept"),
                    Param("int8_mask", bool, SHARED, default=False,
                          help="mergekit's int8 masks (a memory saving): accepted, changes nothing here")),
-           base="required", min_models=1, kind="stats", stats=_stats, merge=_merge,
+           base="required", kind="stats", stats=_stats, merge=_merge,
            summary="task vectors selected by variance, weighted by their energy, sign-erased, added to the base"),
 )

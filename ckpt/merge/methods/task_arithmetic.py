@@ -326,7 +326,7 @@ def _check_della(recipe, where: str) -> None:
 
 def _method(c: Config) -> Method:
     return Method(
-        c.name, _params(c), base="required", min_models=1, kind="stats",
+        c.name, _params(c), base="required", kind="stats",
         kind_of=lambda job: _kind(c, job),
         randomized=c.sparsify in ("random", "della_magprune"),
         merge=lambda job, xs, band, state: _merge(c, job, xs, band, state),
