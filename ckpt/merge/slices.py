@@ -49,14 +49,7 @@ def sliced_views(recipe, method, models, ref, opts, report):
     prefix, ref_layers, ref_other = split[ref.ref.text]
     keys = list(ref.views[0].tensors)
     out: dict[str, object] = {}
-    base_global = recipe.base_model.text if recipe.base_model is not None else None
-
-    def order_of(sl):
-        order = [s.model.text for s in sl.sources]
-        b = sl.base_model.text if sl.base_model is not None else base_global
-        if b is not None and b not in order:
-            order.append(b)
-        return order, (order.index(b) if b is not None else None)
+    groups = [(order, order.index(b) if b is not None else None) for _, order, b in recipe.groups()]
 
     def merged(name, inputs, sl, order, base, t, chains):
         shapes = {tuple(x.shape) for x in inputs}
@@ -67,8 +60,8 @@ def sliced_views(recipe, method, models, ref, opts, report):
         report.merged += 1
         return MergedModelTensor(job, method, "", round_to)
 
-    def outside(names, sl):
-        order, base = order_of(sl)
+    def outside(names, sl, group):
+        order, base = group
         chains = _chains(sl, order, recipe)
         for k in names:
             inputs = []
@@ -82,10 +75,10 @@ def sliced_views(recipe, method, models, ref, opts, report):
 
     pre = [k for k in keys if k in ref_other and _before_layers(k)]
     post = [k for k in keys if k in ref_other and not _before_layers(k)]
-    outside(pre, recipe.slices[0])
+    outside(pre, recipe.slices[0], groups[0])
     n_out = 0
     for si, sl in enumerate(recipe.slices):
-        order, base = order_of(sl)
+        order, base = groups[si]
         chains = _chains(sl, order, recipe)
         n = sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
         starts = {s.model.text: s.layer_range[0] for s in sl.sources}
@@ -107,7 +100,7 @@ def sliced_views(recipe, method, models, ref, opts, report):
                     raise CkptError(f"slices[{si}]: layer tensor {rest!r} is missing in one of the slice's models")
                 out[name] = merged(name, inputs, sl, order, base, t, chains)
             n_out += 1
-    outside(post, recipe.slices[-1])
+    outside(post, recipe.slices[-1], groups[-1])
     report.layers = n_out
     report.summary.append(f"{method.name}: {plural(n_out, 'layer')} from {plural(len(recipe.slices), 'slice')}, "
                           f"{plural(report.merged, 'tensor')}")
