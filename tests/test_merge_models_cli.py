@@ -233,3 +233,19 @@ def test_max_shard_size_and_torch_format(run_ckpt, tmp_path, models):
     for p in (tmp_path / "t").glob("*.pth"):
         got.update(torch.load(p, weights_only=True))
     assert max_diff(want, got) == 0
+
+
+def test_the_lora_of_base_plus_lora_is_an_input(run_ckpt, tmp_path, models, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(models[1]), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "lora")
+    capsys.readouterr()  # transformers' loading bars
+    target = tmp_path / "lora" / "adapter_model.safetensors"
+    before = target.read_bytes()
+    cfg = _config(tmp_path, f"merge_method: linear\nmodels:\n  - model: {models[0]}\n    parameters: {{weight: 1}}\n"
+                            f"  - model: {models[1]}+{tmp_path / 'lora'}\n    parameters: {{weight: 1}}\n")
+    code, out, err = run_ckpt("merge", cfg, "-o", target, "--overwrite")
+    assert code == 2 and err.count("\n") == 1 and "input" in err, err
+    assert target.read_bytes() == before

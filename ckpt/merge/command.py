@@ -103,7 +103,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: MergeModelsOption
         plan, fmt = _plan(recipe, models, ref, views, opts, report, to, out)
         name_from = default_from or ref.ref.spec
         derived = _default_output(name_from, ref, plan, fmt, to, method.name)
-        inputs = [p for m in models.values() for p in m.ckpt.inputs]
+        inputs = [p for m in models.values() for p in m.inputs]
         if default_from:
             inputs.append(Path(default_from))
         path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge",

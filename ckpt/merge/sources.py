@@ -34,10 +34,15 @@ class Model:
     ckpt: Checkpoint
     views: list  # ckpt.quant.view.View per component
     notes: list[str] = field(default_factory=list)
+    lora_inputs: list = field(default_factory=list)  # BASE+LORA: the LoRA's files (never an output)
 
     @property
     def label(self) -> str:
         return self.ref.text
+
+    @property
+    def inputs(self) -> list:
+        return self.ckpt.inputs + self.lora_inputs
 
 
 def open_model(ref: ModelRef, stack: contextlib.ExitStack, report: Report) -> Model:
@@ -71,6 +76,7 @@ def _apply_lora(model: Model, stack, report: Report) -> None:
     try:
         f = load_lora(model.ref.lora, base_dir)
         stack.callback(f.close)
+        model.lora_inputs = list(f.inputs)
         settle_alphas(f, None, sub)
         patches = match_loras(model.ckpt, model.views, [f], [1.0], sub)
     except MergeError as e:
