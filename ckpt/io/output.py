@@ -95,8 +95,9 @@ def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fa
 
 
 def bands(t: Tensor, band_elems: int | None = None):
-    """`t`'s row bands (`ckpt.io.tensors.row_bands`) at the writer's band size, `BAND_ELEMS` unless given."""
-    band_elems = band_elems or BAND_ELEMS  # looked up at call time, so tests can shrink it
+    """`t`'s row bands (`ckpt.io.tensors.row_bands`) at the writer's band size, `BAND_ELEMS` unless given, or
+    smaller where the tensor asks (`Tensor.band_elems`)."""
+    band_elems = band_elems or min(BAND_ELEMS, t.band_elems or BAND_ELEMS)  # looked up at call time: tests shrink it
     return row_bands(t.rows, t.row_numel, t.row_align, band_elems)
 
 

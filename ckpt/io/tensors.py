@@ -25,6 +25,7 @@ class Tensor:
     shape: tuple[int, ...]
     home: str = ""  # stored file (relative path) this tensor belongs to, for keeping layouts
     row_align: int | None = 1
+    band_elems: int | None = None  # at most this many elements per band (a model merge's cache-sized bands)
 
     @property
     def natural_dtype(self) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 Methods that keep the top-k magnitudes of a whole tensor (TIES, breadcrumbs, sce's variance selection) need the
 threshold before the first band is written. Scores are non-negative floats, whose fp32 bit patterns order as
-integers: a first pass counts the top 16 bits of every score (a 32768-bin histogram), which names the bin holding
+integers (read as an int32 view, no copy): a first pass counts the top 16 bits of every score (a 32768-bin histogram), which names the bin holding
 the k-th largest; a second counts the low 16 bits inside that bin, which gives the value exactly. When several
 scores equal that value and only some of them fit in k, the first ones in flat index order are kept (a third
 pass finds the index of the last one kept), so the selection does not depend on how bands are read. (mergekit's
@@ -21,9 +21,11 @@ BINS = 1 << 16
 
 
 def _bits(x) -> "torch.Tensor":
-    """Non-negative fp32 scores as int64 keys that order as the values do (NaN above +inf)."""
-    b = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    return b & 0x7FFFFFFF  # -0.0 -> 0
+    """Magnitude scores (|x|, variances: non-negative, so +0.0, and NaN positive) as int32 keys that order as the
+    values do (NaN above +inf): a view of the fp32 values, no copy."""
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    return x.contiguous().view(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,18 @@ class Threshold:
             return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
         if self.keep_none:
             return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-        b = _bits(scores.reshape(-1))
-        keep = b > self.value_bits
-        eq = b == self.value_bits
-        if self.cutoff is not None:
-            idx = torch.arange(offset, offset + b.numel(), device=b.device)
-            eq &= idx <= self.cutoff
-        return (keep | eq).reshape(scores.shape)
+        b = _bits(scores).reshape(-1)
+        n = b.numel()
+        if self.cutoff is None or self.cutoff >= offset + n - 1:  # every equal score of this band is kept
+            keep = b >= self.value_bits
+        elif self.cutoff < offset:  # none is
+            keep = b > self.value_bits
+        else:  # the band holding the last equal score kept
+            keep = b > self.value_bits
+            eq = b == self.value_bits
+            eq[self.cutoff - offset + 1:] = False
+            keep |= eq
+        return keep.reshape(scores.shape)
 
 
 def kth_largest(passes: Callable[[], Iterable[tuple[int, "torch.Tensor"]]], k: int, numel: int) -> Threshold:
@@ -74,7 +81,7 @@ def select_many(passes: Callable[[], Iterable[tuple[int, list]]], ks: list[int],
     hi = {j: torch.zeros(BINS, dtype=torch.int64) for j in todo}
     for _, scores in passes():
         for j in todo:
-            hi[j] += torch.bincount((_bits(scores[j].reshape(-1)) >> 16).cpu(), minlength=BINS)
+            hi[j] += torch.bincount((_bits(scores[j]).reshape(-1) >> 16).cpu(), minlength=BINS)
     b1, need = {}, {}
     for j in todo:
         above = torch.flip(torch.cumsum(torch.flip(hi[j], [0]), 0), [0])  # above[i]: scores with top bits >= i
@@ -83,7 +90,7 @@ def select_many(passes: Callable[[], Iterable[tuple[int, list]]], ks: list[int],
     lo = {j: torch.zeros(BINS, dtype=torch.int64) for j in todo}
     for _, scores in passes():
         for j in todo:
-            b = _bits(scores[j].reshape(-1))
+            b = _bits(scores[j]).reshape(-1)
             sel = b[(b >> 16) == b1[j]] & 0xFFFF
             if sel.numel():
                 lo[j] += torch.bincount(sel.cpu(), minlength=BINS)
@@ -103,7 +110,7 @@ def select_many(passes: Callable[[], Iterable[tuple[int, list]]], ks: list[int],
             for j in cut:
                 if out[j] is not None:
                     continue
-                eq = (_bits(scores[j].reshape(-1)) == value[j]).nonzero().reshape(-1)
+                eq = (_bits(scores[j]).reshape(-1) == value[j]).nonzero().reshape(-1)
                 if seen[j] + eq.numel() >= take[j]:
                     out[j] = Threshold(value[j], off + int(eq[take[j] - seen[j] - 1]))
                 seen[j] += eq.numel()
