@@ -109,10 +109,10 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
     try:
         stage.open()
         if plan.single_file:
-            _write_file(stage.tmp, plan.files[0], device, progress, stage.file())
+            _write_file(stage.tmp, plan.files[0], device, progress, stage.file(), plan.reader_threads)
         else:
             for f in plan.files:
-                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath))
+                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath), plan.reader_threads)
             for rel, index in {**plan.indexes, **plan.generated}.items():
                 text = index if isinstance(index, str) else json.dumps(index, indent=2, sort_keys=True) + "\n"
                 stage.write_bytes(rel, text.encode())
@@ -153,11 +153,11 @@ def _open_writer(path: Path, f, fd: int):
     return SafetensorsWriter(path, entries, f.metadata, fd=fd)
 
 
-def _write_file(path: Path, f, device, progress, fd: int) -> None:
+def _write_file(path: Path, f, device, progress, fd: int, reader_threads: int | None = None) -> None:
     w = _open_writer(path, f, fd)
     pipe = None
     try:
-        pipe = WriteStages(w, device, progress)
+        pipe = WriteStages(w, device, progress, reader_threads=reader_threads)
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
             _stream_tensor(t, pipe, device)
