@@ -12,12 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_merge_models.py"
 
