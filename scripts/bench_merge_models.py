@@ -361,8 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-gb", type=float, default=5.0,
                     help="largest shard, GB (default 5, as transformers); one file per model when it fits")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list of linear, ties (default both)")
-    ap.add_argument("--workdir", help="folder for inputs and outputs, on the disk measured (default: the system temp "
-                                      "dir, /var/tmp if that is a tmpfs)")
+    bl.add_run_args(ap)  # --device of `ckpt merge`, --workdir (on the disk measured; default: the system temp dir,
+    # /var/tmp if that is a tmpfs)
     ap.add_argument("--keep", action="store_true", help="keep the inputs and outputs (default: deleted at the end)")
     ap.add_argument("--no-mergekit", action="store_true", help="skip mergekit-yaml and mergekit-pytorch")
     ap.add_argument("--no-mecha", action="store_true", help="skip sd-mecha")
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
                     verify[name] = {"ok": False, "problem": "compare failed: " + r.stderr.strip()[-500:]}
 
             log(f"{method}: ckpt merge ...")
-            runs["ckpt"] = bl.measure(bl.ckpt_argv("merge", yml, "-o", out, "-q"))
+            runs["ckpt"] = bl.measure(bl.ckpt_argv("merge", yml, "-o", out, "-q", "--device", args.device))
             out_bytes = tree_bytes(out)
             log(f"{method}: cp + sync of the output ...")
             cp_dst = work / "cp-copy"

@@ -88,12 +88,16 @@ def max_diff(a: dict, b: dict) -> float:
 def same_yaml(run_ckpt, tmp_path: Path, config_text: str, *, tol: float = 0.0, extra=(), seed=None) -> tuple[dict, dict]:
     """Run one YAML config through mergekit and `ckpt merge`; assert every tensor agrees within `tol` (absolute);
     returns (mergekit's tensors, ckpt's)."""
+    return _same(run_ckpt, tmp_path, config_text, mergekit_yaml(config_text, tmp_path / "out_mergekit", seed=seed),
+                 tmp_path / "out_ckpt", tol, extra)
+
+
+def _same(run_ckpt, tmp_path: Path, config_text: str, ref: Path, out: Path, tol: float, extra) -> tuple[dict, dict]:
     cfg = tmp_path / "config.yaml"
     cfg.write_text(config_text)
-    ref = mergekit_yaml(config_text, tmp_path / "out_mergekit", seed=seed)
-    code, out, err = run_ckpt("merge", cfg, "-o", tmp_path / "out_ckpt", "-q", *extra)
-    assert code == 0, (out, err)
-    a, b = tensors(ref), tensors(tmp_path / "out_ckpt")
+    code, o, err = run_ckpt("merge", cfg, "-o", out, "-q", *extra)
+    assert code == 0, (o, err)
+    a, b = tensors(ref), tensors(out)
     d = max_diff(a, b)
     assert d <= tol, (d, tol)
     return a, b
@@ -116,12 +120,5 @@ def mergekit_pytorch(config_text: str, out: Path, *, seed: int | None = None) ->
 
 def same_yaml_raw(run_ckpt, tmp_path: Path, config_text: str, *, tol: float = 0.0, extra=()) -> tuple[dict, dict]:
     """`same_yaml` with mergekit-pytorch as the oracle (raw safetensors inputs such as Flux/SDXL-keyed files)."""
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(config_text)
-    ref = mergekit_pytorch(config_text, tmp_path / "out_mergekit")
-    code, out, err = run_ckpt("merge", cfg, "-o", tmp_path / "out_ckpt.safetensors", "-q", *extra)
-    assert code == 0, (out, err)
-    a, b = tensors(ref), tensors(tmp_path / "out_ckpt.safetensors")
-    d = max_diff(a, b)
-    assert d <= tol, (d, tol)
-    return a, b
+    return _same(run_ckpt, tmp_path, config_text, mergekit_pytorch(config_text, tmp_path / "out_mergekit"),
+                 tmp_path / "out_ckpt.safetensors", tol, extra)
