@@ -21,7 +21,8 @@ def _is_config(args) -> bool:
 @click.command("merge", cls=OneLineCommand)
 @click.argument("inputs", nargs=-1, metavar="CONFIG.yaml | MODEL...")
 @click.option("-o", "--output", "out", callback=check_output,
-              help="Output file or folder (default: beside the config, or the first model, named *-merged).")
+              help="Output file or folder (default: CONFIG-merged beside the config, else REFERENCE-METHOD beside "
+                   "the base or first model).")
 @click.option("--method", metavar="NAME", help="Merge method (flag-built merges; default for two models: weighted_sum).")
 @click.option("--base", metavar="MODEL", help="The base model (task-arithmetic methods, slerp, linear...).")
 @click.option("--alpha", type=float, help="alpha of weighted_sum / add_difference / train_difference / add_perpendicular.")
