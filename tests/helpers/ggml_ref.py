@@ -1,0 +1,125 @@
+"""llama.cpp's own quantizers as a test oracle: `ggml/src/ggml-quants.c` as vendored by the llama-cpp-python sdist
+(0.3.36, llama.cpp 0c1e57098, MIT), compiled with the system C compiler into a small shared library and called
+through ctypes: `quantize(type, rows)` is what `llama-quantize` writes for a tensor without an importance matrix
+(`quantize_<type>(src, dst, nrow, n_per_row, NULL)`).
+
+The sdist comes from the package registry (`pip download`, the one network access, once) and is unpacked and built
+under `.venv/ggml-ref/` (git-ignored, kept between runs; `CKPT_GGML_REF` names another folder). Only the files the
+quantizers need are taken; `stubs.c` stands in for the rest of ggml (`ggml_abort`, and the row sizes of the types
+built here). Tests that need it skip with the reason where the registry or a C compiler is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+VERSION = "0.3.36"
+REPO = Path(__file__).resolve().parents[2]
+SRC = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/ggml"
+FILES = ("src/ggml-quants.c", "src/ggml-quants.h", "src/ggml-common.h", "src/ggml-impl.h",
+         "src/ggml-cpu/ggml-cpu-impl.h", "include/")
+# type -> (elements per block, bytes per block), as ggml's type traits
+BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+          "q2_K": (256, 84), "q3_K": (256, 110), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
+          "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
+TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13,
+            "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
+STUBS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    va_list ap; va_start(ap, fmt); fprintf(stderr, "ggml_abort %s:%d: ", file, line); vfprintf(stderr, fmt, ap);
+    va_end(ap); abort();
+}
+static int64_t blck(int t) { switch (t) { %BLCK% default: abort(); } }
+static size_t bytes(int t) { switch (t) { %BYTES% default: abort(); } }
+size_t ggml_type_size(int t) { return bytes(t); }
+int64_t ggml_blck_size(int t) { return blck(t); }
+size_t ggml_row_size(int t, int64_t ne) { return bytes(t) * (ne / blck(t)); }
+const char * ggml_type_name(int t) { return "?"; }
+"""
+
+_LIB = None
+
+
+class Unavailable(RuntimeError):
+    """The oracle cannot be built here (no registry, no C compiler): tests skip with this reason."""
+
+
+def _folder() -> Path:
+    return Path(os.environ.get("CKPT_GGML_REF") or REPO / ".venv" / "ggml-ref")
+
+
+def _build(root: Path) -> Path:
+    lib = root / "libggml-quants.so"
+    if lib.exists():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    tgz = root / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not tgz.exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={VERSION}", "-d", str(root)], capture_output=True, text=True)
+        if r.returncode != 0 or not tgz.exists():
+            raise Unavailable(f"pip download llama-cpp-python=={VERSION} failed: {r.stderr.strip()[-200:]}")
+    tree = root / "src"
+    if not tree.exists():
+        tmp = root / "src.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(tgz) as tf:
+            members = [m for m in tf.getmembers()
+                       if any(m.name == f"{SRC}/{f}" or (f.endswith("/") and m.name.startswith(f"{SRC}/{f}"))
+                              for f in FILES)]
+            tf.extractall(tmp, members=members, filter="data")
+        (tmp / SRC).rename(tree)
+        shutil.rmtree(tmp)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise Unavailable("no C compiler (cc) to build ggml-quants.c")
+    stubs = root / "stubs.c"
+    stubs.write_text(STUBS.replace("%BLCK%", " ".join(f"case {TYPE_IDS[t]}: return {b};" for t, (b, _) in BLOCKS.items()))
+                     .replace("%BYTES%", " ".join(f"case {TYPE_IDS[t]}: return {n};" for t, (_, n) in BLOCKS.items())))
+    tmp_lib = root / f"libggml-quants.so.{os.getpid()}"
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", str(tree / "include"), "-I", str(tree / "src"),
+                        str(tree / "src" / "ggml-quants.c"), str(stubs), "-lm", "-o", str(tmp_lib)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise Unavailable(f"building ggml-quants.c failed: {r.stderr.strip()[-300:]}")
+    tmp_lib.rename(lib)  # atomic: a parallel run sees the whole library or none
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(_build(_folder())))
+        for t in BLOCKS:
+            fn = getattr(lib, f"quantize_{t}")
+            fn.restype = ctypes.c_size_t
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        _LIB = lib
+    return _LIB
+
+
+def quantize(type_name: str, rows: np.ndarray) -> bytes:
+    """The bytes `llama-quantize` writes for these fp32 rows (2-D, row length a multiple of the block size) in
+    `type_name` (ggml's spelling: q4_K, iq4_xs, ...), without an importance matrix."""
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    nrow, n = x.shape
+    blk, nbytes = BLOCKS[type_name]
+    if n % blk:
+        raise ValueError(f"{type_name}: rows of {n} are not a multiple of {blk}")
+    out = np.zeros(nrow * (n // blk) * nbytes, dtype=np.uint8)
+    written = getattr(library(), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n, None)
+    assert written == out.nbytes, (written, out.nbytes)
+    return out.tobytes()
