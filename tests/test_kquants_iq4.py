@@ -118,3 +118,36 @@ def test_rejects_bad_shapes(qname, blk):
         iq4.ENCODERS[qname](torch.zeros(2, blk + 16))
     with pytest.raises(ValueError):
         iq4.ENCODERS[qname](torch.zeros(blk))
+
+
+def _best_index_int8_c(x: np.float32) -> int:
+    """best_index_int8(16, kvalues_iq4nl, x), line by line in numpy float32."""
+    kv = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+    if x <= kv[0]:
+        return 0
+    if x >= kv[15]:
+        return 15
+    ml, mu = 0, 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < kv[mav]:
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if np.float32(x - kv[mu - 1]) < np.float32(kv[mu] - x) else mu
+
+
+def test_best_index_matches_c():
+    """The floor(2x) table look-up equals best_index_int8 on every float within 40 ulps of each midpoint and each
+    kvalue, on random floats, on huge values, infinities and NaN."""
+    kv = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+    anchors = np.concatenate([kv, (kv[1:] + kv[:-1]) / 2, [0.0, -0.0]]).astype(np.float32)
+    near = anchors.view(np.int32)[:, None] + np.arange(-40, 41, dtype=np.int32)[None, :]
+    near = np.where(anchors[:, None] == 0, np.arange(-40, 41, dtype=np.int32)[None, :], near).view(np.float32)
+    rng = np.random.default_rng(5)
+    xs = np.concatenate([near.ravel(), rng.uniform(-140, 130, 3000).astype(np.float32),
+                         np.array([1e30, -1e30, 3e38, -3e38, np.inf, -np.inf, np.nan, 1e-45, -1e-45], np.float32)])
+    want = np.array([_best_index_int8_c(x) for x in xs])
+    got = iq4._best_index(torch.from_numpy(xs)).numpy()
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (xs[bad][:5], got[bad][:5], want[bad][:5])

@@ -19,20 +19,39 @@ _GROUP_MAX_EPS = 1e-15  # GROUP_MAX_EPS, compared with a float32 amax below (as 
 _CHUNK = 1 << 16  # blocks of 32 per step: bounds the [blocks, 16] temporaries
 
 
-def _values(device) -> torch.Tensor:
-    return torch.tensor(_KVALUES, dtype=torch.float32, device=device)
+def _bins(x: torch.Tensor) -> torch.Tensor:
+    """floor(2x) clamped to [-232, 203], shifted to 0..435 (int64): the row of x in the `_tables` look-ups.
+    fmin/fmax (not clamp) so that NaN lands on the top row, as best_index_int8 sends NaN to 15."""
+    t = torch.fmax(torch.fmin(x * 2, x.new_tensor(203.0)), x.new_tensor(-232.0)).floor_().add_(232)
+    return t.long()
 
 
-def _best_index(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """`best_index_int8(16, kvalues_iq4nl, x)` elementwise (int64): the binary search ends with
-    kv[mu-1] <= x < kv[mu]; then `x - kv[mu-1] < kv[mu] - x ? mu-1 : mu` in float32 (ties go up)."""
-    mu = torch.bucketize(x, kv, right=True).clamp_(1, 15)
-    lo = kv[mu - 1]
-    hi = kv[mu]
-    idx = torch.where((x - lo) < (hi - x), mu - 1, mu)
-    idx = torch.where(x <= kv[0], torch.zeros_like(idx), idx)
-    idx = torch.where(x >= kv[15], torch.full_like(idx, 15), idx)
-    return idx
+_TABLES: dict = {}
+
+
+def _tables(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kvalues, index table, value table) on `device`.
+
+    `best_index_int8(16, kvalues_iq4nl, x)` ends its binary search with kv[mu-1] <= x < kv[mu] and returns
+    `x - kv[mu-1] < kv[mu] - x ? mu-1 : mu` in float32. Both float32 differences are monotone in x, so within each
+    interval the answer switches at a single float32 threshold, and for these integer kvalues that threshold is
+    exactly the (representable, half-integer) midpoint: x >= midpoint goes up (ties go up; checked float by float
+    around every midpoint in the tests). So the index is the number of midpoints <= x, which only depends on
+    floor(2x) (2x is exact, the midpoints are multiples of 1/2): a look-up in a table of 436 rows. x <= kv[0] -> 0
+    and x >= kv[15] -> 15 fall out of the clamp."""
+    key = str(device)
+    if key not in _TABLES:
+        kv = torch.tensor(_KVALUES, dtype=torch.float32)
+        mids = (kv[:-1] + kv[1:]) * 0.5
+        rows = torch.arange(-232, 204, dtype=torch.float32) * 0.5
+        idx = torch.bucketize(rows, mids, right=True)
+        _TABLES[key] = (kv.to(device), idx.to(device), kv[idx].to(device))
+    return _TABLES[key]
+
+
+def _best_index(x: torch.Tensor) -> torch.Tensor:
+    """best_index_int8(16, kvalues_iq4nl, x) elementwise (int64)."""
+    return _tables(x.device)[1][_bins(x)]
 
 
 def _block_scales(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -55,13 +74,14 @@ def _block_scales(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     ids[:, 1:] = tries[None, :] / mx[:, None]
     sumqx = torch.zeros_like(ids)
     sumq2 = torch.zeros_like(ids)
+    qtab = _tables(dev)[2]
     for j in range(xb.shape[1]):
         x = xb[:, j:j + 1]
         w = x * x  # weight[j] = xb[j]*xb[j]
-        q = kv[_best_index(ids * x, kv)]
+        q = qtab[_bins(ids * x)]  # values[best_index_int8(16, values, id*xb[j])]
         wq = w * q
-        sumqx = sumqx + wq * x
-        sumq2 = sumq2 + wq * q
+        sumqx += wq * x  # sumqx += w*q*xb[j]
+        sumq2 += wq * q  # sumq2 += w*q*q
     s0x, s02 = sumqx[:, 0], sumq2[:, 0]
     d = torch.where(s02 > 0, s0x / s02, zero)
     best = d * s0x
@@ -97,7 +117,7 @@ def _encode_iq4_nl_blocks(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float32, device=xb.device)
     s = _block_scales(xb, kv)
     inv = torch.where(s != 0, 1.0 / s, zero)  # id = scales[0] ? 1/scales[0] : 0
-    L = _best_index(inv[:, None] * xb, kv)
+    L = _best_index(inv[:, None] * xb)
     return torch.cat([_fp16_bytes(s), _pack_nibbles(L)], dim=1)
 
 
@@ -105,7 +125,7 @@ def encode_iq4_nl(rows: torch.Tensor) -> torch.Tensor:
     """fp32 [r, n] (n % 32 == 0) -> uint8 [r, n / 32 * 18]: block_iq4_nl {fp16 d; uint8 qs[16]}."""
     x = _check(rows, 32)
     r, n = x.shape
-    kv = _values(x.device)
+    kv = _tables(x.device)[0]
     xb = x.reshape(-1, 32)
     out = torch.empty((xb.shape[0], 18), dtype=torch.uint8, device=x.device)
     for i in range(0, xb.shape[0], _CHUNK):
@@ -129,7 +149,7 @@ def _encode_iq4_xs_blocks(xs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     l = torch.round(inv[:, None] * scales).clamp_(-32, 31)  # nearest_int (round half to even), MAX/MIN
     dl = d[:, None] * l
     idl = torch.where(dl != 0, 1.0 / dl, zero)
-    L = _best_index(idl.reshape(S * 8, 1) * xb, kv)
+    L = _best_index(idl.reshape(S * 8, 1) * xb)
     qs = _pack_nibbles(L).reshape(S, 128)
     li = (l.to(torch.int32) + 32)  # 0..63
     low = li & 0xF
@@ -146,7 +166,7 @@ def encode_iq4_xs(rows: torch.Tensor) -> torch.Tensor:
     block_iq4_xs {fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}."""
     x = _check(rows, 256)
     r, n = x.shape
-    kv = _values(x.device)
+    kv = _tables(x.device)[0]
     xs = x.reshape(-1, 256)
     out = torch.empty((xs.shape[0], 136), dtype=torch.uint8, device=x.device)
     step = _CHUNK // 8
