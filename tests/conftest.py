@@ -21,6 +21,17 @@ def run_ckpt(capsys):
     return run
 
 
+@pytest.fixture(scope="session")
+def ggml_lib():
+    """llama.cpp's own quantizers (tests/helpers/ggml_ref.py); the test skips, saying why, where they cannot be built."""
+    from helpers import ggml_ref
+
+    try:
+        return ggml_ref.library()
+    except ggml_ref.Unavailable as e:
+        pytest.skip(str(e))
+
+
 # Modules whose tests start subprocesses, Ray, benches or whole-README walks (seconds each): `slow`, so
 # `pytest -m "not slow"` is a developer's inner loop of well under two minutes; CI (`make test`) runs all.
 SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test_io_publish", "test_merge_bench",

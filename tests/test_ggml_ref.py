@@ -10,16 +10,8 @@ import pytest
 from helpers import ggml_ref
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ggml_ref.library()
-    except ggml_ref.Unavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
-def test_legacy_types_equal_gguf_quantize(lib, name):
+def test_legacy_types_equal_gguf_quantize(ggml_lib, name):
     import gguf
 
     x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
@@ -31,7 +23,7 @@ def test_legacy_types_equal_gguf_quantize(lib, name):
 # each bound is about 1.2x that (a type written in the wrong layout reads back as noise, error ~1.4)
 @pytest.mark.parametrize("name, rtol", [("q2_K", 0.36), ("q3_K", 0.18), ("q4_K", 0.09), ("q5_K", 0.045),
                                         ("q6_K", 0.022), ("iq4_nl", 0.09), ("iq4_xs", 0.09)])
-def test_k_and_iq4_types_round_trip_through_gguf(lib, name, rtol):
+def test_k_and_iq4_types_round_trip_through_gguf(ggml_lib, name, rtol):
     """Relative RMS error of quantize -> gguf's dequantize, bounded by what each type's bits allow."""
     import gguf
 

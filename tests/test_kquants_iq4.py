@@ -13,14 +13,6 @@ from helpers import ggml_ref
 TYPES = [("IQ4_NL", "iq4_nl", 32, 18), ("IQ4_XS", "iq4_xs", 256, 136)]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ggml_ref.library()
-    except ggml_ref.Unavailable as e:
-        pytest.skip(str(e))
-
-
 def _edge_rows() -> np.ndarray:
     """Rows of 512 made of 32-value blocks that probe the corners of the C code."""
     rng = np.random.default_rng(7)
@@ -84,7 +76,7 @@ CASES = [(name, arr) for name, arr in _inputs()]
 
 @pytest.mark.parametrize("qname, ggml_name, blk, nbytes", TYPES)
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_bytes_equal_ggml(lib, qname, ggml_name, blk, nbytes, case):
+def test_bytes_equal_ggml(ggml_lib, qname, ggml_name, blk, nbytes, case):
     import gguf
 
     x = dict(CASES)[case]

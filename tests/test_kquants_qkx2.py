@@ -16,14 +16,6 @@ from helpers import ggml_ref
 TYPES = [("Q2_K", "q2_K"), ("Q4_K", "q4_K"), ("Q5_K", "q5_K")]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ggml_ref.library()
-    except ggml_ref.Unavailable as e:
-        pytest.skip(str(e))
-
-
 def _encode(name: str, x: np.ndarray) -> np.ndarray:
     from ckpt.quant.kquants.qkx2 import ENCODERS
 
@@ -82,7 +74,7 @@ def _edge_rows(rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_random_rows_byte_identical(lib, name, ref_name):
+def test_random_rows_byte_identical(ggml_lib, name, ref_name):
     rng = np.random.default_rng(0)
     for n, r in ((256, 5), (512, 3), (1024, 2), (2048, 3)):
         _assert_same(name, ref_name, rng.standard_normal((r, n)).astype(np.float32))
@@ -91,7 +83,7 @@ def test_random_rows_byte_identical(lib, name, ref_name):
 
 
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_varied_distributions_byte_identical(lib, name, ref_name):
+def test_varied_distributions_byte_identical(ggml_lib, name, ref_name):
     """Heavy tails, uniform, integer grids, tiny and wide-range values (in fp32 and bf16): these reach roundings the
     normal rows rarely do (e.g. Q4_K/Q5_K's sqrtf of the sub-block's mean square, one ulp off in torch's float32
     sqrt on CPU)."""
@@ -104,7 +96,7 @@ def test_varied_distributions_byte_identical(lib, name, ref_name):
 
 
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_edge_blocks_byte_identical(lib, name, ref_name):
+def test_edge_blocks_byte_identical(ggml_lib, name, ref_name):
     x = _edge_rows(np.random.default_rng(1))
     _assert_same(name, ref_name, x)
     # the same blocks laid end to end in one row (super-blocks of one row are independent)
@@ -112,14 +104,14 @@ def test_edge_blocks_byte_identical(lib, name, ref_name):
 
 
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_bf16_values_byte_identical(lib, name, ref_name):
+def test_bf16_values_byte_identical(ggml_lib, name, ref_name):
     x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).float().numpy()
     _assert_same(name, ref_name, x)
     _assert_same(name, ref_name, x * 0.02)
 
 
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_round_trip_through_gguf_dequantize(lib, name, ref_name):
+def test_round_trip_through_gguf_dequantize(ggml_lib, name, ref_name):
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, name)
@@ -153,7 +145,7 @@ def test_registered():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("name, ref_name", TYPES)
-def test_cuda_byte_identical(lib, name, ref_name):
+def test_cuda_byte_identical(ggml_lib, name, ref_name):
     from ckpt.quant.kquants.qkx2 import ENCODERS
 
     rng = np.random.default_rng(5)

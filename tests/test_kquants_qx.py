@@ -17,14 +17,6 @@ from ckpt.quant.kquants import encoders, qx
 TYPES = [("Q6_K", "q6_K", 210), ("Q3_K", "q3_K", 110)]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ggml_ref.library()
-    except ggml_ref.Unavailable as e:
-        pytest.skip(str(e))
-
-
 def _edge_rows() -> np.ndarray:
     """Rows of 8 blocks of 256, one kind of block each (plus mixed sub-blocks)."""
     rng = np.random.default_rng(7)
@@ -76,19 +68,19 @@ def _check(name: str, ref: str, bb: int, x: np.ndarray):
 
 @pytest.mark.parametrize("name, ref, bb", TYPES)
 @pytest.mark.parametrize("shape", [(3, 256), (5, 768), (4, 2048)])
-def test_random_rows_byte_identical(lib, name, ref, bb, shape):
+def test_random_rows_byte_identical(ggml_lib, name, ref, bb, shape):
     x = np.random.default_rng(shape[1]).standard_normal(shape).astype(np.float32)
     x[1] *= np.float32(0.02)  # a row at weight scale
     _check(name, ref, bb, x)
 
 
 @pytest.mark.parametrize("name, ref, bb", TYPES)
-def test_edge_cases_byte_identical(lib, name, ref, bb):
+def test_edge_cases_byte_identical(ggml_lib, name, ref, bb):
     _check(name, ref, bb, _edge_rows())
 
 
 @pytest.mark.parametrize("name, ref, bb", TYPES)
-def test_heavy_tailed_byte_identical(lib, name, ref, bb):
+def test_heavy_tailed_byte_identical(ggml_lib, name, ref, bb):
     """Student-t rows (outliers in many sub-blocks): the scale searches take many different branches."""
     x = np.random.default_rng(3).standard_t(2, (16, 1024)).astype(np.float32)
     _check(name, ref, bb, x)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ckpt.quant.kquants.cfloat import fp16_bytes
+
 # kvalues_iq4nl (ggml-common.h)
 _KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _NTRY = 7
@@ -99,12 +101,6 @@ def _pack_nibbles(L: torch.Tensor) -> torch.Tensor:
     return L[:, :16] | (L[:, 16:] << 4)
 
 
-def _fp16_bytes(d: torch.Tensor) -> torch.Tensor:
-    """float32 [B] -> the little-endian bytes of GGML_FP32_TO_FP16(d) (round to nearest even), uint8 [B, 2]."""
-    h = d.to(torch.float16).view(torch.int16).to(torch.int32)
-    return torch.stack([h & 0xFF, (h >> 8) & 0xFF], dim=1).to(torch.uint8)
-
-
 def _check(rows: torch.Tensor, block: int) -> torch.Tensor:
     if rows.dim() != 2:
         raise ValueError(f"expected rows [r, n], got shape {tuple(rows.shape)}")
@@ -118,7 +114,7 @@ def _encode_iq4_nl_blocks(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     s = _block_scales(xb, kv)
     inv = torch.where(s != 0, 1.0 / s, zero)  # id = scales[0] ? 1/scales[0] : 0
     L = _best_index(inv[:, None] * xb)
-    return torch.cat([_fp16_bytes(s), _pack_nibbles(L)], dim=1)
+    return torch.cat([fp16_bytes(s), _pack_nibbles(L)], dim=1)
 
 
 def encode_iq4_nl(rows: torch.Tensor) -> torch.Tensor:
@@ -158,7 +154,7 @@ def _encode_iq4_xs_blocks(xs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=dev)
     sh = (high << shifts).sum(dim=1)  # disjoint bit fields: an exact integer OR
     scales_h = torch.stack([sh & 0xFF, (sh >> 8) & 0xFF], dim=1).to(torch.uint8)
-    return torch.cat([_fp16_bytes(d), scales_h, scales_l, qs], dim=1)
+    return torch.cat([fp16_bytes(d), scales_h, scales_l, qs], dim=1)
 
 
 def encode_iq4_xs(rows: torch.Tensor) -> torch.Tensor:

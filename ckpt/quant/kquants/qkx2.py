@@ -14,32 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+
 QK_K = 256
 # super-blocks handled per pass (bounds the temporaries: ~ 10 float32 copies of CHUNK * 256 values)
 CHUNK = 1024
-
-
-def _div(a, b):
-    """a / b correctly rounded in float32, both operands full tensors (a Python-scalar operand may be turned into
-    a multiplication by its reciprocal)."""
-    if not torch.is_tensor(a):
-        a = torch.full_like(b, float(a))
-    elif not torch.is_tensor(b):
-        b = torch.full_like(a, float(b))
-    return torch.div(a, b)
-
-
-def _nearest_int(v: torch.Tensor) -> torch.Tensor:
-    """ggml's nearest_int: the bits of v + 12582912.f (round half to even), int32."""
-    return ((v + 12582912.0).view(torch.int32) & 0x007FFFFF) - 0x00400000
-
-
-def _seqsum(t: torch.Tensor) -> torch.Tensor:
-    """t[0] + t[1] + ... left to right in float32 (the C loop's order), over dim 0."""
-    acc = t[0].clone()
-    for i in range(1, t.shape[0]):
-        acc.add_(t[i])
-    return acc
 
 
 def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
@@ -49,36 +28,36 @@ def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, 
     mx = x.amax(0)
     zero = torch.zeros_like(mn)
     mn = torch.where(mn > 0, zero, mn)
-    sum_w = _seqsum(w)
-    sum_x = _seqsum(w * x)
+    sum_w = seq_sum(w)
+    sum_x = seq_sum(w * x)
     same = mx == mn  # the C code returns early: L = 0, scale 0, the_min = -min
     mn0 = mn
 
     def err(scale, lf, m):
         diff = scale * lf + m - x
         diff = diff.abs() if use_mad else diff * diff
-        return _seqsum(w * diff)
+        return seq_sum(w * diff)
 
-    iscale = _div(float(np.float32(nmax)), mx - mn)
-    scale = _div(1.0, iscale)
-    L = _nearest_int(iscale * (x - mn)).clamp_(0, nmax)
+    iscale = div(float(np.float32(nmax)), mx - mn)
+    scale = div(1.0, iscale)
+    L = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
     best = err(scale, L.float(), mn)
     for step in range(nstep + 1):
         # the C loop reads `min` as updated by the steps before (`max - min`, `x[i] - min`)
         c = np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)
-        iscale = _div(float(c), mx - mn)
-        laux = _nearest_int(iscale * (x - mn)).clamp_(0, nmax)
+        iscale = div(float(c), mx - mn)
+        laux = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
         lf = laux.float()
         wl = w * lf
-        sum_l = _seqsum(wl)
-        sum_l2 = _seqsum(wl * lf)
-        sum_xl = _seqsum(wl * x)
+        sum_l = seq_sum(wl)
+        sum_l2 = seq_sum(wl * lf)
+        sum_xl = seq_sum(wl * x)
         D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
+        this_scale = div(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = div(sum_l2 * sum_x - sum_l * sum_xl, D)
         pos = this_min > 0
         this_min = torch.where(pos, zero, this_min)
-        this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
+        this_scale = torch.where(pos, div(sum_xl, sum_l2), this_scale)
         cur = err(this_scale, lf, this_min)
         take = (D > 0) & (cur < best)
         L = torch.where(take, laux, L)
@@ -101,10 +80,6 @@ def _fp16(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16)
 
 
-def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
-    return h.contiguous().view(torch.uint8).reshape(h.shape[0], 2)
-
-
 def _scales_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
     """The 12 bytes of 6-bit scales and mins (ls, lm int32 [nb, 8], each <= 63), as the ref quantizers pack them."""
     lo_s, hi_s = ls[:, :4], ls[:, 4:]
@@ -120,10 +95,10 @@ def _encode_k4(xb: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple:
     L int32 [nb, 256])."""
     nb = xb.shape[0]
     x = xb.reshape(nb * 8, 32).t().contiguous()  # [32, sub-blocks]
-    sum_x2 = _seqsum(x * x)
+    sum_x2 = seq_sum(x * x)
     # sqrtf: torch's float32 sqrt is not correctly rounded on CPU (its vectorized path misses by an ulp); the
     # float64 root of a float32 value rounded to float32 is sqrtf's result (53 >= 2 * 24 + 2 bits)
-    av_x = torch.sqrt(_div(sum_x2, 32.0).double()).float()
+    av_x = torch.sqrt(div(sum_x2, 32.0).double()).float()
     w = av_x + x.abs()
     L, scales, mins = _make_qkx2_quants(x, w, nmax, rmin, 0.1, nstep, False)
     scales = scales.reshape(nb, 8)
@@ -131,17 +106,17 @@ def _encode_k4(xb: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple:
     max_scale = _max_pos(scales)
     max_min = _max_pos(mins)
     zero = torch.zeros_like(max_scale)
-    inv_scale = torch.where(max_scale > 0, _div(63.0, max_scale), zero)
-    inv_min = torch.where(max_min > 0, _div(63.0, max_min), zero)
-    ls = (_nearest_int(inv_scale[:, None] * scales) & 0xFF).clamp_(max=63)
-    lm = (_nearest_int(inv_min[:, None] * mins) & 0xFF).clamp_(max=63)
-    d16 = _fp16(_div(max_scale, 63.0))
-    dmin16 = _fp16(_div(max_min, 63.0))
+    inv_scale = torch.where(max_scale > 0, div(63.0, max_scale), zero)
+    inv_min = torch.where(max_min > 0, div(63.0, max_min), zero)
+    ls = (nearest_int(inv_scale[:, None] * scales) & 0xFF).clamp_(max=63)
+    lm = (nearest_int(inv_min[:, None] * mins) & 0xFF).clamp_(max=63)
+    d16 = _fp16(div(max_scale, 63.0))
+    dmin16 = _fp16(div(max_min, 63.0))
     d = d16.float()[:, None] * ls.float()  # [nb, 8]
     dm = dmin16.float()[:, None] * lm.float()
     d = d.reshape(-1)
     dm = dm.reshape(-1)
-    lq = _nearest_int(_div(x + dm, d.expand_as(x).contiguous())).clamp_(0, nmax)
+    lq = nearest_int(div(x + dm, d.expand_as(x).contiguous())).clamp_(0, nmax)
     L = torch.where(d == 0, L, lq)  # `if (!d) continue;` keeps make_qkx2_quants' L
     L = L.t().reshape(nb, 256)
     return d16, dmin16, _scales_k4(ls, lm), L
@@ -152,7 +127,7 @@ def _q4_k_blocks(xb: torch.Tensor) -> torch.Tensor:
     d16, dmin16, sc, L = _encode_k4(xb, 15, -1.0, 20)
     L = L.reshape(nb, 4, 2, 32)
     qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(nb, 128)
-    return torch.cat([_fp16_bytes(d16), _fp16_bytes(dmin16), sc.to(torch.uint8), qs.to(torch.uint8)], 1)
+    return torch.cat([fp16_bytes(d16), fp16_bytes(dmin16), sc.to(torch.uint8), qs.to(torch.uint8)], 1)
 
 
 def _q5_k_blocks(xb: torch.Tensor) -> torch.Tensor:
@@ -164,7 +139,7 @@ def _q5_k_blocks(xb: torch.Tensor) -> torch.Tensor:
     qh = torch.zeros((nb, 32), dtype=torch.int32, device=xb.device)
     for s in range(8):
         qh |= hi[:, s] << s
-    return torch.cat([_fp16_bytes(d16), _fp16_bytes(dmin16), sc.to(torch.uint8), qh.to(torch.uint8),
+    return torch.cat([fp16_bytes(d16), fp16_bytes(dmin16), sc.to(torch.uint8), qh.to(torch.uint8),
                       qs.to(torch.uint8)], 1)
 
 
@@ -179,20 +154,20 @@ def _q2_k_blocks(xb: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros_like(max_scale)
     has_s = max_scale > 0
     has_m = max_min > 0
-    ls = _nearest_int(torch.where(has_s, _div(15.0, max_scale), zero)[:, None] * scales)
+    ls = nearest_int(torch.where(has_s, div(15.0, max_scale), zero)[:, None] * scales)
     ls = torch.where(has_s[:, None], ls, torch.zeros_like(ls))
-    lm = _nearest_int(torch.where(has_m, _div(15.0, max_min), zero)[:, None] * mins)
+    lm = nearest_int(torch.where(has_m, div(15.0, max_min), zero)[:, None] * mins)
     lm = torch.where(has_m[:, None], lm, torch.zeros_like(lm))
     sc = (ls & 0xFF) | ((lm << 4) & 0xFF)
-    d16 = _fp16(torch.where(has_s, _div(max_scale, 15.0), zero))
-    dmin16 = _fp16(torch.where(has_m, _div(max_min, 15.0), zero))
+    d16 = _fp16(torch.where(has_s, div(max_scale, 15.0), zero))
+    dmin16 = _fp16(torch.where(has_m, div(max_min, 15.0), zero))
     d = (d16.float()[:, None] * (sc & 0xF).float()).reshape(-1)
     dm = (dmin16.float()[:, None] * (sc >> 4).float()).reshape(-1)
-    lq = _nearest_int(_div(x + dm, d.expand_as(x).contiguous())).clamp_(0, 3)
+    lq = nearest_int(div(x + dm, d.expand_as(x).contiguous())).clamp_(0, 3)
     L = torch.where(d == 0, L, lq)
     L = L.t().reshape(nb, 2, 4, 32)
     qs = (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(nb, 64)
-    return torch.cat([sc.to(torch.uint8), qs.to(torch.uint8), _fp16_bytes(d16), _fp16_bytes(dmin16)], 1)
+    return torch.cat([sc.to(torch.uint8), qs.to(torch.uint8), fp16_bytes(d16), fp16_bytes(dmin16)], 1)
 
 
 def _encoder(blocks_fn, block_bytes: int):

@@ -20,29 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+
 QK_K = 256
 _CHUNK = 1 << 14  # blocks per chunk (4M values): bounds the temporaries (~16 MiB each)
 _EPS = float(np.float32(1e-15))  # GROUP_MAX_EPS (1e-15f)
-_MAGIC = 12582912.0  # 1.5 * 2**23, exact in float32
-
-
-def _nearest_int(f: torch.Tensor) -> torch.Tensor:
-    """ggml's `nearest_int` (round half to even for |f| <= 4194303), as int32, bit for bit."""
-    v = f + _MAGIC
-    return (v.view(torch.int32) & 0x007FFFFF) - 0x00400000
-
-
-def _div(num: float, t: torch.Tensor) -> torch.Tensor:
-    """`num / t` in float32, as a true division (not `reciprocal(t) * num`)."""
-    return torch.div(torch.full_like(t, num), t)
-
-
-def _seq_sum(p: torch.Tensor) -> torch.Tensor:
-    """`float s = 0; for (i...) s += p[i];` over dim 0, in that order."""
-    acc = torch.zeros_like(p[0])
-    for i in range(p.shape[0]):
-        acc.add_(p[i])
-    return acc
 
 
 def _first_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +39,6 @@ def _first_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return amax, mx
 
 
-def _fp16_bytes(d: torch.Tensor) -> torch.Tensor:
-    """float16 [n] -> its little-endian bytes [n, 2]."""
-    b = d.contiguous().view(torch.int16).to(torch.int32)
-    return torch.stack([b & 0xFF, (b >> 8) & 0xFF], dim=1).to(torch.uint8)
-
-
 def _make_qx_quants_32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """make_qx_quants(16, 32, x, L, rmse_type=1, qw=NULL) on x [16, S]: (scale [S], L int32 [16, S])."""
     nmax = 32
@@ -73,10 +49,10 @@ def _make_qx_quants_32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wx = w * x
 
     def trial(c: float):
-        iscale = _div(-c, mx)
-        l = _nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
+        iscale = div(-c, mx)
+        l = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
         lf = l.to(torch.float32)
-        return l, _seq_sum(wx * lf), _seq_sum((w * lf) * lf)
+        return l, seq_sum(wx * lf), seq_sum((w * lf) * lf)
 
     l, sumlx, suml2 = trial(float(nmax))
     L = l + nmax
@@ -102,13 +78,13 @@ def _make_q3_quants(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax, mx = _first_absmax(x)
     zero = amax < _EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
-    iscale = _div(-float(nmax), mx)
-    L = _nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
+    iscale = div(-float(nmax), mx)
+    L = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
     w = x * x
     wx = w * x
     lf = L.to(torch.float32)
-    sumlx = _seq_sum(wx * lf)
-    suml2 = _seq_sum((w * lf) * lf)
+    sumlx = seq_sum(wx * lf)
+    suml2 = seq_sum((w * lf) * lf)
     active = ~zero
     for _itry in range(5):
         changed = torch.zeros_like(active)
@@ -117,7 +93,7 @@ def _make_q3_quants(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             lif = Li.to(torch.float32)
             slx = sumlx - wx[i] * lif
             sl2 = suml2 - (w[i] * lif) * lif
-            new_l = _nearest_int((x[i] * sl2) / slx).clamp_(-nmax, nmax - 1)
+            new_l = nearest_int((x[i] * sl2) / slx).clamp_(-nmax, nmax - 1)
             nf = new_l.to(torch.float32)
             slx2 = slx + wx[i] * nf
             sl22 = sl2 + (w[i] * nf) * nf
@@ -161,19 +137,19 @@ def _q6_k_chunk(blocks: torch.Tensor) -> torch.Tensor:
     max_scale = _first_absmax_cols(scales)
     allzero = max_scale.abs() < _EPS
     max_scale = torch.where(allzero, torch.ones_like(max_scale), max_scale)
-    iscale = _div(-128.0, max_scale)
-    d16 = _div(1.0, iscale).to(torch.float16)
-    q = _nearest_int(iscale[:, None] * scales).clamp_(max=127)
+    iscale = div(-128.0, max_scale)
+    d16 = div(1.0, iscale).to(torch.float16)
+    q = nearest_int(iscale[:, None] * scales).clamp_(max=127)
     q = ((q + 128) & 0xFF) - 128  # int -> int8_t
     dd = (d16.to(torch.float32)[:, None] * q.to(torch.float32)).reshape(nb * 16)
-    l = _nearest_int(x / dd).clamp_(-32, 31) + 32
+    l = nearest_int(x / dd).clamp_(-32, 31) + 32
     L = torch.where(dd != 0, l, L)
     L = _block_major(L, nb).view(nb, 2, 4, 32)
     lo = L & 0xF
     hi = L >> 4
     ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2).reshape(nb, 128)
     qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
-    out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), (q & 0xFF).to(torch.uint8), _fp16_bytes(d16)], dim=1)
+    out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), (q & 0xFF).to(torch.uint8), fp16_bytes(d16)], dim=1)
     return torch.where(allzero[:, None], torch.zeros_like(out), out)
 
 
@@ -185,18 +161,18 @@ def _q3_k_chunk(blocks: torch.Tensor) -> torch.Tensor:
     max_scale = _first_absmax_cols(scales)
     has = max_scale != 0
     max_scale = torch.where(has, max_scale, torch.ones_like(max_scale))
-    iscale = _div(-32.0, max_scale)
-    l = _nearest_int(iscale[:, None] * scales)
+    iscale = div(-32.0, max_scale)
+    l = nearest_int(iscale[:, None] * scales)
     l = ((l + 128) & 0xFF) - 128  # int -> int8_t
     l = l.clamp_(-32, 31) + 32
     l = torch.where(has[:, None], l, torch.zeros_like(l))  # memset(scales, 0) when max_scale == 0
-    d16 = torch.where(has, _div(1.0, iscale), torch.zeros_like(iscale)).to(torch.float16)
+    d16 = torch.where(has, div(1.0, iscale), torch.zeros_like(iscale)).to(torch.float16)
     sb = torch.cat([(l[:, :8] & 0xF) | ((l[:, 8:] & 0xF) << 4),
                     (l[:, 0:4] >> 4) | ((l[:, 4:8] >> 4) << 2) | ((l[:, 8:12] >> 4) << 4) | ((l[:, 12:16] >> 4) << 6)],
                    dim=1)
     sc = l - 32  # what the C code reads back from the packed bytes
     dd = (d16.to(torch.float32)[:, None] * sc.to(torch.float32)).reshape(nb * 16)
-    lq = _nearest_int(x / dd).clamp_(-4, 3) + 4
+    lq = nearest_int(x / dd).clamp_(-4, 3) + 4
     L = torch.where(dd != 0, lq, L)
     L = _block_major(L, nb)
     hbit = (L > 3).to(torch.int32)
@@ -206,7 +182,7 @@ def _q3_k_chunk(blocks: torch.Tensor) -> torch.Tensor:
     for b in range(8):
         hmask |= hb[:, b] << b
     qs = (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(nb, 64)
-    return torch.cat([hmask.to(torch.uint8), qs.to(torch.uint8), sb.to(torch.uint8), _fp16_bytes(d16)], dim=1)
+    return torch.cat([hmask.to(torch.uint8), qs.to(torch.uint8), sb.to(torch.uint8), fp16_bytes(d16)], dim=1)
 
 
 def _encode(rows: torch.Tensor, chunk_fn, block_bytes: int) -> torch.Tensor:
