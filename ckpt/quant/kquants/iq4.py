@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ckpt.quant.kquants.cfloat import fp16_bytes
+from ckpt.quant.kquants.rows import encode_rows
 
 # kvalues_iq4nl (ggml-common.h)
 _KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -101,14 +102,6 @@ def _pack_nibbles(L: torch.Tensor) -> torch.Tensor:
     return L[:, :16] | (L[:, 16:] << 4)
 
 
-def _check(rows: torch.Tensor, block: int) -> torch.Tensor:
-    if rows.dim() != 2:
-        raise ValueError(f"expected rows [r, n], got shape {tuple(rows.shape)}")
-    if rows.shape[1] % block:
-        raise ValueError(f"row length {rows.shape[1]} is not a multiple of {block}")
-    return rows.to(torch.float32).contiguous()
-
-
 def _encode_iq4_nl_blocks(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float32, device=xb.device)
     s = _block_scales(xb, kv)
@@ -119,14 +112,8 @@ def _encode_iq4_nl_blocks(xb: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 def encode_iq4_nl(rows: torch.Tensor) -> torch.Tensor:
     """fp32 [r, n] (n % 32 == 0) -> uint8 [r, n / 32 * 18]: block_iq4_nl {fp16 d; uint8 qs[16]}."""
-    x = _check(rows, 32)
-    r, n = x.shape
-    kv = _tables(x.device)[0]
-    xb = x.reshape(-1, 32)
-    out = torch.empty((xb.shape[0], 18), dtype=torch.uint8, device=x.device)
-    for i in range(0, xb.shape[0], _CHUNK):
-        out[i:i + _CHUNK] = _encode_iq4_nl_blocks(xb[i:i + _CHUNK], kv)
-    return out.reshape(r, n // 32 * 18)
+    kv = _tables(rows.device)[0]
+    return encode_rows(rows, 32, 18, _CHUNK, lambda xb: _encode_iq4_nl_blocks(xb, kv))
 
 
 def _encode_iq4_xs_blocks(xs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -160,15 +147,8 @@ def _encode_iq4_xs_blocks(xs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 def encode_iq4_xs(rows: torch.Tensor) -> torch.Tensor:
     """fp32 [r, n] (n % 256 == 0) -> uint8 [r, n / 256 * 136]:
     block_iq4_xs {fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}."""
-    x = _check(rows, 256)
-    r, n = x.shape
-    kv = _tables(x.device)[0]
-    xs = x.reshape(-1, 256)
-    out = torch.empty((xs.shape[0], 136), dtype=torch.uint8, device=x.device)
-    step = _CHUNK // 8
-    for i in range(0, xs.shape[0], step):
-        out[i:i + step] = _encode_iq4_xs_blocks(xs[i:i + step], kv)
-    return out.reshape(r, n // 256 * 136)
+    kv = _tables(rows.device)[0]
+    return encode_rows(rows, 256, 136, _CHUNK // 8, lambda xs: _encode_iq4_xs_blocks(xs, kv))
 
 
 ENCODERS = {"IQ4_NL": encode_iq4_nl, "IQ4_XS": encode_iq4_xs}

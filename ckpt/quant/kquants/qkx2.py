@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+from ckpt.quant.kquants.rows import encode_rows
 
 QK_K = 256
 # super-blocks handled per pass (bounds the temporaries: ~ 10 float32 copies of CHUNK * 256 values)
@@ -170,21 +171,15 @@ def _q2_k_blocks(xb: torch.Tensor) -> torch.Tensor:
     return torch.cat([sc.to(torch.uint8), qs.to(torch.uint8), fp16_bytes(d16), fp16_bytes(dmin16)], 1)
 
 
-def _encoder(blocks_fn, block_bytes: int):
-    def encode(rows: torch.Tensor) -> torch.Tensor:
-        if rows.dim() != 2 or rows.shape[1] % QK_K:
-            raise ValueError(f"expected [rows, n] with n a multiple of {QK_K}, got {tuple(rows.shape)}")
-        r, n = rows.shape
-        xb = rows.to(torch.float32).contiguous().reshape(-1, QK_K)
-        with torch.no_grad():
-            out = torch.cat([blocks_fn(xb[i:i + CHUNK]) for i in range(0, xb.shape[0], CHUNK)], 0) \
-                if xb.shape[0] else torch.empty((0, block_bytes), dtype=torch.uint8, device=rows.device)
-        return out.reshape(r, n // QK_K * block_bytes)
-    return encode
+def quantize_q2_k(rows: torch.Tensor) -> torch.Tensor:
+    return encode_rows(rows, QK_K, 84, CHUNK, _q2_k_blocks)
 
 
-quantize_q2_k = _encoder(_q2_k_blocks, 84)
-quantize_q4_k = _encoder(_q4_k_blocks, 144)
-quantize_q5_k = _encoder(_q5_k_blocks, 176)
+def quantize_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    return encode_rows(rows, QK_K, 144, CHUNK, _q4_k_blocks)
+
+
+def quantize_q5_k(rows: torch.Tensor) -> torch.Tensor:
+    return encode_rows(rows, QK_K, 176, CHUNK, _q5_k_blocks)
 
 ENCODERS = {"Q2_K": quantize_q2_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k}

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+from ckpt.quant.kquants.rows import encode_rows
 
 QK_K = 256
 _CHUNK = 1 << 14  # blocks per chunk (4M values): bounds the temporaries (~16 MiB each)
@@ -185,25 +186,14 @@ def _q3_k_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([hmask.to(torch.uint8), qs.to(torch.uint8), sb.to(torch.uint8), fp16_bytes(d16)], dim=1)
 
 
-def _encode(rows: torch.Tensor, chunk_fn, block_bytes: int) -> torch.Tensor:
-    if rows.dim() != 2 or rows.shape[1] % QK_K:
-        raise ValueError(f"expected rows [r, n] with n a multiple of {QK_K}, got {tuple(rows.shape)}")
-    r, n = rows.shape
-    blocks = rows.to(torch.float32).contiguous().view(-1, QK_K)
-    out = torch.empty((blocks.shape[0], block_bytes), dtype=torch.uint8, device=rows.device)
-    for s in range(0, blocks.shape[0], _CHUNK):
-        out[s:s + _CHUNK] = chunk_fn(blocks[s:s + _CHUNK])
-    return out.view(r, n // QK_K * block_bytes)
-
-
 def encode_q6_k(rows: torch.Tensor) -> torch.Tensor:
     """fp32 [r, n] -> Q6_K blocks, uint8 [r, n / 256 * 210]."""
-    return _encode(rows, _q6_k_chunk, 210)
+    return encode_rows(rows, QK_K, 210, _CHUNK, _q6_k_chunk)
 
 
 def encode_q3_k(rows: torch.Tensor) -> torch.Tensor:
     """fp32 [r, n] -> Q3_K blocks, uint8 [r, n / 256 * 110]."""
-    return _encode(rows, _q3_k_chunk, 110)
+    return encode_rows(rows, QK_K, 110, _CHUNK, _q3_k_chunk)
 
 
 ENCODERS = {"Q3_K": encode_q3_k, "Q6_K": encode_q6_k}
