@@ -99,7 +99,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: MergeModelsOption
     with contextlib.ExitStack() as stack:
         models = {r.text: open_model(r, stack, report) for r in recipe.refs}
         ref = _reference(recipe, models)
-        views = _merged_views(recipe, method, models, ref, opts, report, device)
+        views = _merged_views(recipe, method, models, ref, opts, report)
         plan, fmt = _plan(recipe, models, ref, views, opts, report, to, out)
         name_from = default_from or ref.ref.spec
         derived = _default_output(name_from, ref, plan, fmt, to, method.name)
@@ -141,7 +141,10 @@ def _params_of(recipe: Recipe) -> dict[str, dict]:
 
 
 def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs, keys, base, chains, shared_chain,
-         recipe, compute, where: str) -> Job:
+             recipe, compute) -> Job:
+    """One output tensor's Job: its parameters resolved from the settings chains (shared, and per input: the base
+    gets only INPUT-scope ones); a missing one is named with the recipe's source."""
+    where = f"{recipe.source}: parameters"
     shared = {p.name: resolve(p, shared_chain, names, t, where) for p in method.shared_params}
     per_input = []
     for i, key in enumerate(keys):
@@ -151,7 +154,7 @@ def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs,
                per_input=per_input, seed=recipe.seed, compute=compute)
 
 
-def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, opts, report, device) -> list:
+def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, opts, report) -> list:
     """The reference's views with every merged tensor in place (the plan is made from these)."""
     from ckpt.dtypes import is_float
     from ckpt.merge.tensor import MergedModelTensor
@@ -206,7 +209,7 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
                 continue
             names_t = (key, names.get(key, key) or key)
             job = make_job(method, key, names_t, ts.get(key, 0.0), t.shape, inputs, order, base, chains,
-                       [recipe.parameters], recipe, compute, f"{recipe.source}: parameters")
+                       [recipe.parameters], recipe, compute)
             tensors[key] = MergedModelTensor(job, method, t.home, round_to)
             report.merged += 1
         out_views.append(replace(view, tensors=tensors))

@@ -11,7 +11,7 @@ number, true/false, or a comma list: a gradient).
 from __future__ import annotations
 
 from ckpt.errors import CkptError
-from ckpt.merge.recipe import InputModel, model_ref, recipe_from_dict
+from ckpt.merge.recipe import recipe_from_dict
 
 DEFAULT_TWO = "weighted_sum"
 
@@ -87,5 +87,3 @@ def recipe_from_flags(models: list[str], *, method: str | None, base: str | None
         data["tokenizer_source"] = tokenizer_source
     return recipe_from_dict(data, "merge")
 
-
-__all__ = ["recipe_from_flags", "InputModel", "model_ref"]

@@ -56,7 +56,7 @@ def sliced_views(recipe, method, models, ref, opts, report):
         if len(shapes) != 1:
             raise CkptError(f"{name}: different shapes in the slice's models ({', '.join(str(list(s)) for s in shapes)})")
         job = make_job(method, name, (name, name), t, inputs[0].shape, inputs, order, base, chains,
-                   [sl.parameters, recipe.parameters], recipe, compute, f"{recipe.source}: parameters")
+                   [sl.parameters, recipe.parameters], recipe, compute)
         report.merged += 1
         return MergedModelTensor(job, method, "", round_to)
 
