@@ -61,10 +61,8 @@ def _folder() -> Path:
     return Path(os.environ.get("CKPT_GGML_REF") or REPO / ".venv" / "ggml-ref")
 
 
-def _build(root: Path) -> Path:
-    lib = root / "libggml-quants.so"
-    if lib.exists():
-        return lib
+def _sdist(root: Path) -> Path:
+    """The llama-cpp-python sdist, downloaded once into `root`."""
     root.mkdir(parents=True, exist_ok=True)
     tgz = root / f"llama_cpp_python-{VERSION}.tar.gz"
     if not tgz.exists():
@@ -72,6 +70,36 @@ def _build(root: Path) -> Path:
                             f"llama-cpp-python=={VERSION}", "-d", str(root)], capture_output=True, text=True)
         if r.returncode != 0 or not tgz.exists():
             raise Unavailable(f"pip download llama-cpp-python=={VERSION} failed: {r.stderr.strip()[-200:]}")
+    return tgz
+
+
+def llama_cpp_tree() -> Path:
+    """The whole `vendor/llama.cpp` tree of the sdist (convert_hf_to_gguf.py, conversion/, gguf-py/, src/),
+    unpacked once under the oracle folder (`llama.cpp/`)."""
+    root = _folder()
+    tree = root / "llama.cpp"
+    if tree.exists():
+        return tree
+    tgz = _sdist(root)
+    top = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    tmp = root / f"llama.cpp.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(tgz) as tf:
+        tf.extractall(tmp, members=[m for m in tf.getmembers() if m.name.startswith(top)], filter="data")
+    try:
+        (tmp / top).rename(tree)  # atomic: a parallel run sees the whole tree or none
+    except OSError:
+        if not tree.exists():
+            raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tree
+
+
+def _build(root: Path) -> Path:
+    lib = root / "libggml-quants.so"
+    if lib.exists():
+        return lib
+    tgz = _sdist(root)
     tree = root / "src"
     if not tree.exists():
         tmp = root / "src.tmp"
