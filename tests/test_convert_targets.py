@@ -20,9 +20,15 @@ from ckpt.convert import targets
 EXPECTED = {
     "fp32": ("fp32", None), "fp16": ("fp16", None), "bf16": ("bf16", None), "fp8_e4m3fn": ("fp8_e4m3fn", None),
     "nvfp4": ("nvfp4", None), "mxfp8": ("mxfp8", None), "int8": ("int8", None), "int8_rowwise": ("int8_rowwise", None),
-    "gguf-q8_0": ("Q8_0", ".gguf"), "gguf-q4_0": ("Q4_0", ".gguf"), "gguf-q4_1": ("Q4_1", ".gguf"),
-    "gguf-q5_0": ("Q5_0", ".gguf"), "gguf-q5_1": ("Q5_1", ".gguf"), "gguf-bf16": ("BF16", ".gguf"),
-    "gguf-f16": ("F16", ".gguf"),
+    "gguf-q8_0": ("Q8_0", ".gguf"), "gguf-q6_k": ("Q6_K", ".gguf"), "gguf-q5_k_m": ("Q5_K_M", ".gguf"),
+    "gguf-q5_k_s": ("Q5_K_S", ".gguf"), "gguf-q4_k_m": ("Q4_K_M", ".gguf"), "gguf-q4_k_s": ("Q4_K_S", ".gguf"),
+    "gguf-q3_k_l": ("Q3_K_L", ".gguf"), "gguf-q3_k_m": ("Q3_K_M", ".gguf"), "gguf-q3_k_s": ("Q3_K_S", ".gguf"),
+    "gguf-q2_k": ("Q2_K", ".gguf"), "gguf-iq4_xs": ("IQ4_XS", ".gguf"), "gguf-iq4_nl": ("IQ4_NL", ".gguf"),
+    "gguf-q5_1": ("Q5_1", ".gguf"), "gguf-q5_0": ("Q5_0", ".gguf"), "gguf-q4_1": ("Q4_1", ".gguf"),
+    "gguf-q4_0": ("Q4_0", ".gguf"), "gguf-bf16": ("BF16", ".gguf"), "gguf-f16": ("F16", ".gguf"),
+    "gguf-f32": ("F32", ".gguf"),
+    # llama-quantize's aliases: the _M mixes, named as such in files
+    "gguf-q5_k": ("Q5_K_M", ".gguf"), "gguf-q4_k": ("Q4_K_M", ".gguf"), "gguf-q3_k": ("Q3_K_M", ".gguf"),
 }
 
 
@@ -31,7 +37,7 @@ def test_registry_names_suffixes_and_file_suffixes():
     assert targets.names() == list(EXPECTED)  # the order of the choices and of the messages
     assert targets.resolve("fp8_e4m3fn", scaled=True).suffix == "fp8_e4m3fn-scaled"
     assert targets.resolve("fp16", scaled=True).name == "fp16"  # refused by its check, not swapped
-    assert targets.get("gguf-q4_k_m").name == "gguf-q4_k_m"  # claimed by the gguf kind, which refuses it
+    assert targets.get("gguf-iq2_xs").name == "gguf-iq2_xs"  # claimed by the gguf kind, which refuses it
     assert targets.get("fp7") is None
 
 
@@ -47,7 +53,7 @@ def test_cli_and_batch_choices_are_the_registry():
     assert targets.names(batch=True) == [n for n, (_, ext) in EXPECTED.items() if ext is None]
     assert CONVERT_TO_HELP == batch_to.help == targets.help_text(batch=True)
     assert to.help.startswith(targets.help_text(batch=False))
-    assert "gguf-*: a ComfyUI-GGUF file." in to.help and "gguf-*" not in CONVERT_TO_HELP
+    assert "gguf-*: a ComfyUI-GGUF file" in to.help and "gguf-*" not in CONVERT_TO_HELP
 
 
 def test_default_output_names(tmp_path):

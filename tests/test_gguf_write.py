@@ -91,7 +91,8 @@ def test_single_call_reencodes_one_tensor(tmp_path):
         assert np.array_equal(got.numpy(), gguf.quants.quantize(x.numpy(), t).reshape(-1).view(np.uint8)), t.name
         assert torch.equal(dequantize(got, t, 96).reshape(6, 96),
                            torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), t), t))), t.name
-    assert can_encode(T.Q8_0) and can_encode(T.F16) and not can_encode(T.Q4_K) and not can_encode(T.IQ4_XS)
+    assert can_encode(T.Q8_0) and can_encode(T.F16) and can_encode(T.Q4_K) and can_encode(T.IQ4_XS)
+    assert not can_encode(T.IQ2_XS) and not can_encode(T.IQ3_S)
 
 
 def test_sdxl_rows_of_256_with_orig_shape(tmp_path, run_ckpt):
@@ -261,9 +262,10 @@ def test_refusals(tmp_path, run_ckpt):
                "single_transformer_blocks.0.attn.norm_k.weight": rnd(16)}, tmp_path / "diffusers.safetensors")
     save_file({"encoder.layers.0.weight": rnd(64, 64)}, tmp_path / "other.safetensors")
     cases = [
-        (("flux.safetensors", "--to", "gguf-q4_k_m"), "K-quants and IQ-quants cannot be written"),
-        (("flux.safetensors", "--to", "gguf-iq4_xs"), "K-quants and IQ-quants cannot be written"),
-        (("flux.safetensors", "--to", "gguf-q3_k"), "K-quants and IQ-quants cannot be written"),
+        (("flux.safetensors", "--to", "gguf-iq4_xs"), "ComfyUI-GGUF does not quantize image models to IQ4_XS"),
+        (("flux.safetensors", "--to", "gguf-iq2_xs"), "unknown GGUF type (choose gguf-q8_0, gguf-q6_k"),
+        (("flux.safetensors", "--to", "gguf-f16", "--pure"), "--pure does not apply to --to gguf-f16"),
+        (("flux.safetensors", "--to", "bf16", "--pure"), "--pure applies to --to gguf-* only"),
         (("flux.safetensors", "--to", "gguf-q7_7"), "unknown GGUF type"),
         (("flux.safetensors", "--to", "gguf-q8_0", "-o", "x.safetensors"), "writes a GGUF file; name it .gguf"),
         (("flux.safetensors", "--to", "bf16", "-o", "x.gguf"), "GGUF is written by --to gguf-"),

@@ -27,6 +27,8 @@ from ckpt.io.hub import check_source
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype (repeatable).")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
+@click.option("--pure", is_flag=True, help="With --to gguf-<quant>: every quantizable tensor in the one type, as "
+                                           "llama-quantize --pure (no per-tensor mix rules; row fallbacks apply).")
 @MAX_SHARD_SIZE
 @FORMAT
 @DRY_RUN
@@ -34,15 +36,16 @@ from ckpt.io.hub import check_source
 @OVERWRITE
 @QUIET
 @REPORT
-def convert(src, out, to, layout, config, keep, clamp, scaled, max_shard_size, fmt, dry_run, device, overwrite, quiet):
+def convert(src, out, to, layout, config, keep, clamp, scaled, pure, max_shard_size, fmt, dry_run, device, overwrite, quiet):
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8, to
-    ComfyUI's nvfp4/mxfp8/int8 or to a ComfyUI-GGUF file, and/or rename it to its family's diffusers or
+    ComfyUI's nvfp4/mxfp8/int8 or to GGUF (ComfyUI-GGUF for diffusion models, llama.cpp for HF LLMs: the
+    llama-quantize types, K-quants included), and/or rename it to its family's diffusers or
     original layout."""
     check_source(src)  # before torch: a mistyped path is refused in milliseconds
     load("ckpt.convert.command")
     from ckpt.convert import ConvertOptions, convert as run
 
-    opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size,
+    opts = ConvertOptions(to=to, keep=list(keep), clamp=clamp, scaled=scaled, pure=pure, max_shard_size=max_shard_size,
                           device=device, overwrite=overwrite, quiet=quiet, dry_run=dry_run, format=fmt,
                           layout=layout, config=config)
     path, report = run(src, out, opts)

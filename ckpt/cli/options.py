@@ -131,7 +131,7 @@ def _targets():
 
 class TargetChoice(click.Choice):
     """Every registered --to name; any other name under a prefix a target kind owns (`gguf-<type>`) passes
-    through so that convert refuses it in one line, naming why (K-quants: no encoder in gguf). `help`:
+    through so that convert refuses it in one line, naming why. `help`:
     --to's help text for these choices."""
 
     def __init__(self, choices, prefixes=(), help=""):

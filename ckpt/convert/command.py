@@ -20,6 +20,7 @@ class ConvertOptions:
     keep: list[str] = field(default_factory=list)
     clamp: bool = False
     scaled: bool = False
+    pure: bool = False  # --to gguf-*: llama-quantize --pure
     max_shard_size: str | None = None
     device: str = "cpu"
     overwrite: bool = False
@@ -34,7 +35,7 @@ def convert_operation(opts: ConvertOptions) -> str:
     """The `ckpt_operation` convert records in its outputs' metadata (`ckpt.io.checkpoint_plan.provenance`). The one
     spelling of it: batch's resume recognises a killed run's finished outputs by comparing with this."""
     return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "")
-            + (" --scaled" if opts.scaled else ""))
+            + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else ""))
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):

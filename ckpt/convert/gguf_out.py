@@ -1,4 +1,4 @@
-"""`convert --to gguf-q8_0|q4_0|q4_1|q5_0|q5_1|bf16|f16`: a diffusion model as the GGUF ComfyUI-GGUF loads.
+"""`convert --to gguf-q4_k_m|q8_0|...|f16`: a diffusion model as the GGUF ComfyUI-GGUF loads.
 
 ComfyUI-GGUF (city96) makes its files in two steps: tools/convert.py writes an F16/BF16 GGUF, then its
 patched llama.cpp `llama-quantize` quantizes it. ckpt writes the final file in one pass, tensor by tensor,
@@ -13,8 +13,9 @@ choosing each tensor's type as those two steps would:
    last dim is not a multiple of 256 are stored as rows of 256 with `comfy.gguf.orig_shape.<name>`.
 2. llama-quantize with ComfyUI-GGUF's lcpp.patch: a tensor is quantized when its name ends in `weight`,
    it has exactly 2 dims (leading 1s not counted, as ggml counts), and the family does not keep it
-   (its input and output layers). A row whose length is not a multiple of the block size (32) stays in
-   the unquantized type, as llama.cpp falls back.
+   (its input and output layers). Its type is the mix's (`ckpt.convert.gguf_mixes.ImageMix`: the patch's
+   `img_tensor_get_type`, with its F16 fallback for K-type rows that are not a multiple of 256). A row whose
+   length is not a multiple of a legacy type's block (32) stays in the unquantized type.
 
 Where the rules live: each family module's `gguf=GGUFStorage(arch, f32, reshape, ignore)` and its
 `high_precision[ORIGINAL]` (the layers kept unquantized; the comfy_quant writer reads the same list) in
@@ -23,9 +24,9 @@ Every architecture ComfyUI-GGUF writes has its module there (AuraFlow and Cosmos
 and these two fields); this module holds the two steps, no family's facts. Rules from ComfyUI-GGUF's
 auto_convert branch (Nov 2025).
 
-Values are quantized from their fp32 values by `gguf.quants.quantize` (ComfyUI-GGUF's route first rounds
-F32 sources to F16; for BF16 and F16 sources the result is the same), band by band (blocks never cross
-a row). K-quants and IQ-quants have no encoder in gguf's Python package: refused by name.
+Values are quantized from their fp32 values (`ckpt.quant.gguf.encode`: gguf's quantizers for the legacy types,
+ckpt's for the K-quants and IQ4; ComfyUI-GGUF's route first rounds F32 sources to F16; for BF16 and F16 sources
+the result is the same), band by band (blocks never cross a row).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from ckpt import __version__
 from ckpt.cast import Caster
+from ckpt.convert.gguf_mixes import NEVER_QUANTIZED, ImageMix, Mix
 from ckpt.dtypes import FP8, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.plan import OutFile, OutTensor, Plan
@@ -66,28 +68,6 @@ def _gguf():
     import gguf
 
     return gguf
-
-
-def ggml_type_of(target: str) -> int:
-    """The GGML type `--to gguf-...` names (its target in `ckpt.convert.targets`); K-/IQ-quants are refused
-    by name (no Python encoder)."""
-    from ckpt.convert import targets
-
-    t = targets.get(target)
-    if getattr(t, "ggml", None):
-        return int(_gguf().GGMLQuantizationType[t.ggml])
-    kind = target[len("gguf-"):].upper()
-    if re.fullmatch(r"(Q\d_K(_[SML])?|IQ\d\w*|Q\d_K\w*)", kind):
-        raise CkptError(f"--to {target}: K-quants and IQ-quants cannot be written: gguf (llama.cpp's Python "
-                        "package, which ckpt quantizes with) has no encoder for them; write --to gguf-bf16 and "
-                        "run ComfyUI-GGUF's patched llama-quantize on it")
-    raise CkptError(f"--to {target}: unknown GGUF type (choose {', '.join(_names())})")
-
-
-def _names() -> list[str]:
-    from ckpt.convert import targets
-
-    return [t.name for t in targets.all_targets() if getattr(t, "ggml", None)]
 
 
 def _matches(name: str, patterns) -> bool:
@@ -153,15 +133,16 @@ class Choice:
     shape: tuple[int, ...]  # stored shape
     reshaped: bool
     why: str  # for the plan's summary
+    fallback: str | None = None  # the type the mix gave, where rows that are not whole blocks changed it
 
 
-def choose(name: str, t: Tensor, fam: Rules, target: int) -> Choice:
+def choose(name: str, t: Tensor, fam: Rules, m: Mix, img: ImageMix) -> Choice:
     """Each tensor's GGUF type and stored shape, by ComfyUI-GGUF's two steps (module docstring)."""
     T = _gguf().GGMLQuantizationType
     shape, n = tuple(t.shape), t.numel
     natural = t.natural_dtype
-    if target in (T.F16, T.BF16):
-        base = target
+    if not m.quantized:
+        base = T[m.default]
     else:
         base = T.BF16 if natural == torch.bfloat16 else T.F16
     if not is_float(t.dtype):
@@ -176,16 +157,22 @@ def choose(name: str, t: Tensor, fam: Rules, target: int) -> Choice:
     reshaped = False
     if (fam.reshape and len(shape) > 1 and n >= REARRANGE_THRESHOLD and n % 256 == 0 and shape[-1] % 256):
         shape, reshaped = (n // 256, 256), True
-    if target in (T.F16, T.BF16, T.F32):
+    if not m.quantized:
         return Choice(t1, shape, reshaped, why)
     if not name.endswith("weight") or ggml_n_dims(shape) != 2:
         return Choice(t1, shape, reshaped, why if t1 == T.F32 else "not a 2-D weight")
     if _matches(name, fam.keep):
         return Choice(t1, shape, reshaped, "input/output layer kept unquantized")
-    blk = _gguf().GGML_QUANT_SIZES[target][0]
+    if any(s in name for s in NEVER_QUANTIZED):
+        return Choice(t1, shape, reshaped, "never quantized by llama.cpp")
+    chosen, why, fell = img.type_of(name, shape[-1])
+    if fell is not None:
+        return Choice(T[chosen], shape, reshaped, why, fallback=fell)
+    blk = _gguf().GGML_QUANT_SIZES[T[chosen]][0]
     if shape[-1] % blk:
-        return Choice(t1, shape, reshaped, f"row length not a multiple of {blk}")
-    return Choice(target, shape, reshaped, "quantized")
+        return Choice(t1, shape, reshaped, f"{chosen} fallback: rows of {shape[-1]} are not a multiple of {blk}",
+                      fallback=chosen)
+    return Choice(T[chosen], shape, reshaped, why)
 
 
 def _plain_type(name: str, dtype: torch.dtype) -> int:
@@ -209,14 +196,38 @@ def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
     return cast
 
 
-def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
-    """The whole GGUF output (one file) for SRC's single component."""
+def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Report, casters: dict) -> OutTensor:
+    """The output of one GGUF tensor stored as `ggml_type` with stored `shape`: plain types cast (one Caster per
+    dtype, shared through `casters`), block types encoded band by band in whole stored rows."""
     from ckpt.io.gguf import plain_types
+
+    plain = plain_types().get(ggml_type)
+    if plain is not None:
+        if is_float(t.dtype):
+            caster = casters.setdefault(plain, Caster(plain, report))
+            cast = (lambda x, b, n=name, k=caster: k(x, n, b))
+        else:
+            cast = (lambda x, b: x)
+        return OutTensor(name, plain, shape, t, cast, stateless=True)
+    return OutTensor(name, torch.uint8, shape, BlockRows(t, shape[-1]), _encoder(name, ggml_type, shape[-1], report),
+                     gguf_type=ggml_type, stateless=True)
+
+
+def fallback_note(fallbacks: dict) -> str | None:
+    """The summary line of the tensors whose rows did not fit the mix's type: `{(from, to): count}`."""
+    if not fallbacks:
+        return None
+    total = sum(fallbacks.values())
+    parts = ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(fallbacks.items()))
+    return f"{plural(total, 'tensor')} fell back to another type (rows not a whole number of blocks): {parts}"
+
+
+def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report) -> Plan:
+    """The whole GGUF output (one file) for SRC's single component."""
     from ckpt.io.gguf_writer import int32_array, string, uint32
 
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
-    target = ggml_type_of(target_name)
     if len(ckpt.components) != 1:
         subs = ", ".join(c.subdir or "." for c in ckpt.components)
         raise CkptError(f"{ckpt.spec}: a GGUF file holds one model; this has {len(ckpt.components)} components "
@@ -229,13 +240,17 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
         fam = rules_for([n[len(prefix):] for n in keep], {n[len(prefix):]: tuple(view.tensors[n].shape) for n in keep})
     except CkptError as e:
         raise CkptError(f"{comp.where}: {e}") from None
+    if not m.image:
+        raise CkptError(f"--to gguf-{m.name}: ComfyUI-GGUF does not quantize image models to {m.label} (its "
+                        "llama.cpp patch refuses the IQ types for them); choose a K-quant such as gguf-q4_k_m")
     notes = []
     if dropped:
         notes.append(f"{plural(len(dropped), 'tensor')} outside {prefix!r} left out (e.g. {dropped[0]!r}): "
                      "a ComfyUI-GGUF file holds the diffusion model only")
     casters: dict = {}
-    outs, orig_shapes, summary = [], [], {}
+    outs, orig_shapes, summary, fallbacks = [], [], {}, {}
     ignored = []
+    img = ImageMix(m, pure)
     for full in keep:
         name, t = full[len(prefix):], view.tensors[full]
         if _matches(name, fam.ignore):
@@ -244,37 +259,30 @@ def plan_gguf(ckpt, views, target_name: str, report: Report) -> Plan:
         if len(name) > MAX_NAME:
             raise CkptError(f"{comp.where}: tensor name {name!r} is longer than {MAX_NAME} characters, the most "
                             "ComfyUI-GGUF's ggml accepts")
-        c = choose(name, t, fam, target)
+        c = choose(name, t, fam, m, img)
         label = T(c.ggml_type).name
         summary.setdefault((label, c.why), 0)
         summary[(label, c.why)] += 1
+        if c.fallback is not None:
+            fallbacks[(c.fallback, label)] = fallbacks.get((c.fallback, label), 0) + 1
         if c.reshaped:
             orig_shapes.append(int32_array(f"comfy.gguf.orig_shape.{name}", t.shape))
-        plain = plain_types().get(c.ggml_type)
-        if plain is not None:
-            if is_float(t.dtype):
-                caster = casters.setdefault(plain, Caster(plain, report))
-                cast = (lambda x, b, n=name, k=caster: k(x, n, b))
-            else:
-                cast = (lambda x, b: x)
-            outs.append(OutTensor(name, plain, c.shape, t, cast, stateless=True))
-        else:
-            src = BlockRows(t, c.shape[-1])
-            outs.append(OutTensor(name, torch.uint8, c.shape, src, _encoder(name, c.ggml_type, c.shape[-1], report),
-                                  gguf_type=c.ggml_type, stateless=True))
+        outs.append(out_tensor(name, t, c.ggml_type, c.shape, report, casters))
     if ignored:
         notes.append(f"{plural(len(ignored), fam.arch + ' tensor')} ComfyUI-GGUF ignores left out "
                      f"(e.g. {ignored[0]!r})")
 
-    ftype = {T.F16: "MOSTLY_F16", T.BF16: "MOSTLY_BF16"}.get(target, f"MOSTLY_{T(target).name}")
     fields = [string("general.architecture", fam.arch),
               uint32("general.quantization_version", gguf.GGML_QUANT_VERSION),
-              uint32("general.file_type", gguf.LlamaFileType[ftype]),
+              uint32("general.file_type", gguf.LlamaFileType[m.ftype]),
               *orig_shapes,
               string("ckpt.version", __version__),
-              string("ckpt.operation", f"convert --to {target_name}")]
+              string("ckpt.operation", f"convert --to gguf-{m.name}" + (" --pure" if pure else ""))]
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
-    notes.append(f"GGUF {fam.arch} (rules: {fam.where}): {counts}")
+    notes.append(f"GGUF {m.label} {fam.arch} (rules: {fam.where} and ComfyUI-GGUF's image mix): {counts}")
+    fell = fallback_note(fallbacks)
+    if fell:
+        notes.append(fell)
     if ckpt.copies:
         notes.append(f"{plural(len(ckpt.copies), 'other file')} ({', '.join(ckpt.copies[:3])}...) not copied: a GGUF is "
                      "one file")

@@ -148,7 +148,8 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     warnings are silenced here."""
     gguf = _gguf()
     plain = plain_types().get(ggml_type)
-    x = values.detach().to("cpu", torch.float32).contiguous()
+    ours = kquant_encoder(ggml_type)
+    x = values.detach().to(values.device if ours else "cpu", torch.float32).contiguous()
     if plain is not None:
         return x.to(plain)
     blk, size = block_size(ggml_type)
@@ -157,6 +158,11 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
         raise ValueError(f"rows of {row} values are not a whole number of {type_name(ggml_type)} blocks of {blk}")
     if x.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if ours is not None:
+        # NaN/Inf (counted by the caller) would make the block scales NaN and the codes undefined, as in ggml's
+        # C; they are encoded as 0 and the largest finite float32 instead, so the rest of the block survives
+        x = torch.nan_to_num(x, nan=0.0)
+        return ours(x.reshape(-1, row)).reshape(-1).cpu()
     rows = x.numpy().reshape(-1, row)
     out = torch.empty(rows.shape[0] * (row // blk * size), dtype=torch.uint8)
     blocks = out.numpy().reshape(rows.shape[0], -1)
@@ -164,6 +170,14 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
         for a, b in _row_chunks(rows.shape[0], row):
             blocks[a:b] = gguf.quants.quantize(rows[a:b], ggml_type)
     return out
+
+
+def kquant_encoder(ggml_type: int):
+    """ckpt's own encoder of a type the gguf package cannot write (`ckpt.quant.kquants`: Q2_K..Q6_K, IQ4_NL,
+    IQ4_XS), or None."""
+    from ckpt.quant.kquants import encoders
+
+    return encoders().get(type_name(ggml_type))
 
 
 def stored_output(stored: GGUFStored, name: str | None = None):
@@ -186,10 +200,9 @@ def bits_per_weight(ggml_type: int) -> float:
 
 
 def nearest_writable(ggml_type: int) -> int:
-    """The type a tensor of a type gguf cannot write (K-quants, IQ-quants) is written in again: the
-    general-purpose writable type with the fewest bits per weight above the source's (a K-quant packs its
-    bits better than a legacy type, so equal bits would lose precision): Q2_K/Q3_K -> Q4_0, Q4_K -> Q4_1,
-    Q5_K -> Q5_1, Q6_K -> Q8_0; Q8_0 when none has more."""
+    """The type a tensor of a type nothing here can write (IQ1..IQ3, TQ) is written in again: the
+    general-purpose writable type with the fewest bits per weight above the source's (those types pack
+    their bits better than a legacy type, so equal bits would lose precision); Q8_0 when none has more."""
     T = _gguf().GGMLQuantizationType
     bpw = bits_per_weight(ggml_type)
     cands = sorted((bits_per_weight(T[n]), int(T[n])) for n in WRITABLE_FALLBACKS)
@@ -211,8 +224,8 @@ class BlockRows(Wrapper):
 
 class GGUFEncoding(Encoding):
     """A new value of a stored GGUF tensor: the same name and stored shape (rows of the stored row length,
-    also where ComfyUI-GGUF reshaped it), encoded by `gguf.quants.quantize` in the stored type, or, for a
-    type gguf's Python package cannot write (K-/IQ-quants), in `nearest_writable` of it, with a note. Block
+    also where ComfyUI-GGUF reshaped it), encoded in the stored type (`encode`), or, for a type nothing here
+    can write (IQ1..IQ3, TQ), in `nearest_writable` of it, with a note. Block
     types carry their scales inside each block, so every band is encoded on its own (one pass)."""
 
     def __init__(self, stored: GGUFStored):
@@ -224,7 +237,7 @@ class GGUFEncoding(Encoding):
             f"GGUF {type_name(t)} -> {type_name(self.out_type)}"
         self.note = None if self.out_type == t else (
             f"GGUF {type_name(t)} tensors changed by the LoRA are written as {type_name(self.out_type)} "
-            f"(gguf, the package ckpt encodes with, cannot write {type_name(t)}); unchanged ones keep "
+            f"(ckpt has no {type_name(t)} encoder); unchanged ones keep "
             f"{type_name(t)}")
 
     def why_not(self) -> str | None:
@@ -258,8 +271,9 @@ class GGUFEncoding(Encoding):
 
 
 def can_encode(ggml_type: int) -> bool:
-    """Whether gguf's Python package can write this type (K- and IQ-quants: no)."""
-    if ggml_type in plain_types():
+    """Whether this type can be written: by gguf's Python package (plain and legacy types), or by ckpt's own
+    encoders (K-quants, IQ4). The other IQ types: no."""
+    if ggml_type in plain_types() or kquant_encoder(ggml_type) is not None:
         return True
     quants = _gguf().quants
     cls = quants._type_traits.get(ggml_type)  # the package's registry of block types

@@ -116,11 +116,15 @@ HAND_PACKED = {T.Q2_K: (ref_q2_k, (80, 82)), T.Q3_K: (ref_q3_k, (108,)), T.Q4_K:
                T.Q5_K: (ref_q5_k, (0, 2)), T.Q6_K: (ref_q6_k, (208,)), T.IQ4_NL: (ref_iq4_nl, (0,))}
 
 
+# types packed here without a reference decoder: the byte offsets of their f16 scales
+SCALE_ONLY = {T.IQ3_S: (0,)}
+
+
 def pack_blocks(t, n_blocks, rng=None):
     """Random block bytes with finite f16 super-block scales: every bit pattern of the rest is valid."""
     blk, size = gguf.GGML_QUANT_SIZES[t]
     rng = rng if rng is not None else RNG
     b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for off in HAND_PACKED[t][1]:
+    for off in HAND_PACKED[t][1] if t in HAND_PACKED else SCALE_ONLY[t]:
         b[:, off:off + 2] = _f16(rng.uniform(-0.05, 0.05, n_blocks)).view(np.uint8).reshape(n_blocks, 2)
     return b

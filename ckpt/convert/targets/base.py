@@ -69,6 +69,8 @@ class Target:
             raise CkptError("--scaled applies to --to fp8_e4m3fn only")
         if opts.clamp and self.saturates:
             raise CkptError(f"--clamp applies to dtype targets; --to {opts.to} saturates by design")
+        if opts.pure:
+            raise CkptError("--pure applies to --to gguf-* only")
 
     def outputs(self, views, opts, report):
         """(make, finish): `make(tensor) -> [OutTensor]` for the planners; `finish(plan)` or None, run on

@@ -1,28 +1,29 @@
-"""`--to gguf-q8_0|q4_0|q4_1|q5_0|q5_1|bf16|f16`: one diffusion model as the GGUF file ComfyUI-GGUF loads
-(`ckpt.convert.gguf_out`). The kind owns the `gguf-` prefix: a `gguf-*` name not registered (K-quants,
-IQ-quants, typos) is refused by `gguf_out.ggml_type_of` in its own words. A new GGML type with an encoder
-is a new module with `TARGETS = (GGUF("gguf-<type>", "<GGML TYPE>"),)`."""
+"""`--to gguf-q4_k_m|q8_0|...|f16`: a diffusion model as the GGUF file ComfyUI-GGUF loads (`ckpt.convert.gguf_out`),
+or a Hugging Face LLM as the GGUF llama.cpp runs (`ckpt.convert.gguf_llm_out`). One target per llama-quantize
+file type and alias (`ckpt.convert.gguf_mixes`). The kind owns the `gguf-` prefix: a `gguf-*` name not
+registered (IQ2..., typos) is refused in its own words."""
 
 from __future__ import annotations
 
 
+from ckpt.convert.gguf_mixes import ALIASES, MIXES, mix
 from ckpt.convert.targets.base import Target
 from ckpt.errors import CkptError
 
 ORDER = 40
 PREFIX = "gguf-"
-HELP = "gguf-*: a ComfyUI-GGUF file."
+HELP = "gguf-*: a ComfyUI-GGUF file (diffusion models) or a llama.cpp GGUF (HF LLM folders), typed as llama-quantize."
 
 
 class GGUF(Target):
-    """`ggml`: the GGMLQuantizationType name (None: a claimed name that `check` refuses). Files are
-    named as ComfyUI-GGUF / llama.cpp name them: `model-Q8_0.gguf`."""
+    """`mix`: the llama-quantize file type (None: a claimed name that `check` refuses). Files are named as
+    ComfyUI-GGUF / llama.cpp name them: `model-Q4_K_M.gguf`."""
 
     ext, fmt = ".gguf", "gguf"
 
-    def __init__(self, name: str, ggml: str | None):
-        super().__init__(name, suffix=ggml or name)
-        self.ggml = ggml
+    def __init__(self, name: str, mix):
+        super().__init__(name, suffix=mix.label if mix is not None else name)
+        self.mix = mix
 
     @staticmethod
     def written_by() -> str:
@@ -42,9 +43,10 @@ class GGUF(Target):
         return "gguf"
 
     def check(self, opts) -> None:
-        from ckpt.convert.gguf_out import ggml_type_of
-
-        ggml_type_of(self.name)  # refuses K-quants and unknown types before anything else
+        if self.mix is None:
+            raise CkptError(f"--to {self.name}: unknown GGUF type (choose {', '.join(_names())})")
+        if opts.pure and not self.mix.quantized:
+            raise CkptError(f"--pure does not apply to --to {opts.to} (nothing is quantized)")
         for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
                             ("--max-shard-size", opts.max_shard_size), ("--config", opts.config)):
             if given:
@@ -56,13 +58,30 @@ class GGUF(Target):
     def plan(self, ckpt, views, opts, report, file_format: str):
         from ckpt.convert.gguf_out import plan_gguf
 
-        return plan_gguf(ckpt, views, self.name, report)
+        import importlib
+        import importlib.util
+
+        pure = opts.pure
+        if importlib.util.find_spec("ckpt.convert.gguf_llm_out") is not None:  # being written (issue 23)
+            gguf_llm_out = importlib.import_module("ckpt.convert.gguf_llm_out")
+            if gguf_llm_out.applies(ckpt, views):
+                return gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, pure, report)
+        return plan_gguf(ckpt, views, self.mix, pure, report)
 
     def heavy(self, opts, views) -> bool:
-        return False  # GGUF quantization runs in the gguf package on the CPU whatever the device
+        """K-quant and IQ4 encoders are ckpt's own torch code (`ckpt.quant.kquants`), worth a GPU; the legacy
+        types are encoded by the gguf package on the CPU."""
+        from ckpt.convert.gguf_mixes import K_TYPES
+
+        return self.mix.default in K_TYPES or self.mix.default.startswith("IQ")
 
 
-TARGETS = tuple(GGUF(f"gguf-{t.lower()}", t) for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16"))
+def _names() -> list[str]:
+    return [t.name for t in TARGETS]
+
+
+TARGETS = tuple(GGUF(f"gguf-{m.name}", m) for m in MIXES) + \
+    tuple(GGUF(f"gguf-{alias}", mix(name)) for alias, name in ALIASES.items())
 
 
 def claim(name: str) -> GGUF:
