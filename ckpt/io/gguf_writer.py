@@ -51,6 +51,22 @@ def int32_array(key: str, values) -> Field:
     return Field(key, [int(v) for v in values], V.ARRAY, V.INT32)
 
 
+def from_gguf_writer(writer) -> list[Field]:
+    """The key-values an in-memory `gguf.GGUFWriter` (path None) was given, in the order it was given them, as
+    Fields: an exporter makes the same `add_*` calls llama.cpp's converter makes (exact key names and value
+    types), then writes them with this header-first writer. Array element types as gguf's writer infers them."""
+    V = _gguf().GGUFValueType
+    out = []
+    for key, v in writer.kv_data[0].items():
+        value, sub = v.value, v.sub_type
+        if v.type == V.ARRAY:
+            value = list(value)
+            if sub is None:
+                sub = V.get_type(value[0])
+        out.append(Field(key, value, V(v.type), sub))
+    return out
+
+
 def _pack_value(value, vtype, sub_type=None) -> bytes:
     V = _gguf().GGUFValueType
     vtype = V(vtype)

@@ -32,13 +32,23 @@ class LLMArch:
     rope_permute: bool = False  # llama.cpp permuted q/k rows for its RoPE
     # config.json fields set when a tensor of this GGUF name suffix exists (else False)
     bias_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # export (HF -> GGUF, `ckpt.convert.gguf_llm_out`): config.json `architectures` convert_hf_to_gguf.py writes as
+    # this llama.cpp architecture (its model class's `ModelBase.register` names that ckpt supports)
+    hf_classes: tuple[str, ...] = ()
+    # LlamaModel.set_gguf_parameters: also `{arch}.vocab_size` and `{arch}.rope.dimension_count`
+    llama_params: bool = False
 
 
 ARCHS: dict[str, LLMArch] = {a.arch: a for a in [
     LLMArch("llama", "LlamaForCausalLM", "llama", LLAMA_LAYER, rope_permute=True,
             bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"),
-                        "mlp_bias": ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}),
-    LLMArch("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_LAYER),
+                        "mlp_bias": ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")},
+            hf_classes=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"), llama_params=True),
+    LLMArch("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_LAYER, hf_classes=("Qwen2ForCausalLM",)),
     LLMArch("qwen3", "Qwen3ForCausalLM", "qwen3", LLAMA_LAYER + ("self_attn.q_norm", "self_attn.k_norm"),
-            bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")}),
+            bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")},
+            hf_classes=("Qwen3ForCausalLM",)),
 ]}
+
+# config.json `architectures[0]` -> the llama.cpp architecture the exporter writes it as
+EXPORTS: dict[str, LLMArch] = {c: a for a in ARCHS.values() for c in a.hf_classes}

@@ -1,0 +1,376 @@
+"""`convert ./my-llm --to gguf-<type>`: a Hugging Face causal LM folder as the GGUF llama.cpp runs, as llama.cpp's
+`convert_hf_to_gguf.py` writes it (then, for K-quant and IQ mixes, as `llama-quantize` would type it), streamed.
+
+The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`convert_hf_to_gguf.py` and its
+`conversion/` package: `TextModel`, `LlamaModel`, `Qwen2Model`, `Qwen3Model`). What it does, and so ckpt:
+
+- tensors: each safetensors part in sorted order, names sorted within a part (gguf's `SafetensorsLocal`), each named
+  by gguf's tensor-name table (`TensorNameMap.get_name`); a name the table does not know is an error (the reference
+  raises "Can not map tensor"), never a dropped key. `*.rotary_emb.inv_freq` (old checkpoints) is left out, as there.
+  Llama's rope type `llama3` adds `rope_freqs.weight` (its factors, F32) first (`generate_extra_tensors`).
+- llama: q_proj / k_proj rows (weights and biases) permuted per head for llama.cpp's RoPE (`LlamaModel.permute`,
+  k with the kv head count), band by band in whole heads (`HeadRowsPermuted`, the mirror of the reader's).
+- tied embeddings: no `lm_head.weight` in the files, no `output.weight` in the GGUF (llama.cpp ties them itself).
+- types (`prepare_tensors`): F32 for 1-D tensors, `*_norm.weight`, names not ending in `.weight` and the
+  reference's always-F32 list (MoE routers, position embeddings); the others in the mix's type. `--to gguf-f16`,
+  `-bf16`, `-f32` and `-q8_0` are `--outtype f16|bf16|f32|q8_0`. A quantizing mix starts from what
+  `--outtype auto` gives (BF16 for a BF16 model, else F16: what one would feed `llama-quantize`) and
+  `ckpt.families.llm.quant_mix.llm_types` (llama.cpp's `llama_tensor_get_type`) gives each tensor its final type.
+  Values go through float32 as there (BF16 sources are upcast before rounding to F16: one rounding either way).
+- metadata (`TextModel.set_gguf_parameters`, `LlamaModel.set_gguf_parameters`): the hyperparameters as
+  `AutoConfig.from_pretrained(folder).to_dict()` gives them (defaults filled in by transformers, as the reference
+  reads them; config.json as it is where transformers is not installed), rope scaling, `general.file_type` (the
+  mix's `gguf.LlamaFileType`), `general.quantization_version`; the `general.*` model-card keys from gguf's own
+  `Metadata.load` (name, size label, ...); the tokenizer from `ckpt.convert.gguf_vocab`. The `add_*` calls go to
+  an in-memory `gguf.GGUFWriter` in the reference's order, so keys and value types are gguf's own; ckpt adds
+  `ckpt.version` and `ckpt.operation`.
+
+Refused in one line before anything is written: an architecture outside `ckpt.families.llm.EXPORTS`, a folder
+without config.json or a tokenizer, a BPE pre-tokenizer llama.cpp does not know, a tensor with no GGUF name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ckpt import __version__
+from ckpt.errors import CkptError
+from ckpt.families.llm import EXPORTS, LLMArch
+from ckpt.io.plan import OutFile, Plan
+from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.report import Report, plural
+
+SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # prepare_tensors: "we don't need these"
+# prepare_tensors' always-F32 tensors that these architectures can have (gguf.MODEL_TENSOR names)
+F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES")
+PLAIN = ("F32", "F16", "BF16")
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+def _architecture(cfg: dict | None) -> str | None:
+    """get_model_architecture: `architectures[0]`, a text_config's own where it has one."""
+    if not isinstance(cfg, dict):
+        return None
+    arch = (cfg.get("architectures") or [None])[0]
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and text.get("architectures"):
+        arch = text["architectures"][0]
+    return arch if isinstance(arch, str) else None
+
+
+def applies(ckpt, views) -> bool:
+    """An HF causal LM folder (its config.json names a `*ForCausalLM` class, or its tensors are a Llama-style
+    decoder's): the LLM exporter plans it, supported or not (an unsupported one is refused by name there, not
+    taken for a diffusion model)."""
+    if len(ckpt.components) != 1:
+        return False
+    comp = ckpt.components[0]
+    arch = _architecture(comp.config)
+    if arch is not None:
+        return arch in EXPORTS or arch.endswith("ForCausalLM")
+    return any(re.match(r"(model\.)?layers\.\d+\.self_attn\.q_proj\.", n) for n in views[0].tensors)
+
+
+def _folder(ckpt) -> Path:
+    comp = ckpt.components[0]
+    root = ckpt.path if ckpt.kind != "file" else ckpt.path.parent
+    return root / comp.subdir
+
+
+def load_hparams(folder: Path, cfg: dict) -> dict:
+    """ModelBase.load_hparams + TextModel.__init__: the config as transformers fills it in, text_config merged."""
+    try:
+        from transformers import AutoConfig
+
+        hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
+    except ImportError:
+        hparams = dict(cfg)
+    except Exception:  # the reference falls back to config.json as it is
+        hparams = dict(cfg)
+    for key in ("llm_config", "lm_config", "language_config"):
+        if key in hparams:
+            hparams["text_config"] = hparams[key]
+    if isinstance(hparams.get("text_config"), dict):
+        hparams = {**hparams, **hparams["text_config"]}
+    return hparams
+
+
+def _find(hparams: dict, keys, optional=True):
+    key = next((k for k in keys if k in hparams), None)
+    if key is not None:
+        return hparams[key]
+    if optional:
+        return None
+    raise CkptError(f"config.json has none of {', '.join(keys)}")
+
+
+def rope_parameters(hparams: dict) -> dict:
+    """TextModel.__init__'s rope_parameters: rope_parameters or rope_scaling, the global values mirrored in."""
+    rope = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
+    theta = _find(hparams, ["global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
+                            "rotary_emb_base"])
+    local = _find(hparams, ["local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                            "rope_local_base_freq"])
+    partial = _find(hparams, ["partial_rotary_factor", "rope_pct", "rope_percent"])
+    orig = _find(hparams, ["original_max_position_embeddings"])
+    if "full_attention" not in rope and "sliding_attention" not in rope:
+        if local is not None:
+            rope["sliding_attention"] = {"rope_theta": local}
+        if "rope_theta" not in rope and theta is not None:
+            rope["rope_theta"] = theta
+        if "rope_type" not in rope and (t := rope.get("type")) is not None:
+            rope["rope_type"] = t
+        if "partial_rotary_factor" not in rope and partial is not None:
+            rope["partial_rotary_factor"] = partial
+        if "original_max_position_embeddings" not in rope and orig is not None:
+            rope["original_max_position_embeddings"] = orig
+    return rope
+
+
+def set_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ftype: int) -> list[str]:
+    """TextModel.set_gguf_parameters (+ LlamaModel's): the `add_*` calls on `w`; returns notes."""
+    gguf = _gguf()
+    notes = []
+    w.add_block_count(n_block)
+    if (n := _find(hparams, ["max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+                             "model_max_length"])) is not None:
+        w.add_context_length(n)
+    if (n := _find(hparams, ["hidden_size", "n_embd", "dim"])) is not None:
+        w.add_embedding_length(n)
+    if (n := _find(hparams, ["prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
+                             "n_inner", "hidden_dim"])) is not None:
+        w.add_feed_forward_length(n)
+    if (n := _find(hparams, ["num_attention_heads", "n_head", "n_heads"])) is not None:
+        w.add_head_count(n)
+    if (n := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
+        w.add_head_count_kv(n)
+    if hparams.get("is_causal") is False:
+        w.add_causal_attention(False)
+    params = rope.get("full_attention", rope)
+    if (rope_type := params.get("rope_type")) is not None:
+        factor = params.get("factor")
+        R = gguf.RopeScalingType
+        if rope_type == "linear" and factor is not None:
+            w.add_rope_scaling_type(R.LINEAR)
+            w.add_rope_scaling_factor(factor)
+        elif rope_type == "yarn" and factor is not None:
+            w.add_rope_scaling_type(R.YARN)
+            w.add_rope_scaling_factor(factor)
+            w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+            if (v := params.get("extrapolation_factor")) is not None:
+                w.add_rope_scaling_yarn_ext_factor(v)
+            if (v := params.get("attention_factor", params.get("attn_factor"))) is not None:
+                w.add_rope_scaling_yarn_attn_factor(v)
+            if (v := params.get("beta_fast")) is not None:
+                w.add_rope_scaling_yarn_beta_fast(v)
+            if (v := params.get("beta_slow")) is not None:
+                w.add_rope_scaling_yarn_beta_slow(v)
+        elif rope_type in ("su", "longrope"):
+            w.add_rope_scaling_type(R.LONGROPE)
+        elif rope_type not in ("dynamic", "default") and rope_type.lower() != "llama3":
+            notes.append(f"RoPE type {rope_type!r} is unknown to llama.cpp's converter: written without scaling, as "
+                         "it does")
+    if "mrope_section" in rope:
+        sections = list(rope["mrope_section"]) + [0] * 4
+        w.add_rope_dimension_sections(sections[:4])
+    if (v := params.get("rope_theta")) is not None:
+        w.add_rope_freq_base(v)
+    if (v := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(v)
+    if (v := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
+        w.add_layer_norm_rms_eps(v)
+    if (v := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
+        w.add_layer_norm_eps(v)
+    if (v := _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"])) is not None:
+        w.add_expert_count(v)
+    if (v := _find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
+        w.add_expert_used_count(v)
+    if (v := hparams.get("head_dim")) is not None:
+        w.add_key_length(v)
+        w.add_value_length(v)
+    w.add_file_type(ftype)
+    if arch.llama_params:
+        w.add_vocab_size(hparams["vocab_size"])
+        dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+        w.add_rope_dimension_count(dim)
+    return notes
+
+
+def llama3_rope_factors(rope: dict, hparams: dict) -> torch.Tensor | None:
+    """LlamaModel.generate_extra_tensors: `rope_freqs.weight` for rope type llama3, computed as the reference does."""
+    params = rope.get("full_attention", rope)
+    if not params or str(params.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = params.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old = params.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _f32_names(arch_enum, n_block: int) -> set[str]:
+    gguf = _gguf()
+    out = set()
+    for key in F32_TENSORS:
+        k = getattr(gguf.MODEL_TENSOR, key, None)
+        if k is None or k not in gguf.MODEL_TENSORS[arch_enum]:
+            continue
+        name = gguf.TENSOR_NAMES[k]
+        out.update(name.format(bid=b) + ".weight" for b in range(n_block)) if "{bid}" in name else \
+            out.add(name + ".weight")
+    return out
+
+
+def _source_order(view, comp) -> list[str]:
+    """The reference's tensor order: parts in sorted order, names sorted within each."""
+    return sorted(view.tensors, key=lambda n: (view.tensors[n].home or "", n))
+
+
+def _llm_types(mix, tensors, *, arch: str, n_layer: int, n_head: int, n_head_kv: int, n_expert: int, pure: bool):
+    from ckpt.families.llm.quant_mix import llm_types
+
+    return llm_types(mix.ftype, tensors, arch=arch, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+                     n_expert=n_expert, pure=pure)
+
+
+def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
+    """The whole single-file llama.cpp GGUF of an HF causal LM folder (module docstring)."""
+    from ckpt.convert import gguf_vocab
+    from ckpt.convert.gguf_out import out_tensor
+    from ckpt.io.gguf_writer import from_gguf_writer, string
+    from ckpt.quant.gguf_llm import HeadRowsPermuted
+
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    comp, view = ckpt.components[0], views[0]
+    folder = _folder(ckpt)
+    hf_arch = _architecture(comp.config)
+    if comp.config is None:
+        raise CkptError(f"{folder}: no config.json beside the weights; a llama.cpp GGUF is made from the model's "
+                        "config (architecture, heads, RoPE): copy the model's config.json into the folder")
+    arch = EXPORTS.get(hf_arch or "")
+    if arch is None:
+        raise CkptError(f"{folder}: architecture {hf_arch!r} cannot be written as a llama.cpp GGUF by ckpt (supported: "
+                        f"{', '.join(EXPORTS)}); use llama.cpp's convert_hf_to_gguf.py")
+    gguf_vocab.check_tokenizer(folder)
+    hparams = load_hparams(folder, comp.config)
+    n_block = _find(hparams, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"], optional=False)
+    n_head = _find(hparams, ["n_heads", "num_attention_heads"], optional=False)
+    n_head_kv = _find(hparams, ["n_kv_heads", "num_key_value_heads"], optional=False)
+    if _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"]):
+        raise CkptError(f"{folder}: {hf_arch} is a mixture of experts; ckpt does not write MoE GGUFs yet (use llama.cpp's "
+                        "convert_hf_to_gguf.py)")
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
+    table = gguf.get_tensor_name_map(arch_enum, n_block)
+    rope = rope_parameters(hparams)
+    f32_names = _f32_names(arch_enum, n_block)
+
+    # the tensors, in the reference's order, with their GGUF names and (permuted) sources
+    sources: list[tuple[str, Tensor]] = []
+    factors = llama3_rope_factors(rope, hparams) if arch.arch == "llama" else None
+    if factors is not None:
+        sources.append(("rope_freqs.weight", ComputedTensor("rope_freqs.weight", lambda f=factors: f, torch.float32,
+                                                            tuple(factors.shape))))
+    skipped = []
+    for name in _source_order(view, comp):
+        t = view.tensors[name]
+        if name.endswith(SKIPPED):
+            skipped.append(name)
+            continue
+        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise CkptError(f"{comp.where}: tensor {name!r} has no llama.cpp name in gguf's {arch.arch} table (a "
+                            "variant llama.cpp's converter does not know either); nothing was written")
+        if arch.rope_permute and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = n_head if ".q_proj." in name else n_head_kv
+            if not t.shape or t.shape[0] % heads or (t.shape[0] // heads) % 2:
+                raise CkptError(f"{comp.where}: tensor {name!r} has {t.shape[0] if t.shape else 0} rows, not {heads} "
+                                "heads of an even size (llama.cpp's RoPE permutes rows in pairs)")
+            t = HeadRowsPermuted(t, t.shape[0] // heads)
+        sources.append((gname, t))
+    dupe = next((g for i, (g, _) in enumerate(sources) if any(g == h for h, _ in sources[:i])), None)
+    if dupe is not None:
+        raise CkptError(f"{comp.where}: two tensors map to GGUF name {dupe!r}")
+
+    # types: --outtype's (or auto's) first, then the mix's per-tensor rule
+    big = next((t for _, t in sources if len(t.shape) >= 2), None)
+    base = mix.default if mix.default in PLAIN else \
+        ("BF16" if big is not None and big.natural_dtype == torch.bfloat16 else "F16")
+    before = []
+    for gname, t in sources:
+        if not t.dtype.is_floating_point:
+            raise CkptError(f"{comp.where}: tensor {t.name!r} is {t.dtype}, not floating point; llama.cpp's converter "
+                            "writes float weights only")
+        f32 = len(t.shape) <= 1 or gname.endswith("_norm.weight") or gname in f32_names or \
+            gname[-7:] not in (".weight", ".lora_a", ".lora_b")
+        before.append((gname, tuple(t.shape), "F32" if f32 else base))
+    types = _llm_types(mix, before, arch=arch.arch, n_layer=n_block, n_head=n_head, n_head_kv=n_head_kv, n_expert=0,
+                       pure=pure)
+
+    casters: dict = {}
+    outs, summary, fallbacks = [], {}, {}
+    for (gname, t), (_, shape, was), (tname, why, fell) in zip(sources, before, types):
+        outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
+        summary[(tname, why)] = summary.get((tname, why), 0) + 1
+        if fell:
+            fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
+
+    # metadata, in the reference's order (ModelBase.prepare_metadata, TextModel.prepare_metadata)
+    w = gguf.GGUFWriter(path=None, arch=arch.arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    total, shared, expert, n_expert = _param_counts(sources)
+    meta = gguf.Metadata.load(None, folder, None, total)
+    if meta.name is None:
+        meta.name = folder.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, n_expert)
+    meta.set_gguf_meta_model(w)
+    notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    gguf_vocab.set_vocab(w, arch.arch, folder, hparams)
+    fields = from_gguf_writer(w) + [string("ckpt.version", __version__),
+                                    string("ckpt.operation", f"convert --to gguf-{mix.name}" + (" --pure" if pure else ""))]
+
+    if skipped:
+        notes.append(f"{plural(len(skipped), 'tensor')} llama.cpp does not use left out (e.g. {skipped[0]!r})")
+    if factors is not None:
+        notes.append("rope_freqs.weight: Llama 3 RoPE scaling factors computed from config.json, as llama.cpp's "
+                     "converter adds them")
+    if "output.weight" not in {g for g, _ in sources}:
+        notes.append("no lm_head.weight: tied embeddings (llama.cpp uses token_embd.weight as the output layer)")
+    counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
+    notes.append(f"GGUF {arch.arch} LLM, {mix.label} (llama.cpp's convert_hf_to_gguf.py rules): {counts}")
+    from ckpt.convert.gguf_out import fallback_note
+
+    if (fb := fallback_note(fallbacks)) is not None:
+        notes.append(fb)
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
+
+
+def _param_counts(sources) -> tuple[int, int, int, int]:
+    """GGUFWriter.get_total_parameter_count over the planned tensors (no experts: MoE is refused above):
+    (total, shared, expert, expert count)."""
+    total = sum(math.prod(t.shape) for _, t in sources)
+    return total, total, 0, 0

@@ -1,0 +1,212 @@
+"""`ckpt convert ./my-llm --to gguf-<type>`: Hugging Face causal LM folders as llama.cpp GGUFs
+(`ckpt.convert.gguf_llm_out`, `ckpt.convert.gguf_vocab`), held to llama.cpp's own converter.
+
+Oracles: llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python 0.3.36's vendored tree, run in a subprocess with
+its own gguf-py: `helpers.hf_llm.reference`), transformers' GGUF loader (weights and tokenizer), ckpt's own
+GGUF -> HF reader, and llama.cpp itself through llama-cpp-python where it imports (`helpers.llama_ref`).
+
+The models are tiny random ones built here (`helpers.hf_llm`) with real tokenizers trained here: a SentencePiece
+model (Llama, Mistral) and byte-level BPE tokenizer.json files (Qwen2, Qwen3, a Llama 3 style one). A BPE
+vocabulary's `tokenizer.ggml.pre` is looked up by the hash of its token ids for a check text, and a tokenizer
+trained here is in neither table: the tests register its hash under a real pre-tokenizer name for both ckpt
+(monkeypatching `gguf_vocab.PRE_TOKENIZERS`) and the reference (its `get_vocab_base_pre` wrapped in the driver
+script `helpers.hf_llm.reference` writes).
+
+Metadata: every key and value (and value type, and key order) is the reference's; ckpt only adds `ckpt.version`
+and `ckpt.operation` (its provenance, as in every GGUF ckpt writes). The `general.*` keys agree too: both come
+from gguf's `Metadata.load` over the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.hf_llm import SAMPLES, bpe_hash, model_folder, read_gguf, reference
+from helpers.refusals import assert_refused
+
+CKPT_ONLY = {"ckpt.version", "ckpt.operation"}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# name -> (HF kind, tokenizer, source dtype, config overrides, pre-tokenizer name registered for a BPE vocabulary
+#          (the BPE tokenizers are one trained tokenizer, so one hash and one name),
+#          outtypes compared with the reference)
+MODELS = {
+    "llama": ("llama", "spm", torch.float32, {}, None, ("f16", "q8_0", "bf16", "f32")),
+    "mistral": ("mistral", "spm", torch.bfloat16, {}, None, ("f16",)),
+    "llama3": ("llama", "bpe", torch.float32, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+               "qwen2", ("f16",)),
+    "qwen2": ("qwen2", "bpe", torch.float32, {}, "qwen2", ("f16", "q8_0")),
+    "qwen3": ("qwen3", "bpe", torch.bfloat16, dict(tie_word_embeddings=True, head_dim=128), "qwen2",
+              ("bf16", "q8_0", "f16")),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, (kind, tok, dtype, cfg, pre, _) in MODELS.items():
+        f = model_folder(root / name, kind, tokenizer=tok, dtype=dtype, **cfg)
+        out[name] = (f, (bpe_hash(f), pre) if pre else None)
+    return out
+
+
+@pytest.fixture
+def registered(folders, monkeypatch):
+    """The test BPE vocabularies' hashes in ckpt's pre-tokenizer table."""
+    from ckpt.convert import gguf_vocab
+
+    for _, pre in folders.values():
+        if pre:
+            monkeypatch.setitem(gguf_vocab.PRE_TOKENIZERS, *pre)
+
+
+def ckpt_gguf(run_ckpt, folder, outtype, out):
+    code, _, err = run_ckpt("convert", folder, "--to", f"gguf-{outtype}", "-o", out, "-q")
+    assert code == 0, err
+    return out
+
+
+def original(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+# ---- 1. the reference's file, key for key and byte for byte
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_same_file_as_convert_hf_to_gguf(name, folders, registered, run_ckpt, tmp_path):
+    """Every outtype of the reference for this model: same metadata (keys, value types, values, order) but ckpt's
+    two provenance keys, and the same tensors (names, order, types, shapes, bytes)."""
+    folder, pre = folders[name]
+    outtypes = MODELS[name][5]
+    reference(folder, {t: tmp_path / f"ref-{t}.gguf" for t in outtypes}, pre=pre)
+    for t in outtypes:
+        ours, _ = read_gguf(ckpt_gguf(run_ckpt, folder, t, tmp_path / f"ckpt-{t}.gguf"))
+        theirs, _ = read_gguf(tmp_path / f"ref-{t}.gguf")
+        assert set(ours) - set(theirs) == CKPT_ONLY and set(theirs) <= set(ours), (t, set(ours) ^ set(theirs))
+        assert [k for k in ours if k not in CKPT_ONLY] == list(theirs), t
+        for k in theirs:
+            assert ours[k] == theirs[k], (t, k, str(ours[k])[:200], str(theirs[k])[:200])
+        _, ours_t = read_gguf(tmp_path / f"ckpt-{t}.gguf")
+        _, theirs_t = read_gguf(tmp_path / f"ref-{t}.gguf")
+        assert [x[:3] for x in ours_t] == [x[:3] for x in theirs_t], t
+        for a, b in zip(ours_t, theirs_t):
+            assert a[3] == b[3], (t, a[0])
+
+
+def test_llama_specifics_in_the_file(folders, registered, run_ckpt, tmp_path):
+    """Without the reference: llama's q/k rows permuted per head, tied embeddings without output.weight, Llama 3
+    RoPE factors as rope_freqs.weight, norms F32, the Llama 3 tokenizer as gpt2 BPE with merges."""
+    folder, _ = folders["llama3"]
+    meta, tensors = read_gguf(ckpt_gguf(run_ckpt, folder, "f32", tmp_path / "a.gguf"))
+    by_name = {n: (t, s, b) for n, t, s, b in tensors}
+    assert tensors[0][0] == "rope_freqs.weight" and "output.weight" not in by_name
+    assert meta["tokenizer.ggml.model"][0] == "gpt2" and meta["tokenizer.ggml.pre"][0] == "qwen2"
+    assert len(meta["tokenizer.ggml.merges"][0]) > 10
+    assert by_name["blk.0.attn_norm.weight"][0] == "F32"
+    sd = original(folder)
+    q = sd["model.layers.0.self_attn.q_proj.weight"]
+    hd = q.shape[0] // 4
+    want = q.reshape(4, 2, hd // 2, -1).transpose(1, 2).reshape(q.shape)
+    got = torch.from_numpy(np.frombuffer(by_name["blk.0.attn_q.weight"][2], dtype=np.float32).copy()).reshape(q.shape)
+    assert torch.equal(got, want)
+
+
+# ---- 2. round trips
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_round_trip_through_transformers_and_ckpt(name, folders, registered, run_ckpt, tmp_path):
+    """The f32 file loads in transformers' GGUF loader and back through ckpt's own GGUF -> HF reader with every
+    original tensor exact; the f16 file within fp16 rounding; the GGUF tokenizer gives the original's ids."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, _ = folders[name]
+    sd = original(folder)
+    ckpt_gguf(run_ckpt, folder, "f32", tmp_path / "m-f32.gguf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m-f32.gguf", dtype=torch.float32)
+    loaded = model.state_dict()
+    for k, v in sd.items():
+        assert torch.equal(loaded[k], v.float()), k
+    code, _, err = run_ckpt("convert", tmp_path / "m-f32.gguf", "--to", "fp32", "-o", tmp_path / "back", "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert set(back) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(back[k], v.float()), k
+
+    ckpt_gguf(run_ckpt, folder, "f16", tmp_path / "m-f16.gguf")
+    code, _, err = run_ckpt("convert", tmp_path / "m-f16.gguf", "--to", "fp32", "-o", tmp_path / "back16", "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "back16" / "model.safetensors")
+    for k, v in sd.items():
+        want = v.float() if v.dim() == 1 else v.to(torch.float16).float()
+        assert torch.equal(back[k], want), k
+
+    ours = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m-f32.gguf")
+    theirs = AutoTokenizer.from_pretrained(folder)
+    for s in SAMPLES:  # the text's own ids (whether BOS is added is the file's add_bos_token, the reference's)
+        assert ours.encode(s, add_special_tokens=False) == theirs.encode(s, add_special_tokens=False), s
+
+
+# ---- 3. llama.cpp runs it as it runs the reference's file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,outtype", [("llama", "f16"), ("qwen2", "q8_0"), ("qwen3", "bf16")])
+def test_llama_cpp_logits_match_the_reference_file(name, outtype, folders, registered, run_ckpt, tmp_path):
+    from helpers import llama_ref
+
+    llama_ref.llama_cpp()  # skips, saying why, where llama-cpp-python does not import
+    folder, pre = folders[name]
+    reference(folder, {outtype: tmp_path / "ref.gguf"}, pre=pre)
+    ckpt_gguf(run_ckpt, folder, outtype, tmp_path / "ckpt.gguf")
+    ids = [1, 5, 17, 42, 99, 3, 250, 7]
+    a = llama_ref.logits(tmp_path / "ckpt.gguf", ids)
+    b = llama_ref.logits(tmp_path / "ref.gguf", ids)
+    assert np.array_equal(a, b)
+
+
+# ---- 4. refusals: one line, exit 2, nothing written, inputs unchanged
+
+
+def _copy(src, dst, drop=()):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*drop) if drop else None)
+    return dst
+
+
+def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
+    from ckpt.convert import gguf_vocab
+
+    llama, _ = folders["llama"]
+    qwen, pre = folders["qwen2"]
+    monkeypatch.delitem(gguf_vocab.PRE_TOKENIZERS, pre[0], raising=False)
+
+    odd = _copy(llama, tmp_path / "odd")
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (odd / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_ckpt, tmp_path, ("convert", odd, "--to", "gguf-f16"), str(odd),
+                   "architecture 'GPTNeoXForCausalLM' cannot be written as a llama.cpp GGUF")
+
+    bare = _copy(llama, tmp_path / "bare", drop=("tokenizer*", "special_tokens_map.json"))
+    assert_refused(run_ckpt, tmp_path, ("convert", bare, "--to", "gguf-q8_0"), str(bare),
+                   "no tokenizer (tokenizer.model or tokenizer.json)")
+
+    unknown = _copy(qwen, tmp_path / "unknown")
+    assert_refused(run_ckpt, tmp_path, ("convert", unknown, "--to", "gguf-f16"), str(unknown),
+                   f"BPE pre-tokenizer not recognized (check-text hash {pre[0]})")
+
+    noconfig = _copy(llama, tmp_path / "noconfig", drop=("config.json",))
+    code, out, err = run_ckpt("convert", noconfig, "--to", "gguf-f16")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
