@@ -26,6 +26,15 @@ def nearest_int(v: torch.Tensor) -> torch.Tensor:
     return ((v + 12582912.0).view(torch.int32) & 0x007FFFFF) - 0x00400000
 
 
+def rounded(v: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """`nearest_int(v)` clamped to [lo, hi], as float32, for v known to satisfy |v| <= 4194303 (the callers bound it):
+    there the bit trick is round-half-to-even, which `torch.round` is, in one op instead of four."""
+    return torch.round(v).clamp_(lo, hi)
+
+
+SAFE_ROUND = 4194303.0  # |v| up to which nearest_int is round-half-to-even
+
+
 def seq_sum(t: torch.Tensor) -> torch.Tensor:
     """`float s = 0; for (i...) s += t[i];` over dim 0, in that order."""
     acc = torch.zeros_like(t[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+from ckpt.quant.kquants.cfloat import SAFE_ROUND, div, fp16_bytes, nearest_int, rounded, seq_sum
 from ckpt.quant.kquants.rows import encode_rows
 
 QK_K = 256
@@ -24,8 +24,13 @@ CHUNK = 1024
 
 def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
                       use_mad: bool):
-    """make_qkx2_quants on every column of x [n, B] (weights w [n, B]): (L int32 [n, B], scale [B], the_min [B])."""
-    mn = x.amin(0)
+    """make_qkx2_quants on every column of x [n, B] (weights w [n, B]): (L int32 [n, B], scale [B], the_min [B]).
+
+    The search's codes are rounded with `rounded` (one op) where every |iscale * (x - min)| of the step is provably
+    within nearest_int's exact range (bounded per column from max, min and the column's smallest x), and with the
+    bit trick otherwise; the three weighted sums of a step accumulate in one buffer (one in-order sum of 3 rows)."""
+    xmin = x.amin(0)
+    mn = xmin
     mx = x.amax(0)
     zero = torch.zeros_like(mn)
     mn = torch.where(mn > 0, zero, mn)
@@ -33,26 +38,41 @@ def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, 
     sum_x = seq_sum(w * x)
     same = mx == mn  # the C code returns early: L = 0, scale 0, the_min = -min
     mn0 = mn
+    n, B = x.shape
+    sums = torch.empty((n, 3, B), dtype=x.dtype, device=x.device)
+    diff = torch.empty_like(x)
 
     def err(scale, lf, m):
-        diff = scale * lf + m - x
-        diff = diff.abs() if use_mad else diff * diff
-        return seq_sum(w * diff)
+        torch.mul(lf, scale, out=diff)  # scale * l, then + min, then - x: the C expression's order
+        diff.add_(m).sub_(x)
+        if use_mad:
+            diff.abs_()
+        else:
+            diff.mul_(diff)
+        diff.mul_(w)
+        return seq_sum(diff)
+
+    def codes(iscale, m):
+        v = iscale * (x - m)
+        # |v| <= |iscale| * max(mx - m, m - xmin): within the exact range, one round; else the C bit trick
+        bound = iscale.abs() * torch.maximum(mx - m, m - xmin)
+        if bool((bound < SAFE_ROUND).all()):
+            return rounded(v, 0, nmax)
+        return nearest_int(v).clamp_(0, nmax).float()
 
     iscale = div(float(np.float32(nmax)), mx - mn)
     scale = div(1.0, iscale)
-    L = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
-    best = err(scale, L.float(), mn)
+    L = codes(iscale, mn)
+    best = err(scale, L, mn)
     for step in range(nstep + 1):
         # the C loop reads `min` as updated by the steps before (`max - min`, `x[i] - min`)
         c = np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)
         iscale = div(float(c), mx - mn)
-        laux = nearest_int(iscale * (x - mn)).clamp_(0, nmax)
-        lf = laux.float()
-        wl = w * lf
-        sum_l = seq_sum(wl)
-        sum_l2 = seq_sum(wl * lf)
-        sum_xl = seq_sum(wl * x)
+        lf = codes(iscale, mn)
+        wl = torch.mul(w, lf, out=sums[:, 0])
+        torch.mul(wl, lf, out=sums[:, 1])
+        torch.mul(wl, x, out=sums[:, 2])
+        sum_l, sum_l2, sum_xl = seq_sum(sums).unbind(0)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = div(sum_w * sum_xl - sum_x * sum_l, D)
         this_min = div(sum_l2 * sum_x - sum_l * sum_xl, D)
@@ -61,11 +81,11 @@ def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, 
         this_scale = torch.where(pos, div(sum_xl, sum_l2), this_scale)
         cur = err(this_scale, lf, this_min)
         take = (D > 0) & (cur < best)
-        L = torch.where(take, laux, L)
+        L = torch.where(take, lf, L)
         best = torch.where(take, cur, best)
         scale = torch.where(take, this_scale, scale)
         mn = torch.where(take, this_min, mn)
-    L = torch.where(same, torch.zeros_like(L), L)
+    L = torch.where(same, torch.zeros_like(L), L).to(torch.int32)
     scale = torch.where(same, zero, scale)
     mn = torch.where(same, mn0, mn)
     return L, scale, -mn

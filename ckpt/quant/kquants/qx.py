@@ -20,11 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, seq_sum
+from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, rounded, seq_sum
 from ckpt.quant.kquants.rows import encode_rows
 
 QK_K = 256
-_CHUNK = 1 << 14  # blocks per chunk (4M values): bounds the temporaries (~16 MiB each)
+_CHUNK = 1024  # blocks per chunk (256K values, 1 MiB per temporary): the temporaries stay in cache (measured: 3x
+# faster than chunks of 16K blocks)
 _EPS = float(np.float32(1e-15))  # GROUP_MAX_EPS (1e-15f)
 
 
@@ -48,27 +49,34 @@ def _make_qx_quants_32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mx = torch.where(zero, torch.ones_like(mx), mx)  # keeps the masked lanes finite
     w = x * x
     wx = w * x
+    sums = torch.empty((x.shape[0], 2, x.shape[1]), dtype=x.dtype, device=x.device)
+    wl = torch.empty_like(x)
 
     def trial(c: float):
+        # |iscale * x| <= c * |x| / amax <= c: within nearest_int's exact range, so one round (cfloat.rounded)
         iscale = div(-c, mx)
-        l = nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
-        lf = l.to(torch.float32)
-        return l, seq_sum(wx * lf), seq_sum((w * lf) * lf)
+        lf = rounded(iscale * x, -nmax, nmax - 1)
+        torch.mul(wx, lf, out=sums[:, 0])
+        torch.mul(w, lf, out=wl)
+        torch.mul(wl, lf, out=sums[:, 1])
+        sumlx, suml2 = seq_sum(sums).unbind(0)
+        return lf, sumlx, suml2
 
-    l, sumlx, suml2 = trial(float(nmax))
-    L = l + nmax
+    lf, sumlx, suml2 = trial(float(nmax))
+    L = lf
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(sumlx))
     best = scale * sumlx
     for is_ in range(-9, 10):
         if is_ == 0:
             continue
         c = float(np.float32(nmax) + np.float32(0.1) * np.float32(is_))  # nmax + 0.1f*is, in float
-        l, sumlx, suml2 = trial(c)
+        lf, sumlx, suml2 = trial(c)
         upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = torch.where(upd, l + nmax, L)
+        L = torch.where(upd, lf, L)
         scale = torch.where(upd, sumlx / suml2, scale)
         best = torch.where(upd, scale * sumlx, best)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
+    L = L.to(torch.int32) + nmax
     L = torch.where(zero, torch.zeros_like(L), L)
     return scale, L
 
