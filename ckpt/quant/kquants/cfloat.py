@@ -28,8 +28,10 @@ def nearest_int(v: torch.Tensor) -> torch.Tensor:
 
 def rounded(v: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     """`nearest_int(v)` clamped to [lo, hi], as float32, for v known to satisfy |v| <= 4194303 (the callers bound it):
-    there the bit trick is round-half-to-even, which `torch.round` is, in one op instead of four."""
-    return torch.round(v).clamp_(lo, hi)
+    there the bit trick's sum v + 1.5 * 2**23 is v rounded half to even plus an even integer, so subtracting that
+    integer again is exact: two float ops (torch.round is several times slower on the CPU) and no int tensor."""
+    r = v + 12582912.0
+    return r.sub_(12582912.0).clamp_(lo, hi)
 
 
 SAFE_ROUND = 4194303.0  # |v| up to which nearest_int is round-half-to-even
