@@ -81,9 +81,9 @@ def mix(name: str) -> Mix:
 
 @dataclass(frozen=True)
 class Bump:
-    """One rule of ComfyUI-GGUF's `img_tensor_get_type`: tensors whose name contains one of `names` (all of the
-    strings of a tuple entry) get `types[ftype]`; `counted` tensors are numbered in file order (`i`), and a type
-    may depend on that number (`first`: (n, type for i < n, type otherwise))."""
+    """One rule of ComfyUI-GGUF's `img_tensor_get_type` (the first that matches applies): tensors whose name
+    contains one of `names` (all of the strings of a tuple entry) get `types[ftype]`; the tensors of a rule are
+    numbered (`ImageMix`), and a type may depend on that number (`first`: (n, type below n, type from n))."""
 
     what: str
     names: tuple
@@ -113,31 +113,36 @@ def _hit(name: str, entry) -> bool:
     return all(s in name for s in entry) if isinstance(entry, tuple) else entry in name
 
 
-class ImageMix:
-    """ComfyUI-GGUF's `img_tensor_get_type` for one output file: call `type_of` on each quantizable tensor in
-    file order (the attention-V counter runs in that order, as llama-quantize's does)."""
+def _bump_of(name: str):
+    return next((b for b in IMAGE_BUMPS if any(_hit(name, e) for e in b.names)), None)
 
-    def __init__(self, m: Mix, pure: bool = False):
+
+class ImageMix:
+    """ComfyUI-GGUF's `img_tensor_get_type` for one output file. Its attention-V counter numbers the tensors in the
+    order llama-quantize visits them: by name (llama.cpp keeps the weights in a map ordered by name; the `blk.N`
+    layer sort of later versions does not apply to image names), so `names` are every tensor the mix will see."""
+
+    def __init__(self, m: Mix, pure: bool = False, names=()):
         self.mix, self.pure = m, pure
-        self.counts: dict[str, int] = {}
+        self.rank: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        for n in sorted(names):
+            b = _bump_of(n)
+            if b is not None:
+                self.rank[n] = seen.get(b.what, 0)
+                seen[b.what] = self.rank[n] + 1
 
     def type_of(self, name: str, row_len: int) -> tuple[str, str, str | None]:
         """(GGML type name, why, the type it fell back from or None) for a quantizable tensor."""
         m, t, why = self.mix, self.mix.default, "quantized"
-        for b in IMAGE_BUMPS:
-            if not any(_hit(name, e) for e in b.names):
-                continue
-            i = self.counts.get(b.what, 0)
-            self.counts[b.what] = i + 1
-            if self.pure:
-                break
+        b = _bump_of(name)
+        if b is not None and not self.pure:
             bumped = b.types.get(m.ftype)
             if b.first and m.ftype in b.first:
                 n, below, above = b.first[m.ftype]
-                bumped = below if i < n else above
+                bumped = below if self.rank[name] < n else above
             if bumped is not None and bumped != t:
                 t, why = bumped, f"{b.what}, more bits in {m.label}"
-            break
         if t in K_TYPES and row_len % 256:
             return "F16", f"{t} fallback: rows of {row_len} are not a multiple of 256", t
         return t, why, None

@@ -250,7 +250,7 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report) -> Plan:
     casters: dict = {}
     outs, orig_shapes, summary, fallbacks = [], [], {}, {}
     ignored = []
-    img = ImageMix(m, pure)
+    img = ImageMix(m, pure, [n[len(prefix):] for n in keep])
     for full in keep:
         name, t = full[len(prefix):], view.tensors[full]
         if _matches(name, fam.ignore):
