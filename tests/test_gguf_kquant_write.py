@@ -167,3 +167,31 @@ def test_cuda_encodes_the_same_bytes(tmp_path, run_ckpt, wan_file):
         code, _, err = run_ckpt("convert", src, "--to", "gguf-q4_k_m", "--device", dev, "-o", tmp_path / out)
         assert code == 0, err
     assert (tmp_path / "c.gguf").read_bytes() == (tmp_path / "g.gguf").read_bytes()
+
+
+def test_merge_lora_to_gguf_merges_and_quantizes_in_one_pass(tmp_path, run_ckpt, ggml_lib, wan_file):
+    """`merge-lora BASE LORA --to gguf-q4_k_m`: every tensor the types `convert --to gguf-q4_k_m` gives, the merged
+    ones quantized from ckpt's own fp32 merge, bytes as llama.cpp's quantizer writes them."""
+    from helpers import ggml_ref
+    from helpers.keep_format import kohya_lora, plain_merge
+
+    src, sd = wan_file
+    lora = kohya_lora(tmp_path / "l.safetensors", {"blocks.0.self_attn.q": (256, 256), "blocks.1.ffn.2": (256, 512)})
+    merged = plain_merge(run_ckpt, src, lora, tmp_path)
+    code, _, err = run_ckpt("merge-lora", src, lora, "--to", "gguf-q4_k_m", "-o", tmp_path / "m.gguf")
+    assert code == 0, err
+    code, _, err = run_ckpt("convert", src, "--to", "gguf-q4_k_m", "-o", tmp_path / "c.gguf")
+    assert code == 0, err
+    _, m = read(tmp_path / "m.gguf")
+    _, c = read(tmp_path / "c.gguf")
+    assert {n: t.tensor_type for n, t in m.items()} == {n: t.tensor_type for n, t in c.items()}
+    for name in ("blocks.0.self_attn.q.weight", "blocks.1.ffn.2.weight"):
+        want = REF_NAME[m[name].tensor_type.name]
+        assert np.asarray(m[name].data).tobytes() == ggml_ref.quantize(want, merged[name].numpy()), name
+    same = [n for n in m if n not in ("blocks.0.self_attn.q.weight", "blocks.1.ffn.2.weight")]
+    assert all(np.asarray(m[n].data).tobytes() == np.asarray(c[n].data).tobytes() for n in same)
+    # bad input: a GGUF type and --keep-format, a GGUF type and --format: one line, nothing written
+    for extra, problem in ((("--keep-format",), "choose one"), (("--format", "torch"), "the output is a GGUF file")):
+        code, _, err = run_ckpt("merge-lora", src, lora, "--to", "gguf-q4_k_m", *extra, "-o", tmp_path / "x.gguf")
+        assert code == 2 and problem in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x.gguf").exists()

@@ -160,8 +160,9 @@ QTYPE = click.option("--qtype", type=click.Choice(["qint8", "qint4", "qint2", "q
                      help="Weights qtype, when neither quanto_qmap.json nor config.json says (4 vs 2 bits).")
 
 # merge-lora
-MERGE_TO = click.option("--to", "to", type=click.Choice(["fp16", "bf16", "fp32"]),
+MERGE_TO = click.option("--to", "to", type=click.Choice(["fp16", "bf16", "fp32"] + [
+                            n for n in _targets().names() if n.startswith("gguf-")]),
                         help="Write every floating tensor in this dtype (default: keep each tensor's dtype; "
-                             "FP8 -> bf16).")
+                             "FP8 -> bf16), or gguf-TYPE: the merged model as `convert --to gguf-TYPE` writes it.")
 ALLOW_UNMATCHED = click.option("--allow-unmatched", is_flag=True,
                                help="Merge what matches even if some LoRA keys match no base tensor.")

@@ -36,7 +36,11 @@ from ckpt.quant import logical_view
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
 
-MERGE_TARGETS = ("fp16", "bf16", "fp32")
+def merge_targets() -> list[str]:
+    """What --to may name: a dtype, or a GGUF type of `ckpt convert` (merged and quantized in one pass)."""
+    from ckpt.convert import targets
+
+    return ["fp16", "bf16", "fp32"] + [t.name for t in targets.all_targets() if t.fmt == "gguf"]
 SHOW_UNMATCHED = 10  # keys listed in the summary; --report FILE.json holds all of them
 
 
@@ -103,8 +107,8 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeO
                         f"{litgpt.LORA_FILE})")
     ratios = check_ratios(opts.ratios, len(loras))
     alphas = check_alphas(opts.alphas, len(loras))
-    if opts.to is not None and opts.to not in MERGE_TARGETS:
-        raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(MERGE_TARGETS)}")
+    if opts.to is not None and opts.to not in merge_targets():
+        raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(merge_targets())}")
     if opts.keep_format and opts.to is not None:
         raise CkptError(f"--to {opts.to} and --keep-format: choose one (--keep-format writes every tensor in the "
                         "base's own stored dtype or quantized format)")

@@ -145,6 +145,38 @@ class KeepFormat(Strategy):
         report.requantization = {} if dry_run else facts
 
 
+class GGUF(Strategy):
+    """`--to gguf-<type>`: the merged model written as the GGUF `ckpt convert --to gguf-<type>` writes (ComfyUI-GGUF
+    for a diffusion model, llama.cpp for an HF LLM folder): the convert target plans it from the merged views, so
+    merging and quantizing are one pass."""
+
+    def __init__(self, to: str, fmt: str | None):
+        from ckpt.convert import targets
+
+        self.to, self.target = to, targets.get(to)
+        if fmt is not None:
+            raise CkptError(f"--format {fmt} with --to {to}: the output is a GGUF file")
+
+    def output_format(self, ckpt, out) -> str:
+        check_gguf_output(out, f"--to {self.to}")
+        return "gguf"
+
+    def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
+        from ckpt.convert.command import ConvertOptions
+        from ckpt.merge_lora.merged import MergedTensor
+
+        opts = ConvertOptions(to=self.to)
+        self.target.check(opts)
+        merged = [replace(v, tensors={k: MergedTensor(t, ps[k]) if k in ps else t for k, t in v.tensors.items()})
+                  for v, ps in zip(views, patches)]
+        plan = self.target.plan(ckpt, merged, opts, report, file_format)
+        plan.notes += notes
+        return plan
+
+    def default_output(self, base: str, ckpt, plan, file_format: str, out, report) -> Path:
+        return default_output(base, ckpt.path, f"merged-{self.target.suffix}", folder=False, ext=".gguf")
+
+
 class LitGPT(Strategy):
     """A LitGPT LoRA around the plain or --keep-format strategy (`inner`): the base's older `attn.attn`
     tensors read as `attn.qkv` before matching, and a finetune folder (`ckpt merge-lora FINETUNE_DIR`)
@@ -185,6 +217,11 @@ def choose(opts, files, finetune_dir: Path | None, base_dir: Path) -> Strategy:
     plain, inside LitGPT when a LoRA is LitGPT's (without --to, a plain merge then writes every floating
     tensor in that LoRA's dtype, in a torch file, as litgpt merge_lora does)."""
     lit = next((f for f in files if f.litgpt is not None), None)
+    if opts.to is not None and opts.to.startswith("gguf-"):
+        if lit is not None:
+            raise CkptError(f"--to {opts.to} with a LitGPT LoRA: merge into the LitGPT checkpoint first, convert its "
+                            "HF export to GGUF")
+        return GGUF(opts.to, opts.format)
     if opts.keep_format:
         inner: Strategy = KeepFormat(opts.format)
     elif lit is not None:
