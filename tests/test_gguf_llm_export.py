@@ -210,3 +210,35 @@ def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
     noconfig = _copy(llama, tmp_path / "noconfig", drop=("config.json",))
     code, out, err = run_ckpt("convert", noconfig, "--to", "gguf-f16")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+
+
+# ---- 5. K-quant and IQ mixes: the reference's file through llama-quantize
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mix,pure", [("mistral", "q4_k_m", False), ("qwen3", "q5_k_s", False),
+                                           ("qwen3", "iq4_xs", False), ("mistral", "q3_k_m", True)])
+def test_mix_is_llama_quantize_of_the_reference_file(name, mix, pure, folders, registered, run_ckpt, tmp_path):
+    """`--to gguf-<mix>` of a BF16 model is `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize <MIX>`
+    (`--pure`): the same tensors in llama-quantize's order (block, then name), types and bytes, and the same
+    metadata (llama-quantize keeps every key and sets general.file_type), ckpt's provenance keys aside. (From
+    an F32 model ckpt quantizes the F32 values, where the two-step route rounds them to F16 first.)"""
+    from helpers import llama_ref
+
+    from ckpt.convert.gguf_mixes import mix as mix_of
+
+    llama_ref.llama_cpp()
+    folder, pre = folders[name]
+    reference(folder, {"bf16": tmp_path / "ref-bf16.gguf"}, pre=pre)
+    llama_ref.quantize_gguf(tmp_path / "ref-bf16.gguf", tmp_path / "ref.gguf", mix_of(mix).ftype, pure=pure)
+    args = ("--pure",) if pure else ()
+    code, _, err = run_ckpt("convert", folder, "--to", f"gguf-{mix}", "-o", tmp_path / "ckpt.gguf", "-q", *args)
+    assert code == 0, err
+    ours, ours_t = read_gguf(tmp_path / "ckpt.gguf")
+    theirs, theirs_t = read_gguf(tmp_path / "ref.gguf")
+    assert [x[:3] for x in ours_t] == [x[:3] for x in theirs_t]
+    for a, b in zip(ours_t, theirs_t):
+        assert a[3] == b[3], a[0]
+    assert [k for k in ours if k not in CKPT_ONLY] == list(theirs)
+    for k in theirs:
+        assert ours[k] == theirs[k], (k, str(ours[k])[:200], str(theirs[k])[:200])

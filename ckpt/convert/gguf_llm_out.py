@@ -17,6 +17,10 @@ The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`co
   `--outtype auto` gives (BF16 for a BF16 model, else F16: what one would feed `llama-quantize`) and
   `ckpt.families.llm.quant_mix.llm_types` (llama.cpp's `llama_tensor_get_type`) gives each tensor its final type.
   Values go through float32 as there (BF16 sources are upcast before rounding to F16: one rounding either way).
+  A mix `convert_hf_to_gguf.py` has no outtype for (K-quants, IQ4, q4_0...) is the file `llama-quantize` makes of
+  the `--outtype auto` file: tensors in its order (block number, then name) and `general.quantization_version`,
+  `general.file_type` moved last as it sets them; from a BF16 or F16 model the bytes are its bytes, from an F32
+  one ckpt quantizes the F32 values where that route would round them to F16 first.
 - metadata (`TextModel.set_gguf_parameters`, `LlamaModel.set_gguf_parameters`): the hyperparameters as
   `AutoConfig.from_pretrained(folder).to_dict()` gives them (defaults filled in by transformers, as the reference
   reads them; config.json as it is where transformers is not installed), rope scaling, `general.file_type` (the
@@ -48,6 +52,13 @@ SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq") 
 # prepare_tensors' always-F32 tensors that these architectures can have (gguf.MODEL_TENSOR names)
 F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES")
 PLAIN = ("F32", "F16", "BF16")
+CONVERT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py --outtype; other mixes are llama-quantize's
+
+
+def block_number(name: str) -> int:
+    """llama.cpp's weight order key (llama_model_loader's weight_name_comparer): sscanf "blk.%d.", -1 outside."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
 
 
 def _gguf():
@@ -331,6 +342,10 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
 
     casters: dict = {}
     outs, summary, fallbacks = [], {}, {}
+    order = list(range(len(sources)))
+    if mix.name not in CONVERT_OUTTYPES:  # llama-quantize's file: its weights_map order
+        order.sort(key=lambda i: (block_number(sources[i][0]), sources[i][0]))
+    sources, before, types = ([x[i] for i in order] for x in (sources, before, types))
     for (gname, t), (_, shape, was), (tname, why, fell) in zip(sources, before, types):
         outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
@@ -350,7 +365,11 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     gguf_vocab.set_vocab(w, arch.arch, folder, hparams)
-    fields = from_gguf_writer(w) + [string("ckpt.version", __version__),
+    fields = from_gguf_writer(w)
+    if mix.name not in CONVERT_OUTTYPES:  # llama-quantize sets these two last (gguf_set_val_u32 re-adds a key)
+        last = ("general.quantization_version", "general.file_type")
+        fields = [f for f in fields if f.key not in last] + [f for k in last for f in fields if f.key == k]
+    fields += [string("ckpt.version", __version__),
                                     string("ckpt.operation", f"convert --to gguf-{mix.name}" + (" --pure" if pure else ""))]
 
     if skipped:
