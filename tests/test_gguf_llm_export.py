@@ -32,6 +32,8 @@ from helpers.refusals import assert_refused
 CKPT_ONLY = {"ckpt.version", "ckpt.operation"}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 8 for i in range(32)],
+                 "short_factor": [1.0 + i / 64 for i in range(32)]}
 # name -> (HF kind, tokenizer, source dtype, config overrides, pre-tokenizer name registered for a BPE vocabulary
 #          (the BPE tokenizers are one trained tokenizer, so one hash and one name),
 #          outtypes compared with the reference)
@@ -43,6 +45,10 @@ MODELS = {
     "qwen2": ("qwen2", "bpe", torch.float32, {}, "qwen2", ("f16", "q8_0")),
     "qwen3": ("qwen3", "bpe", torch.bfloat16, dict(tie_word_embeddings=True, head_dim=128), "qwen2",
               ("bf16", "q8_0", "f16")),
+    "gemma2": ("gemma2", "spm", torch.bfloat16, {}, None, ("f16", "q8_0")),
+    "gemma3": ("gemma3", "spm", torch.float16, {}, None, ("f16", "bf16")),
+    "phi3": ("phi3", "spm", torch.float32, dict(rope_parameters=PHI3_LONGROPE, max_position_embeddings=512),
+             None, ("f16", "q8_0")),
 }
 
 
@@ -217,7 +223,8 @@ def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mix,pure", [("mistral", "q4_k_m", False), ("qwen3", "q5_k_s", False),
-                                           ("qwen3", "iq4_xs", False), ("mistral", "q3_k_m", True)])
+                                           ("qwen3", "iq4_xs", False), ("mistral", "q3_k_m", True),
+                                           ("gemma2", "q4_k_m", False)])
 def test_mix_is_llama_quantize_of_the_reference_file(name, mix, pure, folders, registered, run_ckpt, tmp_path):
     """`--to gguf-<mix>` of a BF16 model is `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize <MIX>`
     (`--pure`): the same tensors in llama-quantize's order (block, then name), types and bytes, and the same

@@ -2,7 +2,8 @@
 `convert_hf_to_gguf.py` writes it (then, for K-quant and IQ mixes, as `llama-quantize` would type it), streamed.
 
 The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`convert_hf_to_gguf.py` and its
-`conversion/` package: `TextModel`, `LlamaModel`, `Qwen2Model`, `Qwen3Model`). What it does, and so ckpt:
+`conversion/` package: `TextModel`, `LlamaModel`, `Qwen2Model`, `Qwen3Model`, `Gemma2Model`, `Gemma3Model`,
+`Phi3MiniModel`; which one an architecture is, is data in `ckpt.families.llm`). What it does, and so ckpt:
 
 - tensors: each safetensors part in sorted order, names sorted within a part (gguf's `SafetensorsLocal`), each named
   by gguf's tensor-name table (`TensorNameMap.get_name`); a name the table does not know is an error (the reference
@@ -11,6 +12,10 @@ The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`co
 - llama: q_proj / k_proj rows (weights and biases) permuted per head for llama.cpp's RoPE (`LlamaModel.permute`,
   k with the kv head count), band by band in whole heads (`HeadRowsPermuted`, the mirror of the reader's).
 - tied embeddings: no `lm_head.weight` in the files, no `output.weight` in the GGUF (llama.cpp ties them itself).
+- Gemma 2 / 3: every `*norm.weight` + 1 (`Shifted`: in float32 for a BF16 model, in F16 for an F16 one, as
+  there), Gemma 2's lm_head left out, Gemma 3's token_embd cut to the tokenizer's size; their own
+  `set_gguf_parameters` (softcapping, sliding window). Phi-3: its own parameters, fused qkv / gate_up kept fused
+  (llama.cpp splits them), a long-context model's `rope_factors_long/short.weight` and attention factor.
 - types (`prepare_tensors`): F32 for 1-D tensors, `*_norm.weight`, names not ending in `.weight` and the
   reference's always-F32 list (MoE routers, position embeddings); the others in the mix's type. `--to gguf-f16`,
   `-bf16`, `-f32` and `-q8_0` are `--outtype f16|bf16|f32|q8_0`. A quantizing mix starts from what
@@ -45,7 +50,7 @@ from ckpt import __version__
 from ckpt.errors import CkptError
 from ckpt.families.llm import EXPORTS, LLMArch
 from ckpt.io.plan import OutFile, Plan
-from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.io.tensors import ComputedTensor, RowSlice, Tensor
 from ckpt.report import Report, plural
 
 SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # prepare_tensors: "we don't need these"
@@ -65,6 +70,19 @@ def _gguf():
     import gguf
 
     return gguf
+
+
+class Shifted(Tensor):
+    """`base + shift` as the reference computes it (Gemma's norms + 1): in float32 for a BF16 source (upcast
+    first, as prepare_tensors does), else in the source's own dtype."""
+
+    def __init__(self, base: Tensor, shift: float):
+        self.base, self.shift, self.name, self.home = base, shift, base.name, base.home
+        self.shape, self.row_align = tuple(base.shape), base.row_align
+        self.dtype = base.dtype if base.dtype in (torch.float16, torch.float32) else torch.float32
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch).to(self.dtype) + self.shift
 
 
 def _architecture(cfg: dict | None) -> str | None:
@@ -102,7 +120,8 @@ def load_hparams(folder: Path, cfg: dict) -> dict:
     try:
         from transformers import AutoConfig
 
-        hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
+        with _quiet():
+            hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
     except ImportError:
         hparams = dict(cfg)
     except Exception:  # the reference falls back to config.json as it is
@@ -148,6 +167,103 @@ def rope_parameters(hparams: dict) -> dict:
 
 
 def set_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ftype: int) -> list[str]:
+    """The `set_gguf_parameters` of the architecture's model class (`LLMArch.params`): the `add_*` calls on `w`;
+    returns notes."""
+    if arch.params == "gemma2":
+        _gemma2_parameters(w, hparams, n_block, ftype)
+        return []
+    if arch.params == "phi3":
+        _phi3_parameters(w, hparams, rope, n_block, ftype)
+        return []
+    notes = text_parameters(w, arch, hparams, rope, n_block, ftype)
+    if arch.params == "gemma3":
+        _gemma3_parameters(w, hparams, rope)
+    return notes
+
+
+def _gemma2_parameters(w, hparams: dict, n_block: int, ftype: int) -> None:
+    """Gemma2Model.set_gguf_parameters (its own, not TextModel's)."""
+    w.add_context_length(hparams["max_position_embeddings"])
+    w.add_embedding_length(hparams["hidden_size"])
+    w.add_block_count(n_block)
+    w.add_feed_forward_length(hparams["intermediate_size"])
+    w.add_head_count(hparams["num_attention_heads"])
+    w.add_head_count_kv(hparams.get("num_key_value_heads", hparams["num_attention_heads"]))
+    w.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    w.add_key_length(hparams["head_dim"])
+    w.add_value_length(hparams["head_dim"])
+    w.add_file_type(ftype)
+    w.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
+    w.add_final_logit_softcapping(hparams["final_logit_softcapping"])
+    w.add_sliding_window(hparams["sliding_window"])
+
+
+def _gemma3_parameters(w, hparams: dict, rope: dict) -> None:
+    """Gemma3Model.set_gguf_parameters after TextModel's (a key set again keeps its place)."""
+    w.add_context_length(hparams.get("max_position_embeddings", 131072))
+    w.add_head_count(hparams.get("num_attention_heads", 8))
+    w.add_layer_norm_rms_eps(hparams.get("rms_norm_eps", 1e-6))
+    w.add_key_length(hparams.get("head_dim", 256))
+    w.add_value_length(hparams.get("head_dim", 256))
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+    if hparams.get("attn_logit_softcapping") is not None:
+        raise CkptError("config.json sets attn_logit_softcapping, which Gemma 3 does not have (llama.cpp's converter "
+                        "refuses it)")
+    if final := hparams.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(final)
+    if hparams.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(hparams["sliding_window"])
+    w.add_head_count_kv(hparams.get("num_key_value_heads", 4))
+
+
+def _phi3_rope(hparams: dict, rope: dict) -> tuple[int, int, int]:
+    n_embd = _find(hparams, ["hidden_size", "n_embd"], optional=False)
+    n_head = _find(hparams, ["num_attention_heads", "n_head"], optional=False)
+    if "original_max_position_embeddings" not in rope:
+        raise CkptError("config.json has no original_max_position_embeddings, which llama.cpp's Phi-3 converter needs")
+    return n_embd, n_head, int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+
+
+def _phi3_parameters(w, hparams: dict, rope: dict, n_block: int, ftype: int) -> None:
+    """Phi3MiniModel.set_gguf_parameters (its own)."""
+    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope)
+    w.add_context_length(_find(hparams, ["n_positions", "max_position_embeddings"], optional=False))
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(_find(hparams, ["intermediate_size"], optional=False))
+    w.add_block_count(n_block)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(_find(hparams, ["num_key_value_heads", "n_head_kv"], optional=False))
+    w.add_layer_norm_rms_eps(_find(hparams, ["rms_norm_eps"], optional=False))
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    w.add_file_type(ftype)
+    w.add_sliding_window(hparams.get("sliding_window") or 0)
+
+
+def phi3_rope_factors(hparams: dict, rope: dict):
+    """Phi3MiniModel.generate_extra_tensors: (attention factor, long factors, short factors) of a long-context
+    model, None without long factors."""
+    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope)
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if not long:
+        return None
+    orig = rope["original_max_position_embeddings"]
+    scale = _find(hparams, ["n_positions", "max_position_embeddings"], optional=False) / orig
+    kind = str(rope.get("rope_type", "")).lower()
+    if kind in ("su", "longrope"):
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    elif kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        raise CkptError(f"config.json rope type {kind!r} with long_factor: llama.cpp's Phi-3 converter supports "
+                        "longrope, su and yarn")
+    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
+        raise CkptError(f"config.json long_factor and short_factor must both have {rope_dims // 2} values")
+    return attn, torch.tensor(long, dtype=torch.float32), torch.tensor(short, dtype=torch.float32)
+
+
+def text_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ftype: int) -> list[str]:
     """TextModel.set_gguf_parameters (+ LlamaModel's): the `add_*` calls on `w`; returns notes."""
     gguf = _gguf()
     notes = []
@@ -304,12 +420,22 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     if factors is not None:
         sources.append(("rope_freqs.weight", ComputedTensor("rope_freqs.weight", lambda f=factors: f, torch.float32,
                                                             tuple(factors.shape))))
+    phi3 = phi3_rope_factors(hparams, rope) if arch.params == "phi3" else None
+    if phi3 is not None:
+        for gname, f in (("rope_factors_long.weight", phi3[1]), ("rope_factors_short.weight", phi3[2])):
+            sources.append((gname, ComputedTensor(gname, lambda f=f: f, torch.float32, tuple(f.shape))))
     skipped = []
     for name in _source_order(view, comp):
         t = view.tensors[name]
-        if name.endswith(SKIPPED):
+        if name.endswith(SKIPPED) or name in arch.drop:
             skipped.append(name)
             continue
+        if arch.norm_shift and name.endswith("norm.weight"):
+            t = Shifted(t, arch.norm_shift)
+        if arch.trim_vocab and "embed_tokens.weight" in name and t.shape:
+            rows = gguf_vocab.vocab_rows(folder, hparams)
+            if rows < t.shape[0]:
+                t = RowSlice(t, 0, rows, name)
         gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise CkptError(f"{comp.where}: tensor {name!r} has no llama.cpp name in gguf's {arch.arch} table (a "
@@ -353,24 +479,18 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
 
     # metadata, in the reference's order (ModelBase.prepare_metadata, TextModel.prepare_metadata)
-    w = gguf.GGUFWriter(path=None, arch=arch.arch)
-    w.add_type(gguf.GGUFType.MODEL)
-    total, shared, expert, n_expert = _param_counts(sources)
-    meta = gguf.Metadata.load(None, folder, None, total)
-    if meta.name is None:
-        meta.name = folder.name
-    if meta.size_label is None and total > 0:
-        meta.size_label = gguf.size_label(total, shared, expert, n_expert)
-    meta.set_gguf_meta_model(w)
-    notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    gguf_vocab.set_vocab(w, arch.arch, folder, hparams)
+    with _quiet():
+        w = gguf.GGUFWriter(path=None, arch=arch.arch)
+        if phi3 is not None:  # set while the reference prepares its tensors, before its metadata
+            w.add_rope_scaling_attn_factors(phi3[0])
+        notes = _metadata(w, gguf, arch, folder, hparams, rope, n_block, mix, sources)
+
     fields = from_gguf_writer(w)
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize sets these two last (gguf_set_val_u32 re-adds a key)
         last = ("general.quantization_version", "general.file_type")
         fields = [f for f in fields if f.key not in last] + [f for k in last for f in fields if f.key == k]
     fields += [string("ckpt.version", __version__),
-                                    string("ckpt.operation", f"convert --to gguf-{mix.name}" + (" --pure" if pure else ""))]
+               string("ckpt.operation", f"convert --to gguf-{mix.name}" + (" --pure" if pure else ""))]
 
     if skipped:
         notes.append(f"{plural(len(skipped), 'tensor')} llama.cpp does not use left out (e.g. {skipped[0]!r})")
@@ -386,6 +506,45 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     if (fb := fallback_note(fallbacks)) is not None:
         notes.append(fb)
     return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
+
+
+def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n_block: int, mix, sources) -> list[str]:
+    """ModelBase.prepare_metadata + TextModel.prepare_metadata: the key-values after general.architecture."""
+    from ckpt.convert import gguf_vocab
+
+    w.add_type(gguf.GGUFType.MODEL)
+    total, shared, expert, n_expert = _param_counts(sources)
+    meta = gguf.Metadata.load(None, folder, None, total)
+    if meta.name is None:
+        meta.name = folder.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, n_expert)
+    meta.set_gguf_meta_model(w)
+    notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    gguf_vocab.set_vocab(w, arch.vocab, folder, hparams)
+    return notes
+
+
+class _quiet:
+    """gguf's writer and vocabulary readers log (a key set twice, merges not found) through the `gguf` logger, and
+    transformers its config advice: both print to stderr where nothing configured logging; ckpt says what matters
+    in its own notes."""
+
+    def __init__(self, *names: str):
+        self.names = names or ("gguf", "transformers")
+
+    def __enter__(self):
+        import logging
+
+        self.loggers = [logging.getLogger(n) for n in self.names]
+        self.levels = [lg.level for lg in self.loggers]
+        for lg in self.loggers:
+            lg.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        for lg, level in zip(self.loggers, self.levels):
+            lg.setLevel(level)
 
 
 def _param_counts(sources) -> tuple[int, int, int, int]:

@@ -327,12 +327,73 @@ def _set_gpt2(w, folder: Path, hparams: dict) -> None:
     add_special_vocab(w, folder, load_merges=True)
 
 
-def set_vocab(w, arch: str, folder: Path, hparams: dict) -> None:
-    """The reference's `set_vocab` of `arch` (LlamaModel, Qwen2Model/Qwen3Model), called on the writer `w`."""
+def _phi3_sentencepiece(folder: Path, hparams: dict):
+    """Phi3MiniModel.set_vocab's own SentencePiece reading: added tokens from tokenizer_config.json and
+    tokenizer.json are USER_DEFINED (CONTROL when special), without the shared reader's normalizations."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    vocab_size = hparams.get("vocab_size", sp.vocab_size())
+    if sp.vocab_size() > vocab_size:
+        raise CkptError(f"{folder}: tokenizer.model has {sp.vocab_size()} pieces, more than the model's vocab_size "
+                        f"{vocab_size}")
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [UNUSED] * vocab_size
+    for i in range(sp.vocab_size()):
+        t = NORMAL
+        if sp.IsUnknown(i):
+            t = UNKNOWN
+        elif sp.IsControl(i):
+            t = CONTROL
+        elif sp.IsUnused(i):
+            t = UNUSED
+        elif sp.IsByte(i):
+            t = BYTE
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), t
+    added = folder / "added_tokens.json"
+    if added.is_file():
+        for key, i in json.loads(added.read_text(encoding="utf-8")).items():
+            if i < vocab_size:
+                tokens[i], scores[i], types[i] = key.encode("utf-8"), -1000.0, USER_DEFINED
+    entries = []
+    if (folder / "tokenizer_config.json").is_file():
+        decoder = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder", {})
+        entries += [(int(i), d) for i, d in decoder.items()]
+    if (folder / "tokenizer.json").is_file():
+        added_tokens = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+        entries += [(int(d["id"]), d) for d in added_tokens]
+    for i, d in entries:
+        if i >= vocab_size:
+            raise CkptError(f"{folder}: added token {d['content']!r} has id {i}, beyond the model's vocab_size "
+                            f"{vocab_size}")
+        tokens[i], scores[i] = d["content"].encode("utf-8"), -1000.0
+        types[i] = CONTROL if d.get("special") else USER_DEFINED
+    return tokens, scores, types
+
+
+def _needs_spm(folder: Path, style: str) -> None:
+    if not (folder / "tokenizer.model").is_file():
+        raise CkptError(f"{folder}: no tokenizer.model; llama.cpp's converter reads this architecture's vocabulary "
+                        f"({style}) from the SentencePiece model")
+
+
+def vocab_rows(folder: Path, hparams: dict) -> int:
+    """Gemma3Model.modify_tensors' n_vocab_real: the tokenizer's size (token_embd rows beyond it are cut)."""
+    if (folder / "tokenizer.model").is_file():
+        return len(_sentencepiece(folder, hparams)[0])
+    tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    return len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
+
+
+def set_vocab(w, style: str, folder: Path, hparams: dict) -> None:
+    """The reference's `set_vocab` of the model class `style` names (`LLMArch.vocab`: LlamaModel, Qwen2Model,
+    Gemma2Model, Gemma3Model, Phi3MiniModel), called on the writer `w`."""
     import gguf
 
     check_tokenizer(folder)
-    if arch == "llama":
+    if style == "llama":
         config = folder / "tokenizer_config.json"
         if config.is_file():
             add_prefix_space = json.loads(config.read_text(encoding="utf-8")).get("add_prefix_space")
@@ -353,7 +414,27 @@ def set_vocab(w, arch: str, folder: Path, hparams: dict) -> None:
             special.add_to_gguf(w, quiet=True)
         if hparams.get("vocab_size", 32000) == 49152:  # granite small models
             w.add_add_bos_token(False)
-    elif (folder / "tokenizer.model").is_file():  # Qwen2Model.set_vocab
+    elif style == "gemma2":
+        _needs_spm(folder, "Gemma 2")
+        _set_sentencepiece(w, folder, hparams)
+        w.add_add_space_prefix(False)
+    elif style == "gemma3" and (folder / "tokenizer.model").is_file():
+        _set_sentencepiece(w, folder, hparams)
+        w.add_add_space_prefix(False)
+    elif style == "phi3":
+        config = folder / "tokenizer_config.json"
+        if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") == "GPT2Tokenizer":
+            _set_gpt2(w, folder, hparams)  # Phi-4
+            return
+        _needs_spm(folder, "Phi-3")
+        tokens, scores, types = _phi3_sentencepiece(folder, hparams)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        add_special_vocab(w, folder, n_vocab=len(tokens))
+    elif style == "qwen2" and (folder / "tokenizer.model").is_file():  # Qwen2Model.set_vocab
         _set_sentencepiece(w, folder, hparams)
     else:
         _set_gpt2(w, folder, hparams)

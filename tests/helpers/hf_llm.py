@@ -88,19 +88,27 @@ def bpe_tokenizer(folder: Path, vocab_size: int = 400) -> int:
 
 
 def model_folder(folder: Path, kind: str, *, tokenizer: str | None = "auto", dtype=torch.float32, **cfg) -> Path:
-    """A tiny random `kind` (llama, mistral, qwen2, qwen3) with a real tokenizer; norms away from 1."""
+    """A tiny random `kind` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) with a real tokenizer; norms away
+    from 1."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     if tokenizer == "auto":
-        tokenizer = "spm" if kind in ("llama", "mistral") else "bpe"
+        tokenizer = "bpe" if kind in ("qwen2", "qwen3") else "spm"
     vocab = {"spm": spm_tokenizer, "bpe": bpe_tokenizer, None: lambda f: 320}[tokenizer](folder)
     common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if tokenizer == "bpe":
         common.update(bos_token_id=None, eos_token_id=vocab - 1)
+    if kind in ("gemma2", "gemma3"):
+        common.update(head_dim=64, query_pre_attn_scalar=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "phi3":
+        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=128)
     common.update(cfg)
     cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+                          "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+                          "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
                           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]

@@ -37,18 +37,44 @@ class LLMArch:
     hf_classes: tuple[str, ...] = ()
     # LlamaModel.set_gguf_parameters: also `{arch}.vocab_size` and `{arch}.rope.dimension_count`
     llama_params: bool = False
+    # which of the reference's model classes' set_gguf_parameters / set_vocab the architecture has
+    # ("text": TextModel's; "gemma2", "gemma3", "phi3": their own) and tokenizer reader ("llama": LlamaModel's,
+    # "qwen2": SentencePiece if there is a tokenizer.model else BPE, "gemma2", "gemma3", "phi3": theirs)
+    params: str = "text"
+    vocab: str = "qwen2"
+    norm_shift: float = 0.0  # added to every `*norm.weight` (Gemma's RMSNorm scales by 1 + weight)
+    drop: tuple[str, ...] = ()  # HF tensors the reference leaves out (Gemma 2's lm_head: llama.cpp ties it)
+    trim_vocab: bool = False  # Gemma 3: token_embd cut to the tokenizer's size (rows beyond it are padding)
 
 
 ARCHS: dict[str, LLMArch] = {a.arch: a for a in [
     LLMArch("llama", "LlamaForCausalLM", "llama", LLAMA_LAYER, rope_permute=True,
             bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"),
                         "mlp_bias": ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")},
-            hf_classes=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"), llama_params=True),
+            hf_classes=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"), llama_params=True,
+            vocab="llama"),
     LLMArch("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_LAYER, hf_classes=("Qwen2ForCausalLM",)),
     LLMArch("qwen3", "Qwen3ForCausalLM", "qwen3", LLAMA_LAYER + ("self_attn.q_norm", "self_attn.k_norm"),
             bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")},
             hf_classes=("Qwen3ForCausalLM",)),
 ]}
 
+GEMMA2_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "post_attention_layernorm", "pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                "mlp.down_proj", "post_feedforward_layernorm")
+PHI3_LAYER = ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
+              "mlp.gate_up_proj", "mlp.down_proj")
+
+# Written (HF -> GGUF) but not read back: the reader (`ckpt.quant.gguf_llm`) would have to undo what the
+# exporter does to them (Gemma's norm + 1, Phi-3's fused projections), which it does not.
+EXPORT_ONLY: dict[str, LLMArch] = {a.arch: a for a in [
+    LLMArch("gemma2", "Gemma2ForCausalLM", "gemma2", GEMMA2_LAYER, hf_classes=("Gemma2ForCausalLM",),
+            params="gemma2", vocab="gemma2", norm_shift=1.0, drop=("lm_head.weight",)),
+    LLMArch("gemma3", "Gemma3ForCausalLM", "gemma3_text", GEMMA2_LAYER + ("self_attn.q_norm", "self_attn.k_norm"),
+            hf_classes=("Gemma3ForCausalLM",), params="gemma3", vocab="gemma3", norm_shift=1.0, trim_vocab=True),
+    LLMArch("phi3", "Phi3ForCausalLM", "phi3", PHI3_LAYER, hf_classes=("Phi3ForCausalLM",), params="phi3",
+            vocab="phi3"),
+]}
+
 # config.json `architectures[0]` -> the llama.cpp architecture the exporter writes it as
-EXPORTS: dict[str, LLMArch] = {c: a for a in ARCHS.values() for c in a.hf_classes}
+EXPORTS: dict[str, LLMArch] = {c: a for a in [*ARCHS.values(), *EXPORT_ONLY.values()] for c in a.hf_classes}
