@@ -16,7 +16,7 @@ import torch
 from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
-from ckpt.io.output import execute, preflight, target_state
+from ckpt.io.output import execute, preflight, target_state, targets
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.previous_output import is_previous_output, planned_relpaths
@@ -115,6 +115,10 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: st
         if ext == ".pth" and not folder:  # torch format keeps LitGPT's LoRA suffix
             return p.parent / f"{stem}-{suffix}{LITGPT_LORA}"
         base = p.parent / f"{stem}-lora"
+    elif p.is_file() and p.suffix == ".gguf":  # a part of a split GGUF names its set: `m-00002-of-00003.gguf` -> m
+        from ckpt.io.gguf_split import set_prefix
+
+        base = p.parent / (set_prefix(p.name) or p.stem)
     elif p.is_file():
         base = p.parent / p.stem
     else:
@@ -156,6 +160,13 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     say what a dry run would write or write it atomically with a progress bar."""
     for n in plan.notes:
         report.note(n)
+    parts = targets(plan, out_path)
+    if len(parts) > 1:
+        report.note(f"split GGUF of {len(parts)} parts beside each other: {', '.join(p.name for p in parts[:3])}"
+                    f"{', ...' if len(parts) > 3 else ''} (llama.cpp loads the first; ckpt reads any)")
+    elif plan.single_file and plan.files and plan.files[0].format == "gguf" and _split_input(inputs):
+        report.note("the split GGUF input is written as one GGUF file (convert --to gguf-* --max-shard-size "
+                    "writes parts)")
     need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite, dry_run=dry_run)
     if not plan.single_file and out_path.suffix in WEIGHT_SUFFIXES and not out_path.is_dir():
         raise CkptError(f"-o {out_path} names a file, but the output is a folder of {plural(len(plan.files), 'weight file')} "
@@ -163,14 +174,21 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     if dry_run:  # never refused for an existing output: says what a real run would do with it
         n_files = len(plan.files)
         kinds = " and ".join(sorted({f.format for f in plan.files})) or "weight"
-        state = target_state(out_path, overwrite)
+        states = [(p, target_state(p, overwrite)) for p in parts]
         report.note(f"dry run: would write {plural(n_files, kinds + ' file')}, "
                     f"{len(plan.indexes)} index and {plural(len(plan.copies), 'other file')}, {human_size(need)}"
-                    + ("" if state == "new" else f"; {out_path}: {state}"))
-        return out_path
+                    + "".join(f"; {p}: {state}" for p, state in states if state != "new"))
+        return parts[0]
     with progress_bar(plan.nbytes, desc, quiet) as bar:
         execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
-    return out_path
+    return parts[0]  # a split GGUF: its first part, the file llama.cpp loads
+
+
+def _split_input(inputs: list[Path]) -> bool:
+    """Whether the inputs include parts of a split GGUF (`ckpt.io.gguf_split`; the reader checked the set)."""
+    from ckpt.io.gguf_split import PART_RE
+
+    return any((m := PART_RE.fullmatch(Path(p).name)) is not None and int(m["count"]) > 1 for p in inputs)
 
 
 def human_size(n: int) -> str:

@@ -53,6 +53,11 @@ class WeightFile:
     names: list[str]
     gguf: object | None = None  # the GGUFHeader of a .gguf file (typed metadata the decoder reads)
 
+    @property
+    def paths(self) -> list[Path]:
+        """The files it reads: itself, or every part of a split GGUF (`ckpt.io.gguf_split`)."""
+        return list(self.gguf.parts) if self.gguf is not None and self.gguf.parts else [self.path]
+
 
 @dataclass
 class Component:
@@ -89,7 +94,7 @@ class Checkpoint:
     def inputs(self) -> list[Path]:
         """Every file this checkpoint reads or copies, and its folder (unless it is one file): an output
         may never replace one of them, nor lie inside that folder (a second model in it)."""
-        weights = [f.path for c in self.components for f in c.files]
+        weights = [p for c in self.components for f in c.files for p in f.paths]
         indexes = [self.path / c.subdir / c.index_name for c in self.components if c.index_name]
         folder = [self.path] if self.kind != "file" else []
         return folder + weights + indexes + [self.path / rel for rel in self.copies]
@@ -161,7 +166,7 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> tuple[list
     Weight files of a component folder that the component does not use (a `.bin` twin of a
     `.safetensors`, an `*.fp16.safetensors` variant, another index) are left out with a note rather
     than copied unconverted into the output."""
-    used = {f.path for c in comps for f in c.files} | {root / c.subdir / c.index_name for c in comps if c.index_name}
+    used = {p for c in comps for f in c.files for p in f.paths} | {root / c.subdir / c.index_name for c in comps if c.index_name}
     comp_dirs = {root / c.subdir for c in comps}
     by_dir = {root / c.subdir: c for c in comps}
     out, state = [], []
@@ -197,7 +202,7 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
     if not st:
         st = [p for p in files if p.suffix in PICKLES and not NOT_WEIGHTS.search(p.name)]
     if not st:
-        st = [p for p in files if p.suffix == GGUF]
+        st = _one_split_set([p for p in files if p.suffix == GGUF])
         if len(st) > 1:  # a repository of quantizations of one model: each file is a whole model
             raise file_error(folder, f"several GGUF files ({', '.join(p.name for p in st[:4])}"
                                      f"{', ...' if len(st) > 4 else ''}); pass the one you mean")
@@ -206,6 +211,17 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
     if not st:
         return None
     return _component_from_files(folder, st, handles, subdir)
+
+
+def _one_split_set(paths: list[Path]) -> list[Path]:
+    """The GGUF files of a folder, or only the first of them when they are all the parts of one split set
+    (`m-00001-of-00003.gguf` ...: reading it reads the others)."""
+    from ckpt.io.gguf_split import PART_RE
+
+    parts = [PART_RE.fullmatch(p.name) for p in paths]
+    if len(paths) > 1 and all(parts) and len({(m["prefix"], m["count"]) for m in parts}) == 1:
+        return [min(paths, key=lambda p: p.name)]
+    return paths
 
 
 def _without_variants(paths: list[Path]) -> list[Path]:
@@ -291,6 +307,11 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
         from ckpt.io.gguf import read_gguf_header
 
         h = read_gguf_header(path, handles, relpath)
+        if h.parts:  # a split set: one weight file, named by its first part (`ckpt.io.gguf_split`)
+            from ckpt.io.gguf_split import split_note
+
+            path, relpath = h.path, h.path.name
+            notes.append(split_note(h))
         _no_duplicates(path, h.tensors, tensors)
         tensors.update(h.tensors)
         return WeightFile(relpath, path, "gguf", {}, list(h.tensors), gguf=h)

@@ -112,6 +112,9 @@ class GGUFHeader:
     tensors: dict[str, GGUFStored]
     fields: dict = field(repr=False, default_factory=dict)  # key -> gguf ReaderField (parsed on demand)
     _values: dict = field(repr=False, default_factory=dict)
+    # a split set (ckpt.io.gguf_split): every part, in order (`path` is the first); `fields` are the first
+    # part's without the split.* keys, `tensors` those of all parts, each read from its own part
+    parts: list[Path] = field(default_factory=list)
 
     def value(self, key: str, default=None):
         """A metadata value as Python data (str, int, float, bool, or a list of them), or `default`."""
@@ -149,7 +152,10 @@ class GGUFHeader:
         return out
 
 
-def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHeader:
+def read_gguf_header(path: Path, handles: FileHandles, relpath: str, whole_set: bool = True) -> GGUFHeader:
+    """The header of the GGUF at `path`; a part of a split set (llama.cpp's gguf-split layout, `split.count` > 1)
+    gives the whole set's header, its tensors read from every part (`ckpt.io.gguf_split`), unless `whole_set`
+    is False (that part alone)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -182,13 +188,11 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str) -> GGUFHead
         tensors[t.name] = GGUFStored(info, handles, relpath, ggml_type, shape)
     fields = {k: f for k, f in reader.fields.items()}
     header = GGUFHeader(path, version, int(reader.alignment), int(reader.data_offset), tensors, fields)
-    split = header.value("split.count", 1)
-    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
-        raise file_error(path, f"metadata 'split.count' is {split!r}, not a count of parts")
-    if split not in (0, 1):
-        raise file_error(path, f"split GGUF ({split} parts); merge the parts first "
-                               "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)")
-    return header
+    if not whole_set:
+        return header
+    from ckpt.io.gguf_split import open_split_set
+
+    return open_split_set(header, handles)
 
 
 # GGUFValueType of each scalar (UINT8 .. FLOAT64, BOOL) -> its little-endian struct format: what the prescan

@@ -4,7 +4,8 @@ Nothing appears at OUT until everything is written and fsynced; an exception, Ct
 and SIGTERM which the CLI turns into one), a full disk or a vanished temp folder removes the temp output.
 How the temp output is made, checked and published (atomically, never over an output that appeared
 meanwhile unless --overwrite) is `ckpt.io.publish`. Inputs are never written: an OUT that is, contains,
-or lies inside an input is refused.
+or lies inside an input is refused. A split GGUF (`ckpt.io.gguf_split.SplitPlan`) is several files beside
+OUT: each is checked as OUT is, written to its own temp file, and all are published as one set.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ckpt.errors import CkptError
 from ckpt.io.write_stages import WriteStages
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
-from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents
+from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set
 from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.tensors import Tensor, row_bands
 from ckpt.io.writer import SafetensorsWriter
@@ -71,6 +72,12 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
         raise CkptError(f"{out}: cannot write in {home} ({why})")
 
 
+def targets(plan: Plan, out: Path) -> list[Path]:
+    """The paths the plan publishes: OUT, or the parts of a split GGUF beside it (`ckpt.io.gguf_split`)."""
+    parts = getattr(plan, "part_paths", None)
+    return parts(Path(out)) if parts is not None else [Path(out)]
+
+
 def target_state(out: Path, overwrite: bool) -> str:
     """What publishing would do to OUT, in words a dry run prints."""
     if _exists(out):
@@ -84,7 +91,8 @@ def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fa
     out = Path(out)
     name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
-    check_target(out, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan))
+    for target in targets(plan, out):
+        check_target(target, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan))
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
     missing = missing_parents(out)
     free = shutil.disk_usage(missing[0].parent if missing else out.absolute().parent).free
@@ -105,6 +113,8 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
             device: torch.device = torch.device("cpu"), progress=None) -> None:
     out = Path(out)
     preflight(plan, out, inputs=inputs, overwrite=overwrite)
+    if hasattr(plan, "part_paths"):
+        return _execute_parts(plan, out, overwrite, device, progress)
     stage = Staging(out, plan.single_file)
     try:
         stage.open()
@@ -127,6 +137,24 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
         stage.close()
 
 
+def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress) -> None:
+    """A split GGUF: each part written to a temp file beside its name, then all published as a set
+    (`ckpt.io.publish.publish_set`); on any failure or interrupt every temp file is removed."""
+    stages = [Staging(p, True) for p in plan.part_paths(out)]
+    try:
+        for stage, f in zip(stages, plan.files):
+            stage.open()
+            _write_file(stage.tmp, f, device, progress, stage.file(), plan.reader_threads)
+        publish_set(stages, overwrite)
+    except OSError as e:
+        if e.errno == errno.ENOENT and any(s.lock_fd >= 0 for s in stages):
+            raise CkptError(f"{out}: the temporary output was removed during the run; nothing written") from None
+        raise CkptError(f"{out}: write failed, nothing written ({e.strerror or e})") from None
+    finally:
+        for stage in reversed(stages):  # the first part's staging made OUT's missing folders: it goes last
+            stage.close()
+
+
 def _copy_sidecar(src: Path, rel: str, edit, stage: Staging) -> None:
     """Copy byte for byte, unless `edit` really changes the JSON (then it is rewritten, indented)."""
     if edit is not None:
@@ -144,7 +172,9 @@ def _open_writer(path: Path, f, fd: int):
     entries = [t.entry for t in f.tensors]
     if f.format == "gguf":
         from ckpt.io.gguf_writer import GGUFFileWriter
+        from ckpt.io.writer import close_fd
 
+        close_fd(fd)  # the GGUF writer opens its (already created) temp file by name
         return GGUFFileWriter(path, entries, f.fields)
     if f.format == "torch":
         from ckpt.io.torchzip import TorchZipWriter

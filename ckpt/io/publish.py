@@ -18,6 +18,10 @@ Every writing command ends here (through `ckpt.io.output.execute`). The rules it
   fails before publishing.
 - `PUBLISHED` lists what this process published, recorded in the same signal-free step as the rename:
   the CLI reads it to say "interrupted after writing X" rather than "nothing was written".
+- Sibling files that make one output (the parts of a split GGUF, `ckpt.io.gguf_split`) each get a
+  single-file `Staging` and are published together by `publish_set`: all renamed in one signal-free step,
+  or, if one rename fails, every part renamed so far taken back (and any part an --overwrite moved aside
+  put back).
 """
 
 from __future__ import annotations
@@ -399,3 +403,70 @@ class Staging:
                 with contextlib.suppress(OSError):
                     os.close(self.pfd)
                 self.pfd = -1
+
+
+# ------------------------------------------------------------------------------------ sibling sets
+
+
+def publish_set(stages: list[Staging], overwrite: bool) -> None:
+    """Publish the single-file temp outputs of `stages` (the parts of a split GGUF, siblings in one folder)
+    as a set: every part or none.
+
+    All temp files are written and fsynced first (by the writers). Then, with signals deferred (Ctrl-C and
+    SIGTERM wait until the set is published or rolled back), each part is checked (`verify`) and renamed
+    into place in order, without --overwrite only where nothing exists at its name (`RENAME_NOREPLACE`,
+    as for one file). With --overwrite an existing part is first moved aside to a `.ckpt-old-` name. If any
+    rename fails (a part appeared meanwhile, an I/O error), every part renamed so far is moved back to its
+    temp name (removed by `Staging.close`) and every part moved aside is put back: the folder is as
+    before. Only a SIGKILL or a power loss between two renames (microseconds) can leave part of a set;
+    the reader then refuses it, naming the missing part, and the next run removes the stale temps."""
+    for s in stages:
+        if s.single_file is not True or s.pfd < 0:
+            raise ValueError("publish_set takes opened single-file stagings")
+    done: list[Staging] = []
+    with signals_deferred():
+        try:
+            for s in stages:
+                s.verify()
+            for s in stages:
+                if overwrite:
+                    st = _lstat_at(s.pfd, s.out.name)
+                    if st is not None and stat.S_ISDIR(st.st_mode):
+                        raise CkptError(f"{s.out}: is a folder; refusing to replace it with a file (name another -o)")
+                    if st is not None:
+                        old = temp_name(s.out.name, "old")
+                        os.rename(s.out.name, old, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)
+                        s.old = old
+                    try:
+                        os.rename(s.name, s.out.name, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)
+                    except BaseException:
+                        _put_back(s)
+                        raise
+                else:
+                    s._rename_noreplace()
+                done.append(s)
+        except BaseException:
+            for s in reversed(done):
+                st = _lstat_at(s.pfd, s.out.name)
+                if st is not None and _ident(st) == s.root_id:  # ours: back to its temp name
+                    with contextlib.suppress(OSError):
+                        os.rename(s.out.name, s.name, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)
+                _put_back(s)
+            raise
+        for s in stages:
+            s.published = True
+            PUBLISHED.append(s.out)
+    for s in stages:
+        if s.old is not None:
+            _remove_at(s.pfd, s.old)
+            s.old = None
+        with contextlib.suppress(OSError):
+            os.fsync(s.pfd)
+
+
+def _put_back(s: Staging) -> None:
+    """The previous OUT that an --overwrite publish moved aside, back at OUT (nothing there now)."""
+    if s.old is not None:
+        with contextlib.suppress(OSError):
+            os.rename(s.old, s.out.name, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)
+        s.old = None

@@ -48,9 +48,13 @@ class GGUF(Target):
         if opts.pure and not self.mix.quantized:
             raise CkptError(f"--pure does not apply to --to {opts.to} (nothing is quantized)")
         for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
-                            ("--max-shard-size", opts.max_shard_size), ("--config", opts.config)):
+                            ("--config", opts.config)):
             if given:
                 raise CkptError(f"{flag} does not apply to --to {opts.to} (GGUF types follow ComfyUI-GGUF's rules)")
+        if opts.max_shard_size:  # the parts of llama.cpp's gguf-split layout (`plan`): checked before reading
+            from ckpt.io.plan import parse_size
+
+            parse_size(opts.max_shard_size, "--max-shard-size")
         if opts.layout is not None:
             raise CkptError(f"--layout with --to {opts.to}: convert the layout first (ComfyUI-GGUF files hold the "
                             "original layout)")
@@ -62,11 +66,19 @@ class GGUF(Target):
         import importlib.util
 
         pure = opts.pure
+        plan = None
         if importlib.util.find_spec("ckpt.convert.gguf_llm_out") is not None:  # being written (issue 23)
             gguf_llm_out = importlib.import_module("ckpt.convert.gguf_llm_out")
             if gguf_llm_out.applies(ckpt, views):
-                return gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, pure, report)
-        return plan_gguf(ckpt, views, self.mix, pure, report)
+                plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, pure, report)
+        if plan is None:
+            plan = plan_gguf(ckpt, views, self.mix, pure, report)
+        if opts.max_shard_size:  # every GGUF planner's one file, as llama.cpp's gguf-split parts
+            from ckpt.io.gguf_split import split_gguf_plan
+            from ckpt.io.plan import parse_size
+
+            plan = split_gguf_plan(plan, parse_size(opts.max_shard_size, "--max-shard-size"))
+        return plan
 
     def heavy(self, opts, views) -> bool:
         """K-quant and IQ4 encoders are ckpt's own torch code (`ckpt.quant.kquants`), worth a GPU; the legacy
