@@ -227,6 +227,19 @@ def _chain(f, g):
     return g if f is None else (lambda k, p, a: g(*f(k, p, a)))
 
 
+@pytest.mark.parametrize("keys,problem", [
+    ({"split.count": ("two", V.STRING)}, "metadata 'split.count' is 'two', not a count of parts"),
+    ({"split.count": (2, V.UINT16)}, "split GGUF (split.count 2) without split.no"),
+    ({"split.count": (2, V.UINT16), "split.no": (2, V.UINT16)}, "split GGUF part split.no 2, but split.count is 2"),
+])
+def test_split_keys_that_are_not_a_part_are_refused(tmp_path, run_ckpt, keys, problem):
+    src = tmp_path / "m-00001-of-00002.gguf"
+    write_part(src, flux_tensors(), {**KV, **keys})
+    before = src.read_bytes()
+    assert_refused(run_ckpt, tmp_path, ["convert", src, "--to", "bf16"], f"{src}: ", problem)
+    assert src.read_bytes() == before
+
+
 def test_a_part_named_unlike_its_split_keys_is_refused(tmp_path, run_ckpt):
     parts = hand_split(tmp_path, flux_tensors(), [4, 4])
     renamed = parts[0].rename(tmp_path / "model.gguf")
@@ -560,3 +573,42 @@ def test_an_hf_llm_converted_with_max_shard_size_runs_in_llama_cpp(tmp_path, run
         assert p.read_bytes() == r.read_bytes(), p.name
     ids = [1, 5, 7, 9, 30]
     assert np.array_equal(logits(parts[0], ids), logits(tmp_path / "u.gguf", ids))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_real_signal_mid_set_publishes_no_part(tmp_path, sig):
+    """A real `ckpt convert --max-shard-size` process signalled while it writes its second part: SIGTERM (Ctrl-C
+    takes the same path) leaves nothing; SIGKILL cannot clean up, but leaves only hidden temp files, never a
+    part, and the next run of that set removes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save_file({f"double_blocks.{i}.img_attn.qkv.weight": torch.randn(512, 1024) for i in range(12)},
+              tmp_path / "flux.safetensors")
+    args = [sys.executable, "-m", "ckpt.cli", "convert", str(tmp_path / "flux.safetensors"), "--to", "gguf-q8_0",
+            "--max-shard-size", "1MB", "-q", "-o", str(tmp_path / "m.gguf")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(".m-00002-of-00012.gguf.ckpt-tmp-") for n in os.listdir(tmp_path)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "convert never started its second part"
+            time.sleep(0.002)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = sorted(os.listdir(tmp_path))
+    assert not any(n.startswith("m-") for n in left), left
+    if sig == "SIGTERM":
+        assert proc.returncode == 130 and b"interrupted: nothing was written" in err, err
+        assert left == ["flux.safetensors"]
+        return
+    assert all(n == "flux.safetensors" or ".ckpt-tmp-" in n for n in left) and len(left) > 1, left
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["flux.safetensors"] + [f"m-{i:05d}-of-00012.gguf" for i in range(1, 13)]
