@@ -164,6 +164,11 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     if len(parts) > 1:
         report.note(f"split GGUF of {len(parts)} parts beside each other: {', '.join(p.name for p in parts[:3])}"
                     f"{', ...' if len(parts) > 3 else ''} (llama.cpp loads the first; ckpt reads any)")
+        others = _other_splits(parts)
+        if others:
+            report.note(f"{plural(len(others), 'part')} of another split of this name stay beside the new ones "
+                        f"({', '.join(others[:2])}{', ...' if len(others) > 2 else ''}): delete them, so that "
+                        "nothing mixes the two sets")
     elif plan.single_file and plan.files and plan.files[0].format == "gguf" and _split_input(inputs):
         report.note("the split GGUF input is written as one GGUF file (convert --to gguf-* --max-shard-size "
                     "writes parts)")
@@ -182,6 +187,19 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     with progress_bar(plan.nbytes, desc, quiet) as bar:
         execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
     return parts[0]  # a split GGUF: its first part, the file llama.cpp loads
+
+
+def _other_splits(parts: list[Path]) -> list[str]:
+    """Files beside the new parts named as parts of another split of the same name (another part count)."""
+    from ckpt.io.gguf_split import PART_RE
+
+    prefix = PART_RE.fullmatch(parts[0].name)["prefix"]
+    try:
+        names = sorted(p.name for p in parts[0].parent.iterdir())
+    except OSError:
+        return []
+    return [n for n in names if (m := PART_RE.fullmatch(n)) and m["prefix"] == prefix
+            and int(m["count"]) != len(parts)]
 
 
 def _split_input(inputs: list[Path]) -> bool:

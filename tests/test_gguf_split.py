@@ -485,13 +485,15 @@ def test_a_failure_in_a_later_part_leaves_no_part_and_no_temp(tmp_path, monkeypa
 
 def test_existing_part_blocks_without_overwrite_and_is_replaced_with_it(tmp_path, run_ckpt, flux_src):
     (tmp_path / "m-00003-of-00005.gguf").write_bytes(b"old part")
+    (tmp_path / "m-00002-of-00002.gguf").write_bytes(b"a part of another split of m")
     assert_refused(run_ckpt, tmp_path, ["convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf"],
                    f"{tmp_path / 'm-00003-of-00005.gguf'}: ", "already exists (pass --overwrite to replace it)")
-    code, out, err = run_ckpt("convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf", "--overwrite", "-q")
+    code, out, err = run_ckpt("convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf", "--overwrite")
     assert code == 0, err
+    assert "1 part of another split of this name stay beside the new ones (m-00002-of-00002.gguf)" in err
     assert gguf.GGUFReader(tmp_path / "m-00003-of-00005.gguf").fields["split.no"].contents() == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["flux.safetensors"] + [
-        f"m-{i:05d}-of-00005.gguf" for i in (1, 2, 3, 4, 5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["flux.safetensors", "m-00002-of-00002.gguf"] + [
+        f"m-{i:05d}-of-00005.gguf" for i in (1, 2, 3, 4, 5)])
 
 
 def test_a_part_appearing_during_the_publish_rolls_the_set_back(tmp_path, monkeypatch, run_ckpt, flux_src):
