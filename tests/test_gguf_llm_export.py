@@ -49,6 +49,8 @@ MODELS = {
     "gemma3": ("gemma3", "spm", torch.float16, {}, None, ("f16", "bf16")),
     "phi3": ("phi3", "spm", torch.float32, dict(rope_parameters=PHI3_LONGROPE, max_position_embeddings=512),
              None, ("f16", "q8_0")),
+    "mixtral": ("mixtral", "spm", torch.bfloat16, {}, None, ("f16", "q8_0")),
+    "qwen3_moe": ("qwen3_moe", "bpe", torch.float32, {}, "qwen2", ("f16", "q8_0")),
 }
 
 
@@ -213,6 +215,17 @@ def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
     assert_refused(run_ckpt, tmp_path, ("convert", unknown, "--to", "gguf-f16"), str(unknown),
                    f"BPE pre-tokenizer not recognized (check-text hash {pre[0]})")
 
+    from safetensors.torch import load_file, save_file
+
+    fused = _copy(folders["qwen3_moe"][0], tmp_path / "fused")
+    sd = load_file(fused / "model.safetensors")
+    for w in ("gate_proj", "up_proj", "down_proj"):
+        sd[f"model.layers.0.mlp.experts.{w}"] = torch.stack([sd.pop(f"model.layers.0.mlp.experts.{x}.{w}.weight")
+                                                             for x in range(4)])
+    save_file(sd, fused / "model.safetensors")
+    assert_refused(run_ckpt, tmp_path, ("convert", fused, "--to", "gguf-f16"), str(fused / "model.safetensors"),
+                   "expert tensor 'model.layers.0.mlp.experts.down_proj' is not one expert's matrix")
+
     noconfig = _copy(llama, tmp_path / "noconfig", drop=("config.json",))
     code, out, err = run_ckpt("convert", noconfig, "--to", "gguf-f16")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
@@ -224,7 +237,7 @@ def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mix,pure", [("mistral", "q4_k_m", False), ("qwen3", "q5_k_s", False),
                                            ("qwen3", "iq4_xs", False), ("mistral", "q3_k_m", True),
-                                           ("gemma2", "q4_k_m", False)])
+                                           ("gemma2", "q4_k_m", False), ("mixtral", "q4_k_m", False)])
 def test_mix_is_llama_quantize_of_the_reference_file(name, mix, pure, folders, registered, run_ckpt, tmp_path):
     """`--to gguf-<mix>` of a BF16 model is `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize <MIX>`
     (`--pure`): the same tensors in llama-quantize's order (block, then name), types and bytes, and the same

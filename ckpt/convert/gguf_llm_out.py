@@ -16,6 +16,10 @@ The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`co
   there), Gemma 2's lm_head left out, Gemma 3's token_embd cut to the tokenizer's size; their own
   `set_gguf_parameters` (softcapping, sliding window). Phi-3: its own parameters, fused qkv / gate_up kept fused
   (llama.cpp splits them), a long-context model's `rope_factors_long/short.weight` and attention factor.
+- mixture of experts (Mixtral as `llama`, Qwen3-MoE): each layer's per-expert matrices stacked into one
+  `blk.N.ffn_{gate,up,down}_exps.weight` [experts, rows, cols] (`Stacked`, read a few experts per band), written
+  where the reference writes them (when the layer's last expert tensor is reached, in its projection order).
+  Checkpoints with fused expert tensors (`mlp.experts.gate_up_proj`) are refused by name.
 - types (`prepare_tensors`): F32 for 1-D tensors, `*_norm.weight`, names not ending in `.weight` and the
   reference's always-F32 list (MoE routers, position embeddings); the others in the mix's type. `--to gguf-f16`,
   `-bf16`, `-f32` and `-q8_0` are `--outtype f16|bf16|f32|q8_0`. A quantizing mix starts from what
@@ -178,6 +182,11 @@ def set_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ft
     notes = text_parameters(w, arch, hparams, rope, n_block, ftype)
     if arch.params == "gemma3":
         _gemma3_parameters(w, hparams, rope)
+    if arch.params == "qwen2moe":  # Qwen2MoeModel.set_gguf_parameters
+        if (n := hparams.get("moe_intermediate_size")) is not None:
+            w.add_expert_feed_forward_length(n)
+        if (n := hparams.get("shared_expert_intermediate_size")) is not None:
+            w.add_expert_shared_feed_forward_length(n)
     return notes
 
 
@@ -357,6 +366,68 @@ def llama3_rope_factors(rope: dict, hparams: dict) -> torch.Tensor | None:
     return torch.tensor(out, dtype=torch.float32)
 
 
+class Stacked(Tensor):
+    """Matrices of one shape stacked on a new first dim (`torch.stack(parts)`): a layer's experts as the one
+    [experts, rows, cols] tensor llama.cpp has. A band is whole experts, each read and copied in turn."""
+
+    row_align = 1
+
+    def __init__(self, name: str, parts: list[Tensor]):
+        first = parts[0]
+        for p in parts:
+            if tuple(p.shape) != tuple(first.shape) or p.dtype != first.dtype:
+                raise CkptError(f"{name}: experts {first.name} {list(first.shape)} and {p.name} {list(p.shape)} "
+                                "cannot be stacked")
+        self.name, self.parts, self.home, self.dtype = name, list(parts), first.home, first.dtype
+        self.shape = (len(parts), *first.shape)
+
+    @property
+    def natural_dtype(self) -> torch.dtype:
+        return self.parts[0].natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
+        for i in range(start, stop):
+            p = self.parts[i]
+            out[i - start].copy_(p.read(0, p.rows, device, scratch).reshape(self.shape[1:]))
+        return out
+
+
+def _expert_group(comp, arch: LLMArch, table, name: str, t: Tensor, n_expert: int, pending: dict) -> list:
+    """One expert matrix into its layer's pending set; the stacked tensors (GGUF name, Stacked) when the set is
+    complete, in the reference's order (LlamaModel / Qwen2MoeModel.modify_tensors), else nothing."""
+    _, template, projections, merged = arch.experts
+    bid = next((int(part) for part in name.split(".") if part.isdecimal()), None)
+    if bid is None:
+        raise CkptError(f"{comp.where}: expert tensor {name!r} has no layer number")
+    pattern = re.escape(template).replace(r"\{bid\}", str(bid)).replace(r"\{x\}", r"\d+").replace(
+        r"\{w\}", "(" + "|".join(projections) + ")")
+    if not re.fullmatch(pattern, name):
+        raise CkptError(f"{comp.where}: expert tensor {name!r} is not one expert's matrix as llama.cpp's converter "
+                        f"stacks them ({template.format(bid=bid, x='X', w='/'.join(projections))}); fused expert "
+                        "tensors are not written by ckpt (use llama.cpp's convert_hf_to_gguf.py)")
+    group = pending.setdefault(bid, {})
+    group[name] = t
+    if len(group) < n_expert * len(projections):
+        return []
+    out = []
+    for w in projections:
+        names = [template.format(bid=bid, x=x, w=w) for x in range(n_expert)]
+        missing = next((n for n in names if n not in group), None)
+        if missing is not None:
+            odd = next(n for n in group if n not in {template.format(bid=bid, x=x, w=p) for x in range(n_expert)
+                                                     for p in projections})
+            raise CkptError(f"{comp.where}: expert tensor {odd!r} is not one of the {n_expert} experts x "
+                            f"{'/'.join(projections)} llama.cpp's converter stacks (no {missing!r})")
+        hf = merged.format(bid=bid, w=w)
+        gname = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise CkptError(f"{comp.where}: stacked experts {hf!r} have no llama.cpp name in gguf's {arch.arch} table")
+        out.append((gname, Stacked(gname, [group.pop(n) for n in names])))
+    del pending[bid]
+    return out
+
+
 def _f32_names(arch_enum, n_block: int) -> set[str]:
     gguf = _gguf()
     out = set()
@@ -406,9 +477,10 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     n_block = _find(hparams, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"], optional=False)
     n_head = _find(hparams, ["n_heads", "num_attention_heads"], optional=False)
     n_head_kv = _find(hparams, ["n_kv_heads", "num_key_value_heads"], optional=False)
-    if _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"]):
-        raise CkptError(f"{folder}: {hf_arch} is a mixture of experts; ckpt does not write MoE GGUFs yet (use llama.cpp's "
-                        "convert_hf_to_gguf.py)")
+    n_expert = _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"]) or 0
+    if n_expert and not arch.experts:
+        raise CkptError(f"{folder}: {hf_arch} with experts (num_experts {n_expert}) is not a variant ckpt writes; use "
+                        "llama.cpp's convert_hf_to_gguf.py")
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
     table = gguf.get_tensor_name_map(arch_enum, n_block)
     rope = rope_parameters(hparams)
@@ -425,10 +497,14 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
         for gname, f in (("rope_factors_long.weight", phi3[1]), ("rope_factors_short.weight", phi3[2])):
             sources.append((gname, ComputedTensor(gname, lambda f=f: f, torch.float32, tuple(f.shape))))
     skipped = []
+    pending: dict[int, dict[str, Tensor]] = {}  # a layer's expert matrices until all have been seen
     for name in _source_order(view, comp):
         t = view.tensors[name]
         if name.endswith(SKIPPED) or name in arch.drop:
             skipped.append(name)
+            continue
+        if arch.experts and arch.experts[0] in name:
+            sources += _expert_group(comp, arch, table, name, t, n_expert, pending)
             continue
         if arch.norm_shift and name.endswith("norm.weight"):
             t = Shifted(t, arch.norm_shift)
@@ -447,9 +523,15 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
                                 "heads of an even size (llama.cpp's RoPE permutes rows in pairs)")
             t = HeadRowsPermuted(t, t.shape[0] // heads)
         sources.append((gname, t))
-    dupe = next((g for i, (g, _) in enumerate(sources) if any(g == h for h, _ in sources[:i])), None)
-    if dupe is not None:
-        raise CkptError(f"{comp.where}: two tensors map to GGUF name {dupe!r}")
+    left = sorted(n for group in pending.values() for n in group)
+    if left:
+        raise CkptError(f"{comp.where}: expert tensors of an incomplete set ({plural(len(left), 'tensor')}, e.g. "
+                        f"{left[0]!r}; each layer needs {n_expert} experts x {len(arch.experts[2])} projections)")
+    seen: set[str] = set()
+    for g, _ in sources:
+        if g in seen:
+            raise CkptError(f"{comp.where}: two tensors map to GGUF name {g!r}")
+        seen.add(g)
 
     # types: --outtype's (or auto's) first, then the mix's per-tensor rule
     big = next((t for _, t in sources if len(t.shape) >= 2), None)
@@ -463,8 +545,8 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
         f32 = len(t.shape) <= 1 or gname.endswith("_norm.weight") or gname in f32_names or \
             gname[-7:] not in (".weight", ".lora_a", ".lora_b")
         before.append((gname, tuple(t.shape), "F32" if f32 else base))
-    types = _llm_types(mix, before, arch=arch.arch, n_layer=n_block, n_head=n_head, n_head_kv=n_head_kv, n_expert=0,
-                       pure=pure)
+    types = _llm_types(mix, before, arch=arch.arch, n_layer=n_block, n_head=n_head, n_head_kv=n_head_kv,
+                       n_expert=n_expert, pure=pure)
 
     casters: dict = {}
     outs, summary, fallbacks = [], {}, {}
@@ -548,7 +630,16 @@ class _quiet:
 
 
 def _param_counts(sources) -> tuple[int, int, int, int]:
-    """GGUFWriter.get_total_parameter_count over the planned tensors (no experts: MoE is refused above):
-    (total, shared, expert, expert count)."""
-    total = sum(math.prod(t.shape) for _, t in sources)
-    return total, total, 0, 0
+    """GGUFWriter.get_total_parameter_count over the planned tensors: (total, shared, expert, expert count)."""
+    total = shared = expert = expert_sum = n_expert_tensors = 0
+    for gname, t in sources:
+        size = math.prod(t.shape)
+        if "_exps." in gname and len(t.shape) >= 3:
+            count = t.shape[-2 if ".bias" in gname else -3]
+            expert += size // count
+            expert_sum += count
+            n_expert_tensors += 1
+        else:
+            shared += size
+        total += size
+    return total, shared, expert, (expert_sum // n_expert_tensors) if n_expert_tensors else 0

@@ -88,13 +88,13 @@ def bpe_tokenizer(folder: Path, vocab_size: int = 400) -> int:
 
 
 def model_folder(folder: Path, kind: str, *, tokenizer: str | None = "auto", dtype=torch.float32, **cfg) -> Path:
-    """A tiny random `kind` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) with a real tokenizer; norms away
-    from 1."""
+    """A tiny random `kind` (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe) with a real
+    tokenizer; norms away from 1."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     if tokenizer == "auto":
-        tokenizer = "bpe" if kind in ("qwen2", "qwen3") else "spm"
+        tokenizer = "bpe" if kind.startswith("qwen") else "spm"
     vocab = {"spm": spm_tokenizer, "bpe": bpe_tokenizer, None: lambda f: 320}[tokenizer](folder)
     common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -102,6 +102,9 @@ def model_folder(folder: Path, kind: str, *, tokenizer: str | None = "auto", dty
         common.update(bos_token_id=None, eos_token_id=vocab - 1)
     if kind in ("gemma2", "gemma3"):
         common.update(head_dim=64, query_pre_attn_scalar=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind in ("mixtral", "qwen3_moe"):
+        common.update(num_experts_per_tok=2, **({"num_local_experts": 4} if kind == "mixtral" else
+                                                 {"num_experts": 4, "moe_intermediate_size": 256, "head_dim": 64}))
     if kind == "phi3":
         common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=128)
     common.update(cfg)
@@ -109,6 +112,8 @@ def model_folder(folder: Path, kind: str, *, tokenizer: str | None = "auto", dty
                           "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
                           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
                           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+                          "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+                          "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
                           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]

@@ -45,14 +45,20 @@ class LLMArch:
     norm_shift: float = 0.0  # added to every `*norm.weight` (Gemma's RMSNorm scales by 1 + weight)
     drop: tuple[str, ...] = ()  # HF tensors the reference leaves out (Gemma 2's lm_head: llama.cpp ties it)
     trim_vocab: bool = False  # Gemma 3: token_embd cut to the tokenizer's size (rows beyond it are padding)
+    # mixture of experts: the reference stacks each layer's per-expert matrices into one [experts, rows, cols]
+    # tensor. (a substring every expert tensor's name has, its name with {bid} {x} {w}, the projections in the
+    # order the stacked tensors are written, the HF name the stacked tensor is mapped from)
+    experts: tuple = ()
 
 
 ARCHS: dict[str, LLMArch] = {a.arch: a for a in [
     LLMArch("llama", "LlamaForCausalLM", "llama", LLAMA_LAYER, rope_permute=True,
             bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"),
                         "mlp_bias": ("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")},
-            hf_classes=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"), llama_params=True,
-            vocab="llama"),
+            hf_classes=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
+            llama_params=True, vocab="llama",
+            experts=("block_sparse_moe.experts", "model.layers.{bid}.block_sparse_moe.experts.{x}.{w}.weight",
+                     ("w1", "w2", "w3"), "layers.{bid}.feed_forward.experts.{w}.weight")),
     LLMArch("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_LAYER, hf_classes=("Qwen2ForCausalLM",)),
     LLMArch("qwen3", "Qwen3ForCausalLM", "qwen3", LLAMA_LAYER + ("self_attn.q_norm", "self_attn.k_norm"),
             bias_flags={"attention_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")},
@@ -66,7 +72,7 @@ PHI3_LAYER = ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post
               "mlp.gate_up_proj", "mlp.down_proj")
 
 # Written (HF -> GGUF) but not read back: the reader (`ckpt.quant.gguf_llm`) would have to undo what the
-# exporter does to them (Gemma's norm + 1, Phi-3's fused projections), which it does not.
+# exporter does to them (Gemma's norm + 1, Phi-3's fused projections, stacked experts), which it does not.
 EXPORT_ONLY: dict[str, LLMArch] = {a.arch: a for a in [
     LLMArch("gemma2", "Gemma2ForCausalLM", "gemma2", GEMMA2_LAYER, hf_classes=("Gemma2ForCausalLM",),
             params="gemma2", vocab="gemma2", norm_shift=1.0, drop=("lm_head.weight",)),
@@ -74,6 +80,11 @@ EXPORT_ONLY: dict[str, LLMArch] = {a.arch: a for a in [
             hf_classes=("Gemma3ForCausalLM",), params="gemma3", vocab="gemma3", norm_shift=1.0, trim_vocab=True),
     LLMArch("phi3", "Phi3ForCausalLM", "phi3", PHI3_LAYER, hf_classes=("Phi3ForCausalLM",), params="phi3",
             vocab="phi3"),
+    LLMArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", ("input_layernorm", "self_attn.q_proj",
+            "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+            "post_attention_layernorm", "mlp.gate"), hf_classes=("Qwen3MoeForCausalLM",), params="qwen2moe",
+            experts=("experts", "model.layers.{bid}.mlp.experts.{x}.{w}.weight", ("down_proj", "gate_proj", "up_proj"),
+                     "model.layers.{bid}.mlp.experts.{w}.weight")),
 ]}
 
 # config.json `architectures[0]` -> the llama.cpp architecture the exporter writes it as
