@@ -262,3 +262,36 @@ def test_mix_is_llama_quantize_of_the_reference_file(name, mix, pure, folders, r
     assert [k for k in ours if k not in CKPT_ONLY] == list(theirs)
     for k in theirs:
         assert ours[k] == theirs[k], (k, str(ours[k])[:200], str(theirs[k])[:200])
+
+
+# ---- 6. a llama.cpp GGUF as the source: llama-quantize
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mix", [("llama", "q4_k_m"), ("qwen3", "q6_k"), ("qwen2", "q5_k_m")])
+def test_gguf_source_is_llama_quantize(name, mix, folders, registered, run_ckpt, tmp_path):
+    """`convert model-F16.gguf --to gguf-<mix>` is `llama-quantize model-F16.gguf <MIX>`: same tensors (order, types,
+    bytes: unquantized ones copied) and metadata; ckpt's own provenance keys replaced, not repeated. An already
+    quantized file is not requantized into another type (llama-quantize's --allow-requantize)."""
+    from helpers import llama_ref
+
+    from ckpt.convert.gguf_mixes import mix as mix_of
+
+    llama_ref.llama_cpp()
+    folder, _ = folders[name]
+    src = ckpt_gguf(run_ckpt, folder, "f16", tmp_path / "m-F16.gguf")
+    llama_ref.quantize_gguf(src, tmp_path / "ref.gguf", mix_of(mix).ftype)
+    code, _, err = run_ckpt("convert", src, "--to", f"gguf-{mix}", "-o", tmp_path / "ckpt.gguf", "-q")
+    assert code == 0, err
+    ours, ours_t = read_gguf(tmp_path / "ckpt.gguf")
+    theirs, theirs_t = read_gguf(tmp_path / "ref.gguf")
+    assert [x[:3] for x in ours_t] == [x[:3] for x in theirs_t]
+    for a, b in zip(ours_t, theirs_t):
+        assert a[3] == b[3], a[0]
+    assert [k for k in ours if k not in CKPT_ONLY] == [k for k in theirs if k not in CKPT_ONLY]
+    for k in theirs:
+        if k not in CKPT_ONLY:
+            assert ours[k] == theirs[k], (k, str(ours[k])[:200], str(theirs[k])[:200])
+    assert ours["ckpt.operation"][0] == f"convert --to gguf-{mix}"
+    assert_refused(run_ckpt, tmp_path, ("convert", tmp_path / "ckpt.gguf", "--to", "gguf-q8_0"),
+                   str(tmp_path / "ckpt.gguf"), "requantizing it as Q8_0 loses precision twice")

@@ -107,10 +107,21 @@ def applies(ckpt, views) -> bool:
     if len(ckpt.components) != 1:
         return False
     comp = ckpt.components[0]
+    if _gguf_llm_source(comp) is not None:
+        return True
     arch = _architecture(comp.config)
     if arch is not None:
         return arch in EXPORTS or arch.endswith("ForCausalLM")
     return any(re.match(r"(model\.)?layers\.\d+\.self_attn\.q_proj\.", n) for n in views[0].tensors)
+
+
+def _gguf_llm_source(comp):
+    """The GGUFHeader of a component that is one llama.cpp LLM GGUF (`blk.N.*` names), else None."""
+    from ckpt.quant.gguf_llm import is_llm
+
+    if len(comp.files) == 1 and comp.files[0].kind == "gguf" and is_llm(comp.files[0].gguf, comp.tensors):
+        return comp.files[0].gguf
+    return None
 
 
 def _folder(ckpt) -> Path:
@@ -463,6 +474,8 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
     comp, view = ckpt.components[0], views[0]
+    if (header := _gguf_llm_source(comp)) is not None:
+        return plan_from_gguf(comp, header, view, mix, pure, report)
     folder = _folder(ckpt)
     hf_arch = _architecture(comp.config)
     if comp.config is None:
@@ -643,3 +656,100 @@ def _param_counts(sources) -> tuple[int, int, int, int]:
             shared += size
         total += size
     return total, shared, expert, (expert_sum // n_expert_tensors) if n_expert_tensors else 0
+
+
+def _stored_of(v, stored) -> bool:
+    """Whether the view's tensor `v` is the stored GGUF tensor unchanged: only the reader's own wrappers (its HF
+    name, dequantized values, q/k rows unpermuted) between them; a merged or otherwise computed tensor is not."""
+    from ckpt.quant.gguf import GGUFValues
+    from ckpt.quant.gguf_llm import HeadRowsUnpermuted, HFNamed
+
+    while True:
+        if v is stored:
+            return True
+        if type(v) is GGUFValues:
+            return v.stored is stored
+        if type(v) not in (HFNamed, HeadRowsUnpermuted):
+            return False
+        v = v.base
+
+
+def _header_int(header, key: str, default=None) -> int:
+    v = header.value(key, default)
+    if isinstance(v, list):  # per-layer values: llama.cpp's quantizer counts with the first layer's
+        v = v[0] if v else default
+    if v is None or isinstance(v, bool) or not isinstance(v, int):
+        raise CkptError(f"{header.path}: metadata {key!r} is {v!r}, not the integer llama.cpp's quantizer needs")
+    return v
+
+
+def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report) -> Plan:
+    """`convert model-F16.gguf --to gguf-<mix>`, and merge-lora into a GGUF base: `llama-quantize` of a llama.cpp
+    GGUF. Its metadata copied (tokenizer included) with `general.quantization_version` and `general.file_type`
+    set last, as llama-quantize sets them; the tensors in its order (block, then name) and per-tensor types
+    (`llm_types` from each stored type). A tensor the view leaves as stored and whose type stays is copied byte for
+    byte; one the view changed (a merged LoRA) is taken from the view under its GGUF name (llama's q/k rows
+    permuted back). Requantizing an already quantized tensor into another type is refused, as llama-quantize
+    refuses it without --allow-requantize."""
+    from ckpt.convert.gguf_out import fallback_note, out_tensor
+    from ckpt.io.gguf_writer import fields_from, string, uint32
+    from ckpt.quant.gguf import GGUFValues, stored_output
+    from ckpt.quant.gguf_llm import ARCHS, HeadRowsPermuted
+
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    f = comp.files[0]
+    arch = header.architecture
+    K = gguf.Keys
+    n_layer = _header_int(header, K.LLM.BLOCK_COUNT.format(arch=arch))
+    n_head = _header_int(header, K.Attention.HEAD_COUNT.format(arch=arch))
+    n_head_kv = _header_int(header, K.Attention.HEAD_COUNT_KV.format(arch=arch), n_head)
+    n_expert = _header_int(header, K.LLM.EXPERT_COUNT.format(arch=arch), 0)
+    permute = ARCHS[arch].rope_permute if arch in ARCHS else False
+    placed = set(view.anchors.values())
+    extra = sorted(n for n in view.tensors if n not in placed)
+    if extra:
+        raise CkptError(f"{f.path}: tensor {extra[0]!r} is not one of the GGUF's own ({plural(len(extra), 'tensor')} "
+                        "without a place in it); nothing was written")
+    names = sorted(f.names, key=lambda n: (block_number(n), n))  # llama-quantize's weights_map order
+    sources, before = [], []
+    for gname in names:
+        stored = comp.tensors[gname]
+        hf = view.anchors.get(gname)
+        v = view.tensors.get(hf) if hf is not None else None
+        if v is None or _stored_of(v, stored):
+            src, changed = GGUFValues(stored, name=gname), False
+        else:
+            src, changed = v, True
+            if permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
+                src = HeadRowsPermuted(v, v.shape[0] // (n_head if ".attn_q." in gname else n_head_kv))
+        sources.append((gname, stored, src, changed))
+        before.append((gname, tuple(stored.stored_shape), stored.type_name))
+    types = _llm_types(mix, before, arch=arch, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+                       n_expert=n_expert, pure=pure)
+    casters: dict = {}
+    outs, summary, fallbacks, copied = [], {}, {}, 0
+    for (gname, stored, src, changed), (tname, why, fell) in zip(sources, types):
+        if tname == stored.type_name and not changed:
+            outs.append(stored_output(stored))
+            copied += 1
+        elif stored.quantized and tname != stored.type_name:
+            raise CkptError(f"{f.path}: tensor {gname} is {stored.type_name}; requantizing it as {tname} loses "
+                            f"precision twice (llama-quantize refuses it without --allow-requantize): write "
+                            f"--to gguf-{mix.name} from the F16/BF16/F32 GGUF or the Hugging Face folder")
+        else:
+            outs.append(out_tensor(gname, src, int(T[tname]), tuple(stored.stored_shape), report, casters))
+        summary[(tname, why)] = summary.get((tname, why), 0) + 1
+        if fell:
+            fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
+    last = ("general.quantization_version", "general.file_type")
+    fields = [x for x in fields_from(header) if x.key not in last and not x.key.startswith("ckpt.")]
+    fields += [uint32("general.quantization_version", gguf.GGML_QUANT_VERSION),
+               uint32("general.file_type", gguf.LlamaFileType[mix.ftype]),
+               string("ckpt.version", __version__),
+               string("ckpt.operation", f"convert --to gguf-{mix.name}" + (" --pure" if pure else ""))]
+    counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
+    notes = [f"GGUF {arch} LLM -> {mix.label} as llama-quantize types it: {counts}; {copied} copied as stored"]
+    if (fb := fallback_note(fallbacks)) is not None:
+        notes.append(fb)
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
