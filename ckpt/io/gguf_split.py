@@ -190,4 +190,4 @@ def split_gguf_plan(plan: Plan, max_bytes: int) -> Plan:
         files.append(OutFile("", {}, ts, "gguf", archive=f.archive, fields=(base if i == 0 else []) + keys))
     return SplitPlan(single_file=True, files=files, indexes=dict(plan.indexes), copies=list(plan.copies),
                      json_edits=dict(plan.json_edits), generated=dict(plan.generated), notes=list(plan.notes),
-                     reader_threads=plan.reader_threads)
+                     busy_stage=plan.busy_stage)

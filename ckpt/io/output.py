@@ -119,10 +119,10 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
     try:
         stage.open()
         if plan.single_file:
-            _write_file(stage.tmp, plan.files[0], device, progress, stage.file(), plan.reader_threads)
+            _write_file(stage.tmp, plan.files[0], device, progress, stage.file(), plan.busy_stage)
         else:
             for f in plan.files:
-                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath), plan.reader_threads)
+                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath), plan.busy_stage)
             for rel, index in {**plan.indexes, **plan.generated}.items():
                 text = index if isinstance(index, str) else json.dumps(index, indent=2, sort_keys=True) + "\n"
                 stage.write_bytes(rel, text.encode())
@@ -144,7 +144,7 @@ def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress) -> 
     try:
         for stage, f in zip(stages, plan.files):
             stage.open()
-            _write_file(stage.tmp, f, device, progress, stage.file(), plan.reader_threads)
+            _write_file(stage.tmp, f, device, progress, stage.file(), plan.busy_stage)
         publish_set(stages, overwrite)
     except OSError as e:
         if e.errno == errno.ENOENT and any(s.lock_fd >= 0 for s in stages):
@@ -183,11 +183,11 @@ def _open_writer(path: Path, f, fd: int):
     return SafetensorsWriter(path, entries, f.metadata, fd=fd)
 
 
-def _write_file(path: Path, f, device, progress, fd: int, reader_threads: int | None = None) -> None:
+def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None = None) -> None:
     w = _open_writer(path, f, fd)
     pipe = None
     try:
-        pipe = WriteStages(w, device, progress, reader_threads=reader_threads)
+        pipe = WriteStages(w, device, progress, busy_stage=busy_stage)
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
             _stream_tensor(t, pipe, device)

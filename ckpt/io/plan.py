@@ -78,9 +78,9 @@ class Plan:
     json_edits: dict[str, Callable[[dict], dict]] = field(default_factory=dict)  # relpath -> edit of a copied JSON
     generated: dict[str, dict | str] = field(default_factory=dict)  # relpath -> JSON (a GGUF's config) or text (a model card)
     notes: list[str] = field(default_factory=list)
-    # torch threads of the reading stage where the reads are the work (a model merge: every core); None: its share
-    # (ckpt.io.write_stages.stage_threads)
-    reader_threads: int | None = None
+    # the write stage that holds the work and gets every core: "read" (a model merge: the reads merge), "compute"
+    # (K-quant GGUF: the cast encodes); None: each stage its share (ckpt.io.write_stages.stage_threads)
+    busy_stage: str | None = None
 
     @property
     def nbytes(self) -> int:

@@ -42,9 +42,10 @@ def stage_threads(cores: int) -> int:
     reader's own I/O, at least one. The reading and the compute stage each run torch ops (decode, merge;
     cast) at the same time, and two OpenMP teams that together ask for more threads than there are
     cores stall each other at every op's barrier (measured on 2 cores: 2 threads each made a convert 2x
-    slower in wall time and 3x in CPU time; 1 thread each was the fastest). Where the reads are the work and the
-    compute stage only casts (a model merge), `WriteStages(reader_threads=)` gives the reader more (a 1 GB TIES
-    merge: 27 s with 1 thread, 20 s with 2, on 2 cores)."""
+    slower in wall time and 3x in CPU time; 1 thread each was the fastest). Where one stage holds the work and the
+    other only moves bytes, `WriteStages(busy_stage=)` gives that stage every core: "read" for a model merge,
+    whose compute stage only casts (a 1 GB TIES merge: 27 s with 1 thread, 20 s with 2, on 2 cores), "compute"
+    for K-quant GGUF, whose reader only reads the source."""
     return max(1, (cores - 2) // 2)
 
 _STOP = object()
@@ -79,12 +80,13 @@ class WriteStages:
     waits for every band to be written (and raises what a stage raised); `abort()` stops the stages."""
 
     def __init__(self, writer, device: torch.device, progress=None, depth: int | None = None,
-                 reader_threads: int | None = None):
+                 busy_stage: str | None = None):
         self.writer, self.device, self.progress = writer, device, progress
         self.gpu = _CudaStreams(device) if device.type == "cuda" else None
         # Set before the stage threads start: torch gives each new thread the count current then.
-        self.threads_before = torch.get_num_threads()
-        torch.set_num_threads(stage_threads(self.threads_before))
+        self.threads_before = cores = torch.get_num_threads()
+        share = stage_threads(cores)
+        torch.set_num_threads(cores if busy_stage == "compute" else share)
         # Merges' matmuls run in the reading stage: full fp32 on CUDA, the caller's TF32 setting back after.
         self.exact = exact_fp32() if self.gpu else None
         if self.exact is not None:
@@ -100,8 +102,7 @@ class WriteStages:
                         threading.Thread(target=self._write_loop, name="ckpt-write", daemon=True)]
         for t in self.threads:
             t.start()
-        if reader_threads:  # the reads are the work (a model merge), the compute stage only casts
-            torch.set_num_threads(reader_threads)
+        torch.set_num_threads(cores if busy_stage == "read" else share)  # the reader: this thread
         self.open = True
 
     # ------------------------------------------------------------------------------------- reader side

@@ -295,7 +295,7 @@ def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
     for f in plan.files:
         if f.format == "safetensors":
             f.metadata[RECIPE_KEY] = report.recipe
-    plan.reader_threads = torch.get_num_threads()  # the merge runs in the reading stage: every core
+    plan.busy_stage = "read"  # the merge runs in the reading stage: every core
     if not plan.single_file:
         plan.copies = [(s, r) for s, r in plan.copies if PurePosixPath(r).name.lower() != "readme.md"]
         plan.generated["README.md"] = model_card(recipe, report.recipe)

@@ -60,19 +60,17 @@ class GGUF(Target):
                             "original layout)")
 
     def plan(self, ckpt, views, opts, report, file_format: str):
+        """An HF LLM folder as llama.cpp's GGUF (`gguf_llm_out`), any other model as ComfyUI-GGUF's (`gguf_out`);
+        then, for either, the parts of --max-shard-size."""
+        from ckpt.convert import gguf_llm_out
         from ckpt.convert.gguf_out import plan_gguf
 
-        import importlib
-        import importlib.util
-
-        pure = opts.pure
-        plan = None
-        if importlib.util.find_spec("ckpt.convert.gguf_llm_out") is not None:  # being written (issue 23)
-            gguf_llm_out = importlib.import_module("ckpt.convert.gguf_llm_out")
-            if gguf_llm_out.applies(ckpt, views):
-                plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, pure, report)
-        if plan is None:
-            plan = plan_gguf(ckpt, views, self.mix, pure, report)
+        if gguf_llm_out.applies(ckpt, views):
+            plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, opts.pure, report)
+        else:
+            plan = plan_gguf(ckpt, views, self.mix, opts.pure, report)
+        if self.heavy(opts, views):
+            plan.busy_stage = "compute"  # the encoders are the work; the reader only reads the source
         if opts.max_shard_size:  # every GGUF planner's one file, as llama.cpp's gguf-split parts
             from ckpt.io.gguf_split import split_gguf_plan
             from ckpt.io.plan import parse_size
