@@ -19,6 +19,23 @@ subprocesses timed with their peak RSS (`os.wait4`, see benchlib.py), all output
             and transformers load a GGUF), cast to bf16, `save_file`.
   check:    the two safetensors files are identical tensor by tensor.
 
+- bf16 Flux -> GGUF Q4_K_M (`--cases flux-q4_k_m`)
+  ckpt:     `ckpt convert SRC --to gguf-q4_k_m -o OUT` (one pass; K-quants by ckpt's torch encoders);
+  baseline: ComfyUI-GGUF's two steps: tools/convert.py's work (whole model loaded, BF16/F32 GGUF written by
+            `gguf.GGUFWriter`), then its patched `llama-quantize`. That patched binary cannot be built here (it
+            patches llama.cpp at tag b3962), so step 2 runs llama.cpp's own quantizer functions
+            (`quantize_q4_K` ... of ggml-quants.c, what llama-quantize calls; compiled by tests/helpers/ggml_ref)
+            on 2 threads over the mmapped intermediate, with the patch's per-tensor types, and writes the file
+            with `gguf.GGUFWriter`. Time and peak RSS: the two steps summed / the larger.
+  check:    same tensors, types and bytes.
+- bf16 Llama-shaped HF folder -> GGUF Q4_K_M (`--cases llm-q4_k_m`; sharded safetensors, config.json and a
+  SentencePiece tokenizer)
+  ckpt:     `ckpt convert DIR --to gguf-q4_k_m -o OUT`;
+  baseline: llama.cpp's two steps from the same sdist (llama-cpp-python 0.3.36): `convert_hf_to_gguf.py DIR
+            --outtype bf16` (its default keeps every tensor in memory until it writes), then
+            `llama_model_quantize(..., Q4_K_M, nthread=cores)`, the function `llama-quantize` runs.
+  check:    same tensors, types and bytes (only the `general.*` keys differ).
+
 Each case also times `cp` + `sync` of ckpt's output (ckpt's wall time is printed as a ratio of it) and
 checks ckpt's peak RSS against import baseline (`python -c "import torch"`, with a CUDA context for
 `--device cuda`) + 2x the largest tensor + the pipeline's buffers + 300 MB. `--device` is passed to ckpt
@@ -197,6 +214,197 @@ def compare_gguf(a: str, b: str) -> dict:
     return {"equal": True, "problem": None, "tensors": len(ta)}
 
 
+# ----------------------------------------------------------------------------- K-quant cases
+
+def _tests_on_path() -> None:
+    here = Path(__file__).resolve().parents[1] / "tests"
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+
+
+def image_type(name: str, shape) -> str:
+    """ComfyUI-GGUF's two steps for Flux at Q4_K_M (its convert.py, then img_tensor_get_type of its lcpp.patch),
+    written here apart from ckpt's code: the intermediate's type, then the quantized one."""
+    n = _numel(shape)
+    if len(shape) == 1 or n <= 1024:
+        return "F32"
+    if not name.endswith("weight") or len(shape) != 2 or any(k in name for k in KEEP):
+        return "BF16"
+    t = "Q5_K" if "attn.qkv.weight" in name else "Q4_K"  # fused QKV gets more bits in Q4_K_M
+    return t if shape[-1] % 256 == 0 else "F16"
+
+
+def to_bf16_gguf(src: str, dst: str) -> None:
+    """Step 1 of ComfyUI-GGUF: its convert.py's work (the whole model in memory; BF16, small/1-D tensors F32)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    sd = load_file(src)
+    w = gguf.GGUFWriter(dst, arch="flux")
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    for name, t in sd.items():
+        if len(t.shape) == 1 or t.numel() <= 1024:
+            w.add_tensor(name, t.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+        else:
+            w.add_tensor(name, t.view(__import__("torch").int16).numpy(), raw_shape=tuple(t.shape),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _fsync(dst)
+
+
+def quantize_c(src: str, dst: str, threads: int) -> None:
+    """Step 2, as llama-quantize does it: each tensor read from the mmapped intermediate, widened to fp32 and
+    quantized by ggml-quants.c's quantize_<type> on `threads` threads (row ranges), written by gguf.GGUFWriter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import gguf
+    import numpy as np
+
+    _tests_on_path()
+    from helpers import ggml_ref
+
+    lib = ggml_ref.library()
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch="flux")
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    ref = {"Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}
+    with ThreadPoolExecutor(threads) as pool:
+        for t in r.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            kind = image_type(t.name, shape)
+            if kind in ("F32", "BF16") or t.tensor_type != gguf.GGMLQuantizationType.BF16:
+                plain = np.float32 if t.tensor_type == gguf.GGMLQuantizationType.F32 else np.int16
+                w.add_tensor(t.name, np.ascontiguousarray(t.data).view(plain).reshape(shape), raw_shape=shape,
+                             raw_dtype=t.tensor_type)
+                continue
+            rows = shape[0]
+            x = (np.ascontiguousarray(t.data).view(np.uint16).reshape(rows, -1).astype(np.uint32) << 16).view(np.float32)
+            if kind == "F16":
+                w.add_tensor(t.name, x.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
+                continue
+            blk, size = ggml_ref.BLOCKS[ref[kind]]
+            out = np.empty((rows, shape[-1] // blk * size), dtype=np.uint8)
+            fn = getattr(lib, f"quantize_{ref[kind]}")
+            step = -(-rows // threads)
+
+            def part(a, x=x, out=out, fn=fn, n=shape[-1], rows=rows, step=step):
+                b = min(rows, a + step)
+                xa = np.ascontiguousarray(x[a:b])
+                fn(xa.ctypes.data, out[a:b].ctypes.data, b - a, n, None)
+
+            list(pool.map(part, range(0, rows, step)))
+            w.add_tensor(t.name, out, raw_shape=out.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _fsync(dst)
+
+
+def llm_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    """A Llama-shaped model of about `size_gb` in bf16: width 2048, 16 heads (4 KV heads), FFN 5632, vocab 32000,
+    as many layers as fit."""
+    h, ffn, vocab, kv = 2048, 5632, 32000, 512
+    per_layer = 2 * h * h + 2 * kv * h + 3 * h * ffn + 2 * h
+    layers = max(2, round((size_gb * 1e9 / 2 - 2 * vocab * h) / per_layer))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": ffn,
+           "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": vocab,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    specs = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                  (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                  (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                  (p + "mlp.gate_proj.weight", (ffn, h)), (p + "mlp.up_proj.weight", (ffn, h)),
+                  (p + "mlp.down_proj.weight", (h, ffn))]
+    specs += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return cfg, specs
+
+
+def write_llm(folder: str, size_gb: float) -> dict:
+    """The HF folder: config.json, a trained SentencePiece tokenizer (tests/helpers/hf_llm), safetensors shards of
+    at most 2 GB and their index, written header-first from a pool of random bf16 values."""
+    import torch
+
+    _tests_on_path()
+    from helpers.hf_llm import spm_tokenizer
+
+    d = Path(folder)
+    spm_tokenizer(d)
+    cfg, specs = llm_specs(size_gb)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator().manual_seed(0)
+    raw = (torch.randn(1 << 22, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    pool = memoryview(raw + raw)
+    plen = len(pool) // 2
+    shards, cur, size = [], [], 0
+    for name, shape in specs:
+        if cur and size + 2 * _numel(shape) > 2e9:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += 2 * _numel(shape)
+    shards.append(cur)
+    index, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, pos = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in shard:
+            n = 2 * _numel(shape)
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+            index[name] = fname
+        js = json.dumps(header, separators=(",", ":")).encode()
+        js += b" " * (-(8 + len(js)) % 8)
+        with open(d / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(js)) + js)
+            for i, (name, shape) in enumerate(shard):
+                n, start = 2 * _numel(shape), (i * 104729 * 2) % plen
+                while n:
+                    take = min(n, plen)
+                    f.write(pool[start:start + take])
+                    start = (start + take) % plen
+                    n -= take
+        total += pos
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                "weight_map": index}))
+    big = max(specs, key=lambda s: _numel(s[1]))
+    return {"bytes": total, "tensors": len(specs), "params": sum(_numel(s) for _, s in specs), "largest": big[0],
+            "largest_shape": list(big[1]), "layers": cfg["num_hidden_layers"]}
+
+
+def llama_two_steps(folder: str, mid: str, dst: str, threads: int) -> None:
+    """llama.cpp's way: convert_hf_to_gguf.py --outtype bf16 (a subprocess with its own gguf-py), then the
+    function llama-quantize runs, Q4_K_M."""
+    import subprocess
+
+    _tests_on_path()
+    from helpers.ggml_ref import llama_cpp_tree
+
+    tree = llama_cpp_tree()
+    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": "1"}
+    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), folder, "--outtype", "bf16", "--outfile",
+                    mid], check=True, env=env, cwd=str(tree), stdout=subprocess.DEVNULL)
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    p.nthread = threads
+    rc = llama_cpp.llama_model_quantize(mid.encode(), dst.encode(), p)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize failed ({rc})")
+    os.unlink(mid)
+    _fsync(dst)
+
+
 # ------------------------------------------------------------------------------------- driver
 
 def warm(path: Path) -> None:
@@ -215,8 +423,27 @@ def main(argv=None) -> int:
     ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--to-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--from-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    ap.add_argument("--cases", default="q8_0,flux-q4_k_m,llm-q4_k_m",
+                    help="comma-separated: q8_0 (both ways), flux-q4_k_m, llm-q4_k_m (default: all)")
     ap.add_argument("--compare-gguf", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
+    ap.add_argument("--to-bf16-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    ap.add_argument("--quantize-c", nargs=3, metavar=("SRC", "DST", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--generate-llm", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--llama-two-steps", nargs=4, metavar=("DIR", "MID", "DST", "THREADS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.to_bf16_gguf:
+        to_bf16_gguf(*a.to_bf16_gguf)
+        return 0
+    if a.quantize_c:
+        quantize_c(a.quantize_c[0], a.quantize_c[1], int(a.quantize_c[2]))
+        return 0
+    if a.generate_llm:
+        print(json.dumps(write_llm(a.generate_llm, a.size_gb)))
+        return 0
+    if a.llama_two_steps:
+        d, mid, dst, n = a.llama_two_steps
+        llama_two_steps(d, mid, dst, int(n))
+        return 0
     if a.generate:
         print(json.dumps(write_source(a.generate, a.size_gb)))
         return 0
@@ -244,48 +471,108 @@ def main(argv=None) -> int:
         Path(a.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         work = Path(tmp)
-        src = work / "flux-bf16.safetensors"
-        log(f"generating a {a.size_gb} GB bf16 Flux-shaped source ...")
-        info = json.loads(bl.run_py(__file__, "--generate", src, "--size-gb", a.size_gb).stdout.strip().splitlines()[-1])
-        warm(src)
-        outs = {}
-        for tool in ("ckpt", "baseline"):
-            dst = work / f"{tool}-Q8_0.gguf"
-            argv = (bl.ckpt_argv("convert", src, "--to", "gguf-q8_0", "-o", dst, *dev, "-q") if tool == "ckpt"
-                    else [sys.executable, __file__, "--to-gguf", src, dst])
-            log(f"bf16 -> GGUF Q8_0: {tool} ...")
-            m = bl.measure(argv)
-            outs[tool] = dst
-            rows.append(["bf16 -> GGUF Q8_0", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
-                         bl.fmt_mb(m.peak_rss)])
-            if tool == "ckpt":
-                yardstick("bf16 -> GGUF Q8_0", m, dst, 2 * _numel(info["largest_shape"]))
-        if not a.no_verify:
-            checks["to_gguf"] = json.loads(bl.run_py(__file__, "--compare-gguf", outs["ckpt"], outs["baseline"],
-                                                     check=False).stdout.strip().splitlines()[-1])
-        gguf_src = outs["ckpt"]
-        outs["baseline"].unlink()
-        warm(gguf_src)
-        back = {}
-        for tool in ("ckpt", "baseline"):
-            dst = work / f"{tool}-bf16.safetensors"
-            argv = (bl.ckpt_argv("convert", gguf_src, "--to", "bf16", "-o", dst, *dev, "-q") if tool == "ckpt"
-                    else [sys.executable, __file__, "--from-gguf", gguf_src, dst])
-            log(f"GGUF Q8_0 -> bf16: {tool} ...")
-            m = bl.measure(argv)
-            back[tool] = dst
-            rows.append(["GGUF Q8_0 -> bf16", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
-                         bl.fmt_mb(m.peak_rss)])
-            if tool == "ckpt":
-                yardstick("GGUF Q8_0 -> bf16", m, dst, 2 * _numel(info["largest_shape"]))
-        if not a.no_verify:
-            checks["from_gguf"] = bl.compare(back["ckpt"], back["baseline"])
+        cases = a.cases.split(",")
+        threads = os.cpu_count() or 1
+        info = llm = None
+        if "q8_0" in cases or "flux-q4_k_m" in cases:
+            src = work / "flux-bf16.safetensors"
+            log(f"generating a {a.size_gb} GB bf16 Flux-shaped source ...")
+            info = json.loads(bl.run_py(__file__, "--generate", src, "--size-gb", a.size_gb).stdout.strip().splitlines()[-1])
+        if "flux-q4_k_m" in cases:
+            warm(src)
+            case = "bf16 Flux -> GGUF Q4_K_M"
+            dst = work / "ckpt-Q4_K_M.gguf"
+            log(f"{case}: ckpt ...")
+            m = bl.measure(bl.ckpt_argv("convert", src, "--to", "gguf-q4_k_m", "-o", dst, *dev, "-q"))
+            rows.append([case, "ckpt", bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss)])
+            yardstick(case, m, dst, 2 * _numel(info["largest_shape"]))
+            mid, ref = work / "mid-BF16.gguf", work / "ref-Q4_K_M.gguf"
+            log(f"{case}: baseline (convert.py's step, then llama.cpp's quantizer) ...")
+            m1 = bl.measure([sys.executable, __file__, "--to-bf16-gguf", src, mid])
+            m2 = bl.measure([sys.executable, __file__, "--quantize-c", mid, ref, threads])
+            rows.append([case, "baseline: convert.py step (BF16 GGUF)", bl.fmt_gb(mid.stat().st_size),
+                         f"{m1.seconds:.1f}", bl.fmt_mb(m1.peak_rss)])
+            rows.append([case, f"baseline: llama.cpp quantizer, {threads} threads", bl.fmt_gb(ref.stat().st_size),
+                         f"{m2.seconds:.1f}", bl.fmt_mb(m2.peak_rss)])
+            rows.append([case, "baseline: both steps", bl.fmt_gb(ref.stat().st_size),
+                         f"{m1.seconds + m2.seconds:.1f}", bl.fmt_mb(max(m1.peak_rss, m2.peak_rss))])
+            verdicts[case]["lines"].append(f"{case}: ckpt {m.seconds:.1f} s vs the two steps {m1.seconds + m2.seconds:.1f} s "
+                                           f"(ratio {m.seconds / (m1.seconds + m2.seconds):.2f})")
+            if not a.no_verify:
+                checks["flux_q4_k_m"] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref,
+                                                             check=False).stdout.strip().splitlines()[-1])
+            for f in (dst, mid, ref):
+                f.unlink(missing_ok=True)
+        if "llm-q4_k_m" in cases:
+            case = "bf16 Llama HF folder -> GGUF Q4_K_M"
+            folder = work / "llm"
+            log(f"generating a {a.size_gb} GB bf16 Llama-shaped HF folder ...")
+            llm = json.loads(bl.run_py(__file__, "--generate-llm", folder, "--size-gb", a.size_gb).stdout.strip().splitlines()[-1])
+            info = info or llm
+            for f in sorted(folder.glob("*.safetensors")):
+                warm(f)
+            dst = work / "ckpt-llm-Q4_K_M.gguf"
+            log(f"{case}: ckpt ...")
+            m = bl.measure(bl.ckpt_argv("convert", folder, "--to", "gguf-q4_k_m", "-o", dst, *dev, "-q"))
+            rows.append([case, "ckpt", bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss)])
+            yardstick(case, m, dst, 2 * _numel(llm["largest_shape"]))
+            ref = work / "ref-llm-Q4_K_M.gguf"
+            log(f"{case}: baseline (convert_hf_to_gguf.py --outtype bf16, then llama-quantize's function) ...")
+            mb = bl.measure([sys.executable, __file__, "--llama-two-steps", folder, work / "mid-llm-BF16.gguf", ref,
+                             threads])
+            rows.append([case, f"baseline: convert_hf_to_gguf + llama-quantize ({threads} threads)",
+                         bl.fmt_gb(ref.stat().st_size), f"{mb.seconds:.1f}", bl.fmt_mb(mb.peak_rss)])
+            verdicts[case]["lines"].append(f"{case}: ckpt {m.seconds:.1f} s vs the two steps {mb.seconds:.1f} s "
+                                           f"(ratio {m.seconds / mb.seconds:.2f}); source {llm['layers']} layers")
+            if not a.no_verify:
+                checks["llm_q4_k_m"] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref,
+                                                            check=False).stdout.strip().splitlines()[-1])
+            shutil.rmtree(folder, ignore_errors=True)
+            for f in (dst, ref):
+                f.unlink(missing_ok=True)
+        if "q8_0" in cases:
+            warm(src)
+            outs = {}
+            for tool in ("ckpt", "baseline"):
+                dst = work / f"{tool}-Q8_0.gguf"
+                argv = (bl.ckpt_argv("convert", src, "--to", "gguf-q8_0", "-o", dst, *dev, "-q") if tool == "ckpt"
+                        else [sys.executable, __file__, "--to-gguf", src, dst])
+                log(f"bf16 -> GGUF Q8_0: {tool} ...")
+                m = bl.measure(argv)
+                outs[tool] = dst
+                rows.append(["bf16 -> GGUF Q8_0", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
+                             bl.fmt_mb(m.peak_rss)])
+                if tool == "ckpt":
+                    yardstick("bf16 -> GGUF Q8_0", m, dst, 2 * _numel(info["largest_shape"]))
+            if not a.no_verify:
+                checks["to_gguf"] = json.loads(bl.run_py(__file__, "--compare-gguf", outs["ckpt"], outs["baseline"],
+                                                         check=False).stdout.strip().splitlines()[-1])
+            gguf_src = outs["ckpt"]
+            outs["baseline"].unlink()
+            warm(gguf_src)
+            back = {}
+            for tool in ("ckpt", "baseline"):
+                dst = work / f"{tool}-bf16.safetensors"
+                argv = (bl.ckpt_argv("convert", gguf_src, "--to", "bf16", "-o", dst, *dev, "-q") if tool == "ckpt"
+                        else [sys.executable, __file__, "--from-gguf", gguf_src, dst])
+                log(f"GGUF Q8_0 -> bf16: {tool} ...")
+                m = bl.measure(argv)
+                back[tool] = dst
+                rows.append(["GGUF Q8_0 -> bf16", tool, bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}",
+                             bl.fmt_mb(m.peak_rss)])
+                if tool == "ckpt":
+                    yardstick("GGUF Q8_0 -> bf16", m, dst, 2 * _numel(info["largest_shape"]))
+            if not a.no_verify:
+                checks["from_gguf"] = bl.compare(back["ckpt"], back["baseline"])
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(bl.machine_lines()))
     print(f"device: {a.device}; files in {a.workdir or tempfile.gettempdir()} ({bl.where(a.workdir or tempfile.gettempdir())})")
     print(f"launcher RSS floor (every peak below includes it): {bl.fmt_mb(floor)} MB")
     print(f"source: {bl.fmt_gb(info['bytes'])} GB bf16, {info['tensors']} tensors, {info['params'] / 1e9:.2f} G "
           f"parameters, largest {info['largest']} {info['largest_shape']}\n")
+    if "llm-q4_k_m" in a.cases.split(",") and llm is not info:
+        print(f"LLM source: {bl.fmt_gb(llm['bytes'])} GB bf16, {llm['tensors']} tensors, {llm['layers']} layers, "
+              f"largest {llm['largest']} {llm['largest_shape']}\n")
     print(bl.markdown_table(["case", "tool", "output GB", "seconds", "peak RSS MB"], rows))
     print()
     for v in verdicts.values():
