@@ -295,3 +295,35 @@ def test_gguf_source_is_llama_quantize(name, mix, folders, registered, run_ckpt,
     assert ours["ckpt.operation"][0] == f"convert --to gguf-{mix}"
     assert_refused(run_ckpt, tmp_path, ("convert", tmp_path / "ckpt.gguf", "--to", "gguf-q8_0"),
                    str(tmp_path / "ckpt.gguf"), "requantizing it as Q8_0 loses precision twice")
+
+
+# ---- 7. merge-lora --to gguf-*: a PEFT LoRA merged on the way, into an HF base or a GGUF base
+
+
+def test_merge_lora_into_hf_and_gguf_bases(folders, run_ckpt, tmp_path):
+    """PEFT's merge_and_unload is the oracle: the merged model written as a GGUF from the HF base (f32: exact) and
+    from the F16 GGUF base (the changed tensors re-permuted and re-encoded, the others copied as stored) reads back
+    as PEFT's merged weights."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = folders["llama"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(1)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "down_proj"],
+                                            init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "lora")
+    merged = {k: v.detach().clone() for k, v in peft.merge_and_unload().state_dict().items()}
+    base16 = ckpt_gguf(run_ckpt, folder, "f16", tmp_path / "base-F16.gguf")
+    for base, to, tol in ((folder, "gguf-f32", 0.0), (base16, "gguf-f16", 2e-3)):
+        out = tmp_path / f"merged-{to}.gguf"
+        code, _, err = run_ckpt("merge-lora", base, tmp_path / "lora", "--to", to, "-o", out, "-q")
+        assert code == 0, err
+        code, _, err = run_ckpt("convert", out, "--to", "fp32", "-o", tmp_path / f"back-{to}", "-q")
+        assert code == 0, err
+        back = load_file(tmp_path / f"back-{to}" / "model.safetensors")
+        assert set(back) == set(merged)
+        for k, v in merged.items():
+            err = (back[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-9)
+            assert err <= tol, (to, k, err)
