@@ -1,0 +1,271 @@
+"""GPTQ (AutoGPTQ / GPTQModel / optimum packs) decoded by `ckpt dequant` and `ckpt convert`, bit for bit
+against the libraries' own CPU dequantization.
+
+Each test builds a tiny fp16 Llama here (no downloads), quantizes every Linear of its decoder layer with
+known scales, zero points and `g_idx` by AutoGPTQ's own `QuantLinear.pack`, and writes the folder
+AutoGPTQ / optimum save (safetensors + config.json `quantization_config`). Oracles (tests/helpers/gptq_ref.py):
+AutoGPTQ 0.7.1's QuantLinear torch path (its CPU dequantization: `qlinear_cuda_old` for sequential groups,
+`qlinear_cuda` where `g_idx` is permuted, since `cuda_old` ignores `g_idx`), and GPTQModel 7.7.0's safetensors
+dequantizer `convert_gptq_file` (restated in gptq_ref where gptqmodel is not installed: installed into the
+shared venv, it prints a banner to stdout and sets CUDA env variables whenever PEFT is imported, which broke
+other tests' JSON output; the restatement was checked equal to gptqmodel 7.7.0 on these cases). Where auto-gptq is not installed, AutoGPTQ's pack is
+restated from its source (`gptq_ref.restated_pack`) and the expected weight is the format's formula on the
+known integer codes; the test says which ran. The one place the two AutoGPTQ paths and GPTQModel disagree (a
+v1 asymmetric zero of 0, stored as -1, overflowing into its word) is tested against the masked decode
+(GPTQModel, and AutoGPTQ `cuda_old` for 2/4/8 bits): see `ckpt/quant/gptq.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import gptq_ref
+from helpers.refusals import assert_refused
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def _tiny(seed=0):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return cfg, transformers.LlamaForCausalLM(cfg).half()
+
+
+def _quant_params(n, k, bits, group, desc_act, sym, zero0, gen):
+    gs = k if group == -1 else group
+    G = math.ceil(k / gs)
+    g_idx = torch.arange(k) // gs
+    if desc_act:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    maxq = (1 << bits) - 1
+    scales = torch.rand(n, G, generator=gen) * 0.01 + 0.002
+    if sym:
+        zeros = torch.full((n, G), float((maxq + 1) // 2))
+    else:
+        zeros = torch.randint(0 if zero0 else 1, maxq + 1, (n, G), generator=gen).float()
+        if zero0:
+            zeros[::5, 0] = 0  # the v1 overflow: stored -1 sets every higher field of its word
+    q = torch.randint(0, maxq + 1, (n, k), generator=gen).float()
+    noise = (torch.rand(n, k, generator=gen) - 0.5) * 0.5
+    w = ((q - zeros[:, g_idx] + noise) * scales[:, g_idx]).half()
+    return w, scales, zeros, g_idx.to(torch.int32), q
+
+
+def build(folder, bits=4, group=32, desc_act=False, sym=False, fmt=None, zero0=False, seed=0):
+    """A GPTQ folder and {weight name: expected fp16 [out, in]} from the oracle; returns (expected, oracle)."""
+    cfg, model = _tiny(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    sd = dict(model.state_dict())
+    expected, oracle = {}, None
+    ql_cls = gptq_ref.autogptq_quantlinear("cuda" if desc_act else "cuda_old")
+    for lin_name in LINEARS:
+        name = f"model.layers.0.{lin_name}"
+        lin = model.get_submodule(name)
+        n, k = lin.weight.shape
+        w, scales, zeros, g_idx, _ = _quant_params(n, k, bits, group, desc_act, sym, zero0, gen)
+        lin.weight.data = w
+        if ql_cls is not None:
+            oracle = f"AutoGPTQ 0.7.1 qlinear_{'cuda' if desc_act else 'cuda_old'}"
+            ql = ql_cls(bits, group, k, n, bias=False)
+            ql.pack(lin, scales, zeros, g_idx)
+            packed = {"qweight": ql.qweight, "qzeros": ql.qzeros, "scales": ql.scales, "g_idx": ql.g_idx}
+            with torch.no_grad():
+                expected[f"{name}.weight"] = gptq_ref.autogptq_dequant(ql)
+        else:
+            oracle = "AutoGPTQ's pack restated (auto-gptq not installed)"
+            packed = gptq_ref.restated_pack(w, scales, zeros, g_idx.long(), bits)
+            s16 = packed["scales"].t()[:, g_idx.long()].float()  # the format's formula on the known integers
+            codes = torch.round((w.float() + (zeros * scales)[:, g_idx.long()]) / s16)
+            expected[f"{name}.weight"] = (s16 * (codes - zeros[:, g_idx.long()])).half()
+        if fmt == "gptq_v2":
+            packed["qzeros"] = gptq_ref.pack_zeros(zeros, bits, offset=0)
+        del sd[f"{name}.weight"]
+        for key, v in packed.items():
+            sd[f"{name}.{key}"] = v.contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym}
+    if fmt:
+        qc["checkpoint_format"] = fmt
+    config = cfg.to_dict() | {"quantization_config": qc, "torch_dtype": "float16"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return expected, oracle
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+CASES = [  # bits, group, desc_act, sym
+    (4, 32, False, False), (4, 32, True, False), (4, -1, False, True), (2, 32, False, False), (3, 32, False, False),
+    (3, 16, True, True), (8, 32, False, False), (8, -1, True, False), (2, -1, True, True),
+]
+
+
+@pytest.mark.parametrize("bits,group,desc_act,sym", CASES)
+def test_dequant_equals_autogptq_bit_for_bit(tmp_path, run_ckpt, bits, group, desc_act, sym):
+    expected, oracle = build(tmp_path / "q", bits, group, desc_act, sym)
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    assert not any(k.endswith((".qweight", ".qzeros", ".scales", ".g_idx")) for k in out)
+    for name, want in expected.items():
+        assert bits_equal(out[name], want), (oracle, name)
+    convert, which = gptq_ref.gptqmodel_convert()  # GPTQModel's own dequantizer on the same file
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    theirs = convert(tmp_path / "q" / "model.safetensors", torch.float16, qc, "cpu")
+    for name in expected:
+        assert bits_equal(out[name], theirs[name]), (which, name)
+
+
+def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
+    transformers = pytest.importorskip("transformers")
+    expected, _ = build(tmp_path / "q", 4, 32, True, False)
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "float16"
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True)
+    assert not any(info.values()), info
+    assert not getattr(model, "is_quantized", False)
+    for name, want in expected.items():
+        assert bits_equal(model.get_parameter(name).data.half(), want)
+    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp16", "-o", tmp_path / "c16", "-q")
+    assert code == 0, err
+    c16 = load_file(tmp_path / "c16" / "model.safetensors")
+    for name, want in expected.items():
+        assert bits_equal(c16[name], want), name
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "--to", "bf16", "-o", tmp_path / "b16", "-q")
+    assert code == 0, err
+    b16 = load_file(tmp_path / "b16" / "model.safetensors")
+    for name, want in expected.items():  # the fp16 values rounded once
+        assert torch.equal(b16[name], want.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_gptq_v2_zero_points_decode_like_v1(tmp_path, run_ckpt, bits):
+    expected, _ = build(tmp_path / "v1", bits, 32, False, False)
+    build(tmp_path / "v2", bits, 32, False, False, fmt="gptq_v2")
+    for v in ("v1", "v2"):
+        code, _, err = run_ckpt("dequant", tmp_path / v, "-o", tmp_path / f"{v}-plain", "-q")
+        assert code == 0, err
+        out = load_file(tmp_path / f"{v}-plain" / "model.safetensors")
+        for name, want in expected.items():
+            assert bits_equal(out[name], want), (v, name)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_v1_zero_of_zero_overflow_decodes_masked(tmp_path, run_ckpt, bits):
+    """A v1 asymmetric zero of 0 is packed as -1 and sets every higher field of its word; per field,
+    (field + 1) & mask gives 0 there. AutoGPTQ's `cuda_old` torch path computes that for 2/4/8 bits; its
+    3-bit path adds 1 after masking (8), so 3 bits is checked against GPTQModel's dequantizer only."""
+    expected, oracle = build(tmp_path / "q", bits, 32, False, False, zero0=True)
+    q = load_file(tmp_path / "q" / "model.safetensors")
+    assert any(int((v == -1).sum()) or int((v < 0).sum()) for k, v in q.items() if k.endswith(".qzeros"))
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    convert, which = gptq_ref.gptqmodel_convert()
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    theirs = convert(tmp_path / "q" / "model.safetensors", torch.float16, qc, "cpu")
+    for name in expected:
+        assert bits_equal(out[name], theirs[name]), (which, name)
+    if "AutoGPTQ 0.7.1" in oracle:
+        for name, want in expected.items():
+            same = bits_equal(out[name], want)
+            assert same if bits != 3 else not same, (oracle, name)  # 3 bits: AutoGPTQ gives z = 8 there
+
+
+def test_bands_read_only_their_columns(tmp_path):
+    """Any band of output rows equals the same rows of the whole tensor; a band reads only its columns."""
+    from ckpt.io import header
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.quant import gptq, logical_view
+
+    build(tmp_path / "q", 3, 32, True, False)
+    with open_checkpoint(str(tmp_path / "q")) as ck:
+        view = logical_view(ck.components[0])
+        t = view.tensors["model.layers.0.mlp.gate_proj.weight"]
+        assert isinstance(t, gptq.GptqWeight) and t.shape == (128, 64) and t.dtype == torch.float16
+        assert view.consumed["model.layers.0.mlp.gate_proj.g_idx"].startswith("group index")
+        cpu = torch.device("cpu")
+        whole = t.read(0, 128, cpu)
+        got, real = [], header.read_into
+
+        def counting(fd, buf, offset, path):
+            got.append(len(buf))
+            return real(fd, buf, offset, path)
+
+        header_read, gptq.read_into = gptq.read_into, counting
+        try:
+            for a, b in [(0, 5), (5, 37), (37, 100), (100, 128)]:
+                got.clear()
+                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (a, b)
+                words = 3 * (-(-b // 32) - a // 32)  # the 3-word blocks of zero points holding outputs a..b
+                assert sum(got) <= (b - a) * (6 * 4 + 2 * 2) + 2 * 4 * words, (a, b, sum(got))
+        finally:
+            gptq.read_into = header_read
+
+
+def test_quantize_config_json_beside_the_weights(tmp_path, run_ckpt):
+    """AutoGPTQ's own save: no quantization_config in config.json, `quantize_config.json` beside the weights."""
+    expected, _ = build(tmp_path / "q", 4, 32, False, True)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    (tmp_path / "q" / "quantize_config.json").write_text(json.dumps(cfg.pop("quantization_config")))
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    for name, want in expected.items():
+        assert bits_equal(out[name], want), name
+
+
+# --- bad input: one line, exit 2, nothing written -----------------------------------------------------
+
+L = "model.layers.0.self_attn.q_proj"
+
+
+def _edit(folder, tensors=None, drop=(), qc=None):
+    sd = load_file(folder / "model.safetensors")
+    for k in drop:
+        del sd[k]
+    sd.update(tensors or {})
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    if qc:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["quantization_config"].update(qc)
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+
+BAD = {
+    "scales shape": (dict(tensors={f"{L}.scales": torch.ones(3, 64, dtype=torch.float16)}), f"{L}.scales"),
+    "qzeros shape": (dict(tensors={f"{L}.qzeros": torch.zeros(2, 4, dtype=torch.int32)}), f"{L}.qzeros"),
+    "g_idx length": (dict(tensors={f"{L}.g_idx": torch.zeros(60, dtype=torch.int32)}), "does not pack the 60 inputs"),
+    "g_idx range": (dict(tensors={f"{L}.g_idx": torch.full((64,), 7, dtype=torch.int32)}), "outside [0, 2)"),
+    "bits disagree": (dict(qc={"bits": 8}), "but the config says bits 8"),
+    "unsupported bits": (dict(qc={"bits": 16}), "bits 16 is not supported"),
+    "planar 6-bit": (dict(qc={"bits": 6}), "planar layout"),
+    "marlin": (dict(qc={"checkpoint_format": "marlin"}), "Marlin-repacked"),
+    "unknown format": (dict(qc={"checkpoint_format": "foo"}), "unknown GPTQ checkpoint_format"),
+    "missing qzeros": (dict(drop=[f"{L}.qzeros"]), "is missing"),
+    "missing scales": (dict(drop=[f"{L}.scales"]), "is missing"),
+    "orphan g_idx": (dict(drop=[f"{L}.qweight"]), "has no"),
+    "float qweight": (dict(tensors={f"{L}.qweight": torch.zeros(8, 64)}), "expected I32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
+    edit, needle = BAD[case]
+    build(tmp_path / "q", 4, 32, False, False)
+    _edit(tmp_path / "q", **edit)
+    for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
+        assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)
