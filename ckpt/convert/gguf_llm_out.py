@@ -101,9 +101,10 @@ def _architecture(cfg: dict | None) -> str | None:
 
 
 def applies(ckpt, views) -> bool:
-    """An HF causal LM folder (its config.json names a `*ForCausalLM` class, or its tensors are a Llama-style
-    decoder's): the LLM exporter plans it, supported or not (an unsupported one is refused by name there, not
-    taken for a diffusion model)."""
+    """An HF causal LM folder (its config.json names a `*ForCausalLM` / `*LMHeadModel` /
+    `*ForConditionalGeneration` class, or its tensors are a Llama-style decoder's) or a llama.cpp LLM GGUF: the LLM
+    exporter plans it, supported or not (an unsupported one is refused by name there, not taken for a diffusion
+    model)."""
     if len(ckpt.components) != 1:
         return False
     comp = ckpt.components[0]
@@ -111,7 +112,7 @@ def applies(ckpt, views) -> bool:
         return True
     arch = _architecture(comp.config)
     if arch is not None:
-        return arch in EXPORTS or arch.endswith("ForCausalLM")
+        return arch in EXPORTS or arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
     return any(re.match(r"(model\.)?layers\.\d+\.self_attn\.q_proj\.", n) for n in views[0].tensors)
 
 
