@@ -30,21 +30,22 @@ class View:
 
 
 def _decoders():
-    from ckpt.quant import bnb, comfy_quant, fp8, gguf, gptq, quanto
+    from ckpt.quant import awq, bnb, comfy_quant, fp8, gguf, gptq, quanto
 
     return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) + list(fp8.DECODERS) \
-        + list(quanto.DECODERS) + list(gptq.DECODERS)
+        + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS)
 
 
 # Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today: GGUF,
 # ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), bitsandbytes NF4/FP4/LLM.int8, every FP8 layout, quanto,
-# GPTQ (when config.json or quantize_config.json says gptq): int packs left over are AWQ's or unlabelled.
+# GPTQ and AWQ (when config.json, quantize_config.json or quant_config.json names the method): int packs left
+# over have no config saying which they are.
 UNSUPPORTED = {
     "bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+|SCB)$"),
                      "data without the quant state or weight it belongs to"),
-    "AWQ/GPTQ int packs": (re.compile(r"\.(qweight|qzeros|g_idx)$"),
-                           "not supported here (ckpt decodes GPTQ packs whose config.json quantization_config or "
-                           "quantize_config.json says quant_method gptq; AWQ is not decoded yet)"),
+    "GPTQ/AWQ int packs": (re.compile(r"\.(qweight|qzeros|g_idx)$"),
+                           "no config.json quantization_config (or AutoGPTQ's quantize_config.json, AutoAWQ's "
+                           "quant_config.json) names quant_method gptq or awq, and the packs alone do not say which"),
 }
 
 

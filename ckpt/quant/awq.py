@@ -1,0 +1,207 @@
+"""AWQ integer packs (AutoAWQ; transformers and vLLM read the same files) decoded back to plain Linear weights.
+
+AutoAWQ writes 4-bit codes with zero points, a Linear `X` (out features N, in features K, group size g,
+G = K / g groups) in one of two packings, named by config.json `quantization_config.version`:
+- GEMM (`version: gemm`, nearly every AWQ model on the hub): `X.qweight` int32 [K, N / 8], eight outputs per
+  word in the interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i holds output 8c + order[i]);
+  `X.qzeros` int32 [G, N / 8] packed the same way; `X.scales` fp16 [G, N].
+- GEMV (`version: gemv`): `X.qweight` int32 [N, K / 8], eight inputs per word in natural order; `X.qzeros`
+  int32 [N, w] and `X.scales` fp16 [N, 8 w], with w = `calculate_zeros_width(K, g)`: ceil(G / 8) rounded up
+  to a multiple of 2 (g = 64) or 4 (g = 32); the columns past G are AutoAWQ's zero padding, read past.
+W[n, k] = scales[k / g, n] * (q[k, n] - z[k / g, n]) (GEMV: indexed [n, k / g]), zero points stored as they
+are (no offset), each field masked to 4 bits (AutoAWQ's packer does not clamp, its dequantizer masks). The
+value is computed as AutoAWQ's `dequantize_gemm` computes it, `(iweight - izeros) * scales` in fp16: the
+product is exact in float32, so one rounding to the scales' dtype gives its bits. AutoAWQ has no CPU GEMV
+dequantizer; GEMV decodes by the same formula on `WQLinear_GEMV.from_linear`'s layout.
+
+Config: config.json `quantization_config` (`quant_method: awq`, `bits`, `group_size`, `zero_point`,
+`version`) or older AutoAWQ's `quant_config.json` (`w_bit`, `q_group_size`, `zero_point`, `version`).
+Refused by name: other versions (GEMVFast, Marlin, exllama/ipex repacks are kernels' layouts), bits other
+than 4, and `zero_point: false` (AutoAWQ writes no such checkpoint).
+
+Bands: GEMM output rows are columns of every stored tensor (read with `read_columns`: only the words of the
+band); GEMV output rows are stored rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckpt.lazy import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
+from ckpt.quant.common import DecodeContext, Decoded, companion, quant_config, refuse
+from ckpt.quant.encoding import NoEncoder
+from ckpt.quant.gptq import read_columns  # column bands of stored tensors (a helper, not the GPTQ decoder)
+
+SIDE_CONFIG = "quant_config.json"  # AutoAWQ < 0.1.7 saved its config beside the weights
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i holds output order[i] of its word
+REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # output j sits in nibble REVERSE[j]
+LAYOUTS = ("gemm", "gemv")
+
+_NO_ENCODER = NoEncoder("AWQ", "AWQ is decoded only: ckpt has no AWQ encoder yet (merge without --keep-format "
+                               "for a plain file)")
+
+
+def zeros_width(k: int, group: int) -> int:
+    """AutoAWQ's `calculate_zeros_width`: int32 words of GEMV zero points per output row."""
+    mult = 1 if group >= 128 else {64: 2, 32: 4}.get(group)
+    if mult is None:
+        raise ValueError(group)
+    base = -(-(k // group) // 8)
+    return -(-base // mult) * mult
+
+
+def _nibbles(words: torch.Tensor, order=None) -> torch.Tensor:
+    """int32 words [R, C] -> their eight 4-bit fields [R, 8 C] (int32), field i of word c at 8 c + i, or at
+    the logical position `order` gives (GEMM's interleave undone)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    f = (words.unsqueeze(-1) >> shifts) & 15  # [R, C, 8], field i in [..., i]
+    if order is not None:
+        f = f[..., list(order)]
+    return f.reshape(words.shape[0], -1)
+
+
+class AwqGemmWeight(Wrapper):
+    """W [N, K] of an AutoAWQ GEMM Linear; `base` is `qweight` [K, N / 8]."""
+
+    encoding = _NO_ENCODER
+    row_align = 1
+
+    def __init__(self, name: str, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int):
+        self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
+        self.shape, self.home = (qweight.shape[1] * 8, qweight.shape[0]), qweight.home
+        self.dtype = self.natural = scales.dtype
+
+    def read(self, start, stop, device, scratch=None):
+        w0, w1 = start // 8, -(-stop // 8)
+        a, b = start - 8 * w0, stop - 8 * w0
+        q = _nibbles(read_columns(self.base, w0, w1, device), REVERSE)[:, a:b]  # [K, n]
+        z = _nibbles(read_columns(self.qzeros, w0, w1, device), REVERSE)[:, a:b]  # [G, n]
+        g = torch.arange(self.shape[1], device=device) // self.group
+        w = (q - z[g]).to(torch.float32)
+        w.mul_(read_columns(self.scales, start, stop, device)[g])  # exact: one rounding below
+        return w.to(self.dtype).T.contiguous()
+
+
+class AwqGemvWeight(Wrapper):
+    """W [N, K] of an AutoAWQ GEMV Linear; `base` is `qweight` [N, K / 8] (rows are output rows)."""
+
+    encoding = _NO_ENCODER
+    row_align = 1
+
+    def __init__(self, name: str, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int):
+        self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
+        self.shape, self.home = (qweight.shape[0], qweight.shape[1] * 8), qweight.home
+        self.dtype = self.natural = scales.dtype
+
+    def read(self, start, stop, device, scratch=None):
+        k = self.shape[1]
+        groups = k // self.group
+        q = _nibbles(self.base.read(start, stop, device, scratch))  # [n, K]
+        z = _nibbles(self.qzeros.read(start, stop, device))[:, :groups]
+        g = torch.arange(k, device=device) // self.group
+        w = (q - z[:, g]).to(torch.float32)
+        w.mul_(self.scales.read(start, stop, device)[:, :groups][:, g])
+        return w.to(self.dtype)
+
+
+def awq_config(ctx: DecodeContext) -> tuple[dict, str] | None:
+    """(bits, group_size, zero_point, version) as a dict, and where it came from; None when no config names
+    AWQ."""
+    qc = quant_config(ctx)
+    if str(qc.get("quant_method", "")).lower() == "awq":
+        return qc, "config.json quantization_config"
+    if qc:
+        return None
+    files = ctx.component.files
+    p = files[0].path.parent / SIDE_CONFIG if files else None
+    if p is None or not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise CkptError(f"{p}: not an AutoAWQ quant config (expected a JSON object); nothing was written") from None
+    if "w_bit" not in cfg and str(cfg.get("quant_method", "")).lower() != "awq":
+        return None
+    return {"bits": cfg.get("w_bit", cfg.get("bits")), "group_size": cfg.get("q_group_size", cfg.get("group_size")),
+            "zero_point": cfg.get("zero_point", True), "version": cfg.get("version", "gemm")}, str(p)
+
+
+def _settings(cfg: dict, where: str) -> tuple[int, str]:
+    version = str(cfg.get("version") or "gemm").lower()
+    if version not in LAYOUTS:
+        raise CkptError(f"{where}: AWQ version {version!r} is not a layout ckpt decodes (gemm, gemv); "
+                        "nothing was written")
+    bits = cfg.get("bits", 4)
+    if bits != 4 or isinstance(bits, bool):
+        raise CkptError(f"{where}: AWQ bits {bits!r} is not supported (AutoAWQ writes 4 bits); nothing was written")
+    if cfg.get("zero_point", True) is False:
+        raise CkptError(f"{where}: AWQ zero_point false is not supported (AutoAWQ writes zero points); "
+                        "nothing was written")
+    group = cfg.get("group_size", 128)
+    if isinstance(group, bool) or not isinstance(group, int) or (group != -1 and group <= 0):
+        raise CkptError(f"{where}: AWQ group_size {group!r} is neither -1 nor positive; nothing was written")
+    return group, version
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    """Every `X.qweight` of an AWQ checkpoint becomes `X.weight`, its qzeros and scales consumed, each shape
+    checked against the others and the config before anything is read."""
+    found = awq_config(ctx)
+    layers = [k[: -len(".qweight")] for k in ctx.remaining if k.endswith(".qweight")]
+    if found is None or not layers:
+        return None
+    cfg, where = found
+    group, version = _settings(cfg, where)
+    for key in ctx.remaining:
+        if key.endswith((".qzeros", ".g_idx")) and key.rsplit(".", 1)[0] not in layers:
+            raise refuse(ctx, key, f"AWQ {key!r} has no {key.rsplit('.', 1)[0] + '.qweight'!r}")
+    tensors, consumed, anchors = {}, {}, {}
+    for layer in layers:
+        qk, zk, sk = (f"{layer}.{s}" for s in ("qweight", "qzeros", "scales"))
+        if f"{layer}.g_idx" in ctx.remaining:
+            raise refuse(ctx, f"{layer}.g_idx", f"{layer + '.g_idx'!r} is a GPTQ group index, but the config says AWQ")
+        qw = companion(ctx, qk, "AWQ packed weight", dtypes=(torch.int32,))
+        if len(qw.shape) != 2:
+            raise refuse(ctx, qk, f"AWQ packed weight {qk!r} is {list(qw.shape)}; expected 2-D")
+        if version == "gemm":
+            k, n = qw.shape[0], qw.shape[1] * 8
+        else:
+            n, k = qw.shape[0], qw.shape[1] * 8
+        gs = k if group == -1 else group
+        if k % gs:
+            raise refuse(ctx, qk, f"AWQ {layer!r}: {k} inputs are not whole groups of {gs}")
+        groups = k // gs
+        if version == "gemm":
+            companion(ctx, sk, f"AWQ scales of {layer!r}", dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                      shape=(groups, n))
+            companion(ctx, zk, f"AWQ zero points of {layer!r}", dtypes=(torch.int32,), shape=(groups, n // 8))
+            cls = AwqGemmWeight
+        else:
+            try:
+                zw = zeros_width(k, gs)
+            except ValueError:
+                raise refuse(ctx, qk, f"AWQ GEMV {layer!r}: group size {gs} has no AutoAWQ GEMV layout "
+                                      "(32, 64 or 128 and up)") from None
+            companion(ctx, sk, f"AWQ scales of {layer!r}", dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                      shape=(n, zw * 8))
+            companion(ctx, zk, f"AWQ zero points of {layer!r}", dtypes=(torch.int32,), shape=(n, zw))
+            cls = AwqGemvWeight
+        name = f"{layer}.weight"
+        if name in ctx.remaining:
+            raise refuse(ctx, name, f"AWQ layer {layer!r} has both a plain {name!r} and packed {qk!r}")
+        tensors[name] = cls(name, qw, ctx.remaining[zk], ctx.remaining[sk], gs)
+        anchors[qk] = name
+        consumed[qk] = f"packed 4-bit codes of {name}"
+        consumed[zk] = f"zero points of {name}"
+        consumed[sk] = f"scales of {name}"
+    notes = [f"AWQ: decoded {len(tensors)} 4-bit {version.upper()} layer{'s' if len(tensors) != 1 else ''} ({where})"]
+    return Decoded(f"AWQ 4-bit {version.upper()}", tensors, consumed, notes=notes, anchors=anchors)
+
+
+DECODERS = [decode]

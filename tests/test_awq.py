@@ -1,0 +1,207 @@
+"""AWQ (AutoAWQ GEMM and GEMV packs) decoded by `ckpt dequant` / `ckpt convert`, bit for bit.
+
+A tiny fp16 Llama is built here (no downloads); every Linear of its decoder layer is packed by AutoAWQ
+0.2.9's own `WQLinear_GEMM.from_linear` / `WQLinear_GEMV.from_linear` with known scales and zero points, and
+saved as AutoAWQ saves (safetensors + config.json `quantization_config`, quant_method awq).
+
+Oracles: GEMM, AutoAWQ's CPU dequantizer `awq.utils.packing_utils.dequantize_gemm` (what `WQLinear_GEMM`'s
+forward runs without its CUDA/Triton kernels). GEMV: AutoAWQ has no CPU dequantizer (its forward needs
+`awq_ext`), so the expected weight is the AWQ formula scales * (code - zero) in fp16 on the integer codes
+`from_linear` itself computes (restated from its loop, vectorized), with no unpacking involved. Both
+checks also run on GEMM.
+
+autoawq 0.2.9 installs on the CPU machine only with `pip install --no-deps autoawq` (its dependencies would
+pull triton), and its package `__init__` imports `transformers` names gone in 5.x: `_awq()` registers an
+empty `awq` package so that `awq.modules.linear` and `awq.utils` import without it. Without autoawq the
+tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+
+import pytest
+import torch
+from helpers.refusals import assert_refused
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def _awq():
+    if not hasattr(sys.modules.get("awq"), "__path__"):
+        spec = importlib.util.find_spec("awq")
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip("autoawq is not installed (pip install --no-deps autoawq)")
+        pkg = types.ModuleType("awq")
+        pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["awq"] = pkg
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.modules.linear.gemv import WQLinear_GEMV
+    from awq.utils.packing_utils import dequantize_gemm
+
+    return WQLinear_GEMM, WQLinear_GEMV, dequantize_gemm
+
+
+def _tiny(hidden=64, inter=128):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return cfg, transformers.LlamaForCausalLM(cfg).half()
+
+
+def build(folder, version="gemm", group=32, hidden=64, inter=128, seed=1, spill=False):
+    """An AutoAWQ folder; returns {weight name: (oracle weight or None, formula weight)} in fp16 [out, in]."""
+    GEMM, GEMV, dequantize_gemm = _awq()
+    cfg, model = _tiny(hidden, inter)
+    gen = torch.Generator().manual_seed(seed)
+    sd, expected = dict(model.state_dict()), {}
+    for lin_name in LINEARS:
+        name = f"model.layers.0.{lin_name}"
+        lin = model.get_submodule(name)
+        n, k = lin.weight.shape
+        gs = k if group == -1 else group
+        G = k // gs
+        g = torch.arange(k) // gs
+        scales = torch.rand(n, G, generator=gen) * 0.01 + 0.002
+        zeros = torch.randint(0, 16, (n, G), generator=gen).float()
+        q = torch.randint(0, 16, (n, k), generator=gen).float()
+        noise = (torch.rand(n, k, generator=gen) - 0.5) * 0.5
+        if spill:  # codes past 15 or below 0: the packer does not clamp, the dequantizer masks per field
+            noise[::7, ::5] += 3.0
+        lin.weight.data = ((q - zeros[:, g] + noise) * scales[:, g]).half()
+        s16 = scales.half()
+        codes = torch.round((lin.weight.data.float() + (zeros * scales)[:, g]) / s16[:, g].float())
+        formula = None if spill else (s16[:, g].float() * (codes.long() - zeros[:, g].long()).float()).half()  # integer: no -0
+        if version == "gemm":
+            ql = GEMM.from_linear(lin, 4, gs, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
+            oracle = dequantize_gemm(ql.qweight, ql.qzeros, ql.scales, 4, gs).T.contiguous()
+        else:
+            ql = GEMV.from_linear(lin, 4, gs, scales=scales, zeros=zeros)
+            oracle = None
+        expected[f"{name}.weight"] = (oracle, formula)
+        del sd[f"{name}.weight"]
+        for key in ("qweight", "qzeros", "scales"):
+            sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    qc = {"quant_method": "awq", "zero_point": True, "group_size": group, "bits": 4, "version": version,
+          "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": qc,
+                                                                    "torch_dtype": "float16"}))
+    return expected
+
+
+def bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("version,group,hidden,spill", [
+    ("gemm", 32, 64, False), ("gemm", 64, 128, False), ("gemm", -1, 64, False), ("gemm", 32, 64, True),
+    ("gemv", 32, 64, False), ("gemv", 64, 128, False), ("gemv", 128, 128, False), ("gemv", 32, 512, False),
+])
+def test_dequant_equals_autoawq_bit_for_bit(tmp_path, run_ckpt, version, group, hidden, spill):
+    expected = build(tmp_path / "q", version, group, hidden, 2 * hidden, spill=spill)
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    assert not any(k.endswith((".qweight", ".qzeros", ".scales")) for k in out)
+    for name, (oracle, formula) in expected.items():
+        if oracle is not None:
+            assert bits_equal(out[name], oracle), ("AutoAWQ dequantize_gemm", name)
+        if formula is not None:
+            assert bits_equal(out[name], formula), ("scales * (code - zero) on from_linear's codes", name)
+
+
+def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
+    transformers = pytest.importorskip("transformers")
+    expected = build(tmp_path / "q", "gemm", 32)
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in config
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True)
+    assert not any(info.values()), info
+    for name, (oracle, _) in expected.items():
+        assert bits_equal(model.get_parameter(name).data.half(), oracle)
+    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp16", "-o", tmp_path / "c16", "-q")
+    assert code == 0, err
+    c16 = load_file(tmp_path / "c16" / "model.safetensors")
+    for name, (oracle, _) in expected.items():
+        assert bits_equal(c16[name], oracle), name
+
+
+def test_gemm_bands_equal_the_whole(tmp_path):
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.quant import awq, logical_view
+
+    for version in ("gemm", "gemv"):
+        build(tmp_path / version, version, 32)
+        with open_checkpoint(str(tmp_path / version)) as ck:
+            t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.up_proj.weight"]
+            assert isinstance(t, awq.AwqGemmWeight if version == "gemm" else awq.AwqGemvWeight)
+            cpu = torch.device("cpu")
+            whole = t.read(0, 128, cpu)
+            for a, b in [(0, 3), (3, 21), (21, 100), (100, 128)]:
+                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (version, a, b)
+
+
+def test_old_autoawq_quant_config_json(tmp_path, run_ckpt):
+    expected = build(tmp_path / "q", "gemm", 32)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "q" / "quant_config.json").write_text(json.dumps(
+        {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}))
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    for name, (oracle, _) in expected.items():
+        assert bits_equal(out[name], oracle), name
+
+
+# --- bad input: one line, exit 2, nothing written -----------------------------------------------------
+
+L = "model.layers.0.self_attn.q_proj"
+
+
+def _edit(folder, tensors=None, drop=(), qc=None):
+    sd = load_file(folder / "model.safetensors")
+    for k in drop:
+        del sd[k]
+    sd.update(tensors or {})
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    if qc:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["quantization_config"].update(qc)
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+
+BAD = {
+    "scales shape": (dict(tensors={f"{L}.scales": torch.ones(3, 64, dtype=torch.float16)}), f"{L}.scales"),
+    "qzeros shape": (dict(tensors={f"{L}.qzeros": torch.zeros(2, 4, dtype=torch.int32)}), f"{L}.qzeros"),
+    "groups": (dict(qc={"group_size": 48}), "not whole groups of 48"),
+    "gemv layout of a gemm file": (dict(qc={"version": "gemv"}), "AWQ scales of"),
+    "gemv_fast": (dict(qc={"version": "gemv_fast"}), "AWQ version 'gemv_fast'"),
+    "bits": (dict(qc={"bits": 8}), "AWQ bits 8 is not supported"),
+    "no zero points": (dict(qc={"zero_point": False}), "zero_point false"),
+    "missing scales": (dict(drop=[f"{L}.scales"]), "is missing"),
+    "missing qzeros": (dict(drop=[f"{L}.qzeros"]), "is missing"),
+    "g_idx": (dict(tensors={f"{L}.g_idx": torch.zeros(64, dtype=torch.int32)}), "GPTQ group index"),
+    "orphan qzeros": (dict(drop=[f"{L}.qweight"]), "has no"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
+    edit, needle = BAD[case]
+    build(tmp_path / "q", "gemm", 32)
+    _edit(tmp_path / "q", **edit)
+    for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
+        assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)
