@@ -279,3 +279,34 @@ def comfy_hunyuan_video(original: dict, norm: str = "weight") -> dict:
     out = {comfy_hunyuan_video_key(k, norm): v for k, v in original.items()}
     assert len(out) == len(original)
     return out
+
+
+# ------------------------------------------------------------------------------ Wan original names
+
+WAN_INVERSE = [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+               ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+               ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+               ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+               ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
+               (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+               ("norm2", "norm_swap"), ("norm3", "norm2"), ("norm_swap", "norm3")]
+
+
+def wan_original_layout(model) -> dict:
+    """Wan's original (Wan-AI / ComfyUI) names for a diffusers WanTransformer3DModel, bf16, non-trivial values;
+    checked against diffusers' own convert_wan_transformer_to_diffusers by the caller."""
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for k, v in model.state_dict().items():
+        n = k
+        for a, b in WAN_INVERSE:
+            n = n.replace(a, b)
+        if n == "scale_shift_table":
+            n = "head.modulation"
+        elif n.endswith(".scale_shift_table"):
+            n = n[: -len("scale_shift_table")] + "modulation"
+        elif n.startswith("proj_out."):
+            n = "head.head." + n[len("proj_out."):]
+        out[n] = (v.detach() + torch.randn(v.shape, generator=g) * 0.05).to(torch.bfloat16)
+    return out

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import save_file
 
-from test_gguf_write import wan_original_layout
+from families_util import wan_original_layout
 
 pytest.importorskip("diffusers")
 

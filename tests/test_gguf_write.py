@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 from helpers.flux_names import rnd, tiny_flux
+from families_util import wan_original_layout
 
 TARGETS = {"gguf-q8_0": T.Q8_0, "gguf-q4_0": T.Q4_0, "gguf-q4_1": T.Q4_1, "gguf-q5_0": T.Q5_0, "gguf-q5_1": T.Q5_1,
            "gguf-bf16": T.BF16, "gguf-f16": T.F16}
@@ -175,35 +176,6 @@ def test_wan_gguf_loads_in_diffusers(tmp_path, run_ckpt):
             assert torch.equal(dequantize_gguf_tensor(v).reshape(ours[k].shape), want), k
         else:
             assert torch.equal(v.float(), ours[k]), k
-
-
-WAN_INVERSE = [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-               ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-               ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-               ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-               ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
-               (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
-               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
-               ("norm2", "norm_swap"), ("norm3", "norm2"), ("norm_swap", "norm3")]
-
-
-def wan_original_layout(model) -> dict:
-    """Wan's original (Wan-AI / ComfyUI) names for a diffusers WanTransformer3DModel, bf16, non-trivial values;
-    checked against diffusers' own convert_wan_transformer_to_diffusers by the caller."""
-    g = torch.Generator().manual_seed(3)
-    out = {}
-    for k, v in model.state_dict().items():
-        n = k
-        for a, b in WAN_INVERSE:
-            n = n.replace(a, b)
-        if n == "scale_shift_table":
-            n = "head.modulation"
-        elif n.endswith(".scale_shift_table"):
-            n = n[: -len("scale_shift_table")] + "modulation"
-        elif n.startswith("proj_out."):
-            n = "head.head." + n[len("proj_out."):]
-        out[n] = (v.detach() + torch.randn(v.shape, generator=g) * 0.05).to(torch.bfloat16)
-    return out
 
 
 def test_gguf_rewritten_byte_for_byte(tmp_path):

@@ -92,7 +92,7 @@ def rules_for(names: list[str], shapes: dict) -> Rules:
             return Rules(arch, f32=g.f32, keep=m.family.high_precision.get(layout, ()), reshape=g.reshape,
                          ignore=g.ignore, where=f"the {m.family.family_id} family module (ckpt/families)")
     raise CkptError(f"not a diffusion model ComfyUI-GGUF knows (its architectures: {', '.join(known_archs())}); "
-                    "llama.cpp LLM GGUFs are written by llama.cpp's convert_hf_to_gguf.py")
+                    "an LLM is exported from its Hugging Face folder (config.json, tokenizer)")
 
 
 def known_archs() -> list[str]:
