@@ -228,6 +228,18 @@ def test_quantize_config_json_beside_the_weights(tmp_path, run_ckpt):
         assert bits_equal(out[name], want), name
 
 
+def test_sequential_groups_without_g_idx(tmp_path, run_ckpt):
+    """GPTQ-for-LLaMa-era files without `g_idx` (no act-order): inputs grouped in order by group_size."""
+    expected, _ = build(tmp_path / "q", 4, 32, False, False)
+    _edit(tmp_path / "q", drop=[k for k in load_file(tmp_path / "q" / "model.safetensors") if k.endswith(".g_idx")])
+    code, out, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain")
+    assert code == 0, err
+    assert "have no g_idx" in out + err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    for name, want in expected.items():
+        assert bits_equal(out[name], want), name
+
+
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------
 
 L = "model.layers.0.self_attn.q_proj"
@@ -251,6 +263,7 @@ BAD = {
     "g_idx length": (dict(tensors={f"{L}.g_idx": torch.zeros(60, dtype=torch.int32)}), "does not pack the 60 inputs"),
     "g_idx range": (dict(tensors={f"{L}.g_idx": torch.full((64,), 7, dtype=torch.int32)}), "outside [0, 2)"),
     "bits disagree": (dict(qc={"bits": 8}), "but the config says bits 8"),
+    "group_size disagrees": (dict(qc={"group_size": 64}), "expected a floating dtype, shape ["),
     "unsupported bits": (dict(qc={"bits": 16}), "bits 16 is not supported"),
     "planar 6-bit": (dict(qc={"bits": 6}), "planar layout"),
     "marlin": (dict(qc={"checkpoint_format": "marlin"}), "Marlin-repacked"),
@@ -258,6 +271,7 @@ BAD = {
     "missing qzeros": (dict(drop=[f"{L}.qzeros"]), "is missing"),
     "missing scales": (dict(drop=[f"{L}.scales"]), "is missing"),
     "orphan g_idx": (dict(drop=[f"{L}.qweight"]), "has no"),
+    "act-order without g_idx": (dict(drop=[f"{L}.g_idx"], qc={"desc_act": True}), "which desc_act (act-order) needs"),
     "float qweight": (dict(tensors={f"{L}.qweight": torch.zeros(8, 64)}), "expected I32"),
 }
 

@@ -276,6 +276,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         if len(qw.shape) != 2:
             raise refuse(ctx, qk, f"GPTQ packed weight {qk!r} is {list(qw.shape)}; expected 2-D [in * bits / 32, out]")
         g_idx = ctx.remaining.get(gk)
+        if g_idx is None and cfg.get("desc_act"):
+            raise refuse(ctx, qk, f"GPTQ {layer!r} has no group index {gk!r}, which desc_act (act-order) needs")
         if g_idx is not None:
             companion(ctx, gk, f"GPTQ group index of {layer!r}", dtypes=(torch.int32, torch.int64))
             if len(g_idx.shape) != 1:
