@@ -1,7 +1,8 @@
 """README's quick start runs as written: each `ckpt ...` line of its first code block, in order, in one
 folder holding tiny files with the names it uses (a Flux.1 transformer in its original layout, the same
 in plain fp8, a kohya LoRA for it, a quanto training checkpoint), exits 0 and writes what its comment says.
-Oracles: torch's fp8 -> bf16 cast, gguf's reader, the kohya merge formula W + (alpha / rank) * up @ down,
+A tiny Mistral folder with a SentencePiece tokenizer stands for the LLM. Oracles: torch's fp8 -> bf16 cast, gguf's
+reader, the kohya merge formula W + (alpha / rank) * up @ down,
 optimum-quanto's `.dequantize()`."""
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def make_inputs(d: Path) -> dict:
     save_file(lin.state_dict(), ck / "diffusion_pytorch_model.safetensors")
     (ck / "quanto_qmap.json").write_text(json.dumps(quantization_map(lin)))
     (ck / "config.json").write_text("{}")
+
+    from helpers.hf_llm import model_folder
+
+    model_folder(d / "Mistral-7B-v0.3", "mistral")  # tiny, with a SentencePiece tokenizer trained in the test
     return {"original": original, "fp8": fp8, "delta": 0.5 * up @ down, "quanto": lin[0].weight.dequantize()}
 
 
@@ -73,8 +78,12 @@ def test_quick_start_runs_as_written(tmp_path):
 
     import gguf
 
-    names = {t.name for t in gguf.GGUFReader(tmp_path / "flux1-dev-Q8_0.gguf").tensors}
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "flux1-dev-Q4_K_M.gguf").tensors}
     assert names == set(want["original"])
+    llm = gguf.GGUFReader(tmp_path / "Mistral-7B-v0.3-Q4_K_M.gguf")
+    assert llm.fields["general.architecture"].contents() == "llama"
+    assert llm.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert "tokenizer.ggml.tokens" in llm.fields
     merged = load_file(tmp_path / "flux1-dev-merged.safetensors")
     k = "double_blocks.0.img_attn.proj.weight"
     torch.testing.assert_close(merged[k], want["original"][k] + want["delta"], rtol=0, atol=1e-6)
