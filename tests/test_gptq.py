@@ -59,14 +59,16 @@ def _quant_params(n, k, bits, group, desc_act, sym, zero0, gen):
     return w, scales, zeros, g_idx.to(torch.int32), q
 
 
-def build(folder, bits=4, group=32, desc_act=False, sym=False, fmt=None, zero0=False, seed=0):
+def build(folder, bits=4, group=32, desc_act=False, sym=False, fmt=None, zero0=False, seed=0, overrides=None):
     """A GPTQ folder and {weight name: expected fp16 [out, in]} from the oracle; returns (expected, oracle)."""
     cfg, model = _tiny(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     sd = dict(model.state_dict())
     expected, oracle = {}, None
     ql_cls = gptq_ref.autogptq_quantlinear("cuda" if desc_act else "cuda_old")
+    base = (bits, group)
     for lin_name in LINEARS:
+        bits, group = (overrides or {}).get(lin_name, base)
         name = f"model.layers.0.{lin_name}"
         lin = model.get_submodule(name)
         n, k = lin.weight.shape
@@ -92,7 +94,7 @@ def build(folder, bits=4, group=32, desc_act=False, sym=False, fmt=None, zero0=F
             sd[f"{name}.{key}"] = v.contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym}
+    qc = {"quant_method": "gptq", "bits": base[0], "group_size": base[1], "desc_act": desc_act, "sym": sym}
     if fmt:
         qc["checkpoint_format"] = fmt
     config = cfg.to_dict() | {"quantization_config": qc, "torch_dtype": "float16"}
@@ -226,6 +228,22 @@ def test_quantize_config_json_beside_the_weights(tmp_path, run_ckpt):
     out = load_file(tmp_path / "plain" / "model.safetensors")
     for name, want in expected.items():
         assert bits_equal(out[name], want), name
+
+
+def test_gptqmodel_dynamic_per_module_bits(tmp_path, run_ckpt):
+    """GPTQModel's `dynamic` overrides: per-module bits and group size, read from each module's shapes."""
+    over = {"mlp.down_proj": (8, 64), "self_attn.k_proj": (2, -1)}
+    expected, oracle = build(tmp_path / "q", 4, 32, False, False, overrides=over)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["dynamic"] = {r"+:.*mlp\.down_proj": {"bits": 8, "group_size": 64},
+                                             r"+:.*k_proj": {"bits": 2, "group_size": -1}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain")
+    assert code == 0, err
+    assert "2+4+8-bit" in out + err
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    for name, want in expected.items():
+        assert bits_equal(plain[name], want), (oracle, name)
 
 
 def test_sequential_groups_without_g_idx(tmp_path, run_ckpt):
