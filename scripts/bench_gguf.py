@@ -308,8 +308,9 @@ def quantize_c(src: str, dst: str, threads: int) -> None:
 
 def llm_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     """A Llama-shaped model of about `size_gb` in bf16: width 2048, 16 heads (4 KV heads), FFN 5632, vocab 32000,
-    as many layers as fit."""
-    h, ffn, vocab, kv = 2048, 5632, 32000, 512
+    as many layers as fit (below 1 GB, for the test of this script: width 256, FFN 768, vocab 4096)."""
+    h, ffn, vocab = (2048, 5632, 32000) if size_gb >= 1 else (256, 768, 4096)
+    kv = h // 4
     per_layer = 2 * h * h + 2 * kv * h + 3 * h * ffn + 2 * h
     layers = max(2, round((size_gb * 1e9 / 2 - 2 * vocab * h) / per_layer))
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": ffn,
