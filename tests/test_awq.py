@@ -162,6 +162,7 @@ def test_old_autoawq_quant_config_json(tmp_path, run_ckpt):
     code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
     assert code == 0, err
     out = load_file(tmp_path / "plain" / "model.safetensors")
+    assert not (tmp_path / "plain" / "quant_config.json").exists()  # the weights are no longer quantized
     for name, (oracle, _) in expected.items():
         assert bits_equal(out[name], oracle), name
 

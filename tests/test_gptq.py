@@ -226,6 +226,7 @@ def test_quantize_config_json_beside_the_weights(tmp_path, run_ckpt):
     code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
     assert code == 0, err
     out = load_file(tmp_path / "plain" / "model.safetensors")
+    assert not (tmp_path / "plain" / "quantize_config.json").exists()  # the weights are no longer quantized
     for name, want in expected.items():
         assert bits_equal(out[name], want), name
 

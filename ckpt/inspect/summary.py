@@ -329,8 +329,8 @@ def _warnings(tensors, enc, src: str) -> list[str]:
         out.append(f"{plural(n, 'tensor')} stored as {kind}{also}: trainers cannot compute with fp8 weights "
                    f"('expected m1 and m2 to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
     for label, n in enc.quantized.items():
-        hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith(("optimum-quanto", "bitsandbytes")) \
-            else "ckpt cannot decode this layout"
+        hint = f"`ckpt dequant {src}` writes plain weights" \
+            if label.startswith(("optimum-quanto", "bitsandbytes", "GPTQ", "AWQ")) else "ckpt cannot decode this layout"
         extra = ("; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' "
                  "before)") if label.startswith("optimum-quanto") else ""
         out.append(f"{plural(n, 'quantized weight')} ({label}): loaders without that library cannot use "

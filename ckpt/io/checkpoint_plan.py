@@ -23,7 +23,7 @@ from ckpt.io.writer import layout as header_layout
 from ckpt.io.plan import OutFile, OutTensor, Plan, output_name, plan_files, safetensors_name, weight_file
 from ckpt.io.plan import index_name as plan_index_name
 
-QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json")
+QUANT_SIDECARS = ("quanto_qmap.json", "hf_quant_config.json", "quantize_config.json", "quant_config.json")
 
 
 def provenance(operation: str) -> dict[str, str]:

@@ -159,8 +159,8 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if x.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     if ours is not None:
-        # NaN/Inf (counted by the caller) would make the block scales NaN and the codes undefined, as in ggml's
-        # C; they are encoded as 0 and the largest finite float32 instead, so the rest of the block survives
+        # NaN/Inf (counted by the caller) make ggml's C block math undefined; a NaN is encoded as 0 (the rest of its
+        # block survives), an Inf as the largest finite float32 (its block's fp16 scale then overflows, as in C)
         x = torch.nan_to_num(x, nan=0.0)
         return ours(x.reshape(-1, row)).reshape(-1).cpu()
     rows = x.numpy().reshape(-1, row)
