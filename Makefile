@@ -16,6 +16,9 @@ $(BIN)/ckpt: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
+	# GPTQ/AWQ oracles: their packers and CPU dequantizers, imported by file in the tests; their declared
+	# dependencies would pull another torch (auto-gptq) or triton (autoawq), which the tests do not need
+	$(BIN)/pip install -q --no-deps "auto-gptq==0.7.1" "autoawq==0.2.9"
 	touch $(BIN)/ckpt
 
 setup: $(BIN)/ckpt
