@@ -190,7 +190,7 @@ def test_bands_read_only_their_columns(tmp_path):
     """Any band of output rows equals the same rows of the whole tensor; a band reads only its columns."""
     from ckpt.io import header
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import gptq, logical_view
+    from ckpt.quant import common, gptq, logical_view
 
     build(tmp_path / "q", 3, 32, True, False)
     with open_checkpoint(str(tmp_path / "q")) as ck:
@@ -206,7 +206,7 @@ def test_bands_read_only_their_columns(tmp_path):
             got.append(len(buf))
             return real(fd, buf, offset, path)
 
-        header_read, gptq.read_into = gptq.read_into, counting
+        header_read, common.read_into = common.read_into, counting  # read_columns' preads
         try:
             for a, b in [(0, 5), (5, 37), (37, 100), (100, 128)]:
                 got.clear()
@@ -214,7 +214,7 @@ def test_bands_read_only_their_columns(tmp_path):
                 words = 3 * (-(-b // 32) - a // 32)  # the 3-word blocks of zero points holding outputs a..b
                 assert sum(got) <= (b - a) * (6 * 4 + 2 * 2) + 2 * 4 * words, (a, b, sum(got))
         finally:
-            gptq.read_into = header_read
+            common.read_into = header_read
 
 
 def test_quantize_config_json_beside_the_weights(tmp_path, run_ckpt):

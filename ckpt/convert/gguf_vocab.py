@@ -160,14 +160,9 @@ def _does_token_look_special(token) -> bool:
             or (text.startswith("<unused") and text.endswith(">")))
 
 
-def _sentencepiece(folder: Path, hparams: dict):
-    """_create_vocab_sentencepiece: (tokens, scores, types)."""
-    from sentencepiece import SentencePieceProcessor
-
-    sp = SentencePieceProcessor()
-    sp.LoadFromFile(str(folder / "tokenizer.model"))
-    vocab_size = next((hparams[k] for k in ("vocab_size_per_layer_input", "vocab_size") if k in hparams), None) \
-        or sp.vocab_size()
+def _spm_pieces(sp, vocab_size: int, folder: Path):
+    """What both of the reference's SentencePiece readers start from: `vocab_size` slots of `[PADi]` (UNUSED),
+    the model's pieces with their scores and kinds, then added_tokens.json (USER_DEFINED)."""
     tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
     scores = [-10000.0] * vocab_size
     types = [UNUSED] * vocab_size
@@ -187,6 +182,18 @@ def _sentencepiece(folder: Path, hparams: dict):
         for key, i in json.loads(added.read_text(encoding="utf-8")).items():
             if i < vocab_size:
                 tokens[i], scores[i], types[i] = key.encode("utf-8"), -1000.0, USER_DEFINED
+    return tokens, scores, types
+
+
+def _sentencepiece(folder: Path, hparams: dict):
+    """_create_vocab_sentencepiece: (tokens, scores, types)."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    vocab_size = next((hparams[k] for k in ("vocab_size_per_layer_input", "vocab_size") if k in hparams), None) \
+        or sp.vocab_size()
+    tokens, scores, types = _spm_pieces(sp, vocab_size, folder)
     config = folder / "tokenizer_config.json"
     if config.is_file():
         for i, data in json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder", {}).items():
@@ -338,25 +345,7 @@ def _phi3_sentencepiece(folder: Path, hparams: dict):
     if sp.vocab_size() > vocab_size:
         raise CkptError(f"{folder}: tokenizer.model has {sp.vocab_size()} pieces, more than the model's vocab_size "
                         f"{vocab_size}")
-    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
-    scores = [-10000.0] * vocab_size
-    types = [UNUSED] * vocab_size
-    for i in range(sp.vocab_size()):
-        t = NORMAL
-        if sp.IsUnknown(i):
-            t = UNKNOWN
-        elif sp.IsControl(i):
-            t = CONTROL
-        elif sp.IsUnused(i):
-            t = UNUSED
-        elif sp.IsByte(i):
-            t = BYTE
-        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), t
-    added = folder / "added_tokens.json"
-    if added.is_file():
-        for key, i in json.loads(added.read_text(encoding="utf-8")).items():
-            if i < vocab_size:
-                tokens[i], scores[i], types[i] = key.encode("utf-8"), -1000.0, USER_DEFINED
+    tokens, scores, types = _spm_pieces(sp, vocab_size, folder)
     entries = []
     if (folder / "tokenizer_config.json").is_file():
         decoder = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder", {})

@@ -19,22 +19,19 @@ Config: config.json `quantization_config` (`quant_method: awq`, `bits`, `group_s
 Refused by name: other versions (GEMVFast, Marlin, exllama/ipex repacks are kernels' layouts), bits other
 than 4, and `zero_point: false` (AutoAWQ writes no such checkpoint).
 
-Bands: GEMM output rows are columns of every stored tensor (read with `read_columns`: only the words of the
+Bands: GEMM output rows are columns of every stored tensor (read with `common.read_columns`: only the words of the
 band); GEMV output rows are stored rows.
 """
 
 from __future__ import annotations
-
-import json
 
 from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
-from ckpt.quant.common import DecodeContext, Decoded, companion, quant_config, refuse
+from ckpt.quant.common import DecodeContext, Decoded, companion, method_config, read_columns, refuse
 from ckpt.quant.encoding import NoEncoder
-from ckpt.quant.gptq import read_columns  # column bands of stored tensors (a helper, not the GPTQ decoder)
 
 SIDE_CONFIG = "quant_config.json"  # AutoAWQ < 0.1.7 saved its config beside the weights
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i holds output order[i] of its word
@@ -111,25 +108,13 @@ class AwqGemvWeight(Wrapper):
 def awq_config(ctx: DecodeContext) -> tuple[dict, str] | None:
     """(bits, group_size, zero_point, version) as a dict, and where it came from; None when no config names
     AWQ."""
-    qc = quant_config(ctx)
-    if str(qc.get("quant_method", "")).lower() == "awq":
-        return qc, "config.json quantization_config"
-    if qc:
-        return None
-    files = ctx.component.files
-    p = files[0].path.parent / SIDE_CONFIG if files else None
-    if p is None or not p.is_file():
-        return None
-    try:
-        cfg = json.loads(p.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError
-    except (ValueError, UnicodeDecodeError):
-        raise CkptError(f"{p}: not an AutoAWQ quant config (expected a JSON object); nothing was written") from None
-    if "w_bit" not in cfg and str(cfg.get("quant_method", "")).lower() != "awq":
-        return None
+    found = method_config(ctx, "awq", SIDE_CONFIG, "an AutoAWQ quant config",
+                          lambda cfg: "w_bit" in cfg or str(cfg.get("quant_method", "")).lower() == "awq")
+    if found is None or found[1] == "config.json quantization_config":
+        return found
+    cfg, where = found  # AutoAWQ's own older names
     return {"bits": cfg.get("w_bit", cfg.get("bits")), "group_size": cfg.get("q_group_size", cfg.get("group_size")),
-            "zero_point": cfg.get("zero_point", True), "version": cfg.get("version", "gemm")}, str(p)
+            "zero_point": cfg.get("zero_point", True), "version": cfg.get("version", "gemm")}, where
 
 
 def _settings(cfg: dict, where: str) -> tuple[int, str]:

@@ -20,7 +20,8 @@ from ckpt.cast import fp8_upcast
 from ckpt.dtypes import FP8, TORCH_TO_ST, config_dtype
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import Component
-from ckpt.io.tensors import Tensor
+from ckpt.io.header import read_into
+from ckpt.io.tensors import PickleTensor, RawTensor, Tensor, read_rows
 from ckpt.io.wrapper import Wrapper
 from ckpt.report import plural
 
@@ -116,6 +117,31 @@ def quant_config(ctx: DecodeContext) -> dict:
     """config.json's `quantization_config`: {} when there is none or it is not an object."""
     qc = (ctx.config or {}).get("quantization_config")
     return qc if isinstance(qc, dict) else {}
+
+
+def method_config(ctx: DecodeContext, method: str, side_file: str, label: str, ours) -> tuple[dict, str] | None:
+    """(config, where it came from) of a format configured by config.json's `quantization_config` (`quant_method`
+    == `method`) or, in its libraries' own saves, by a JSON file beside the weights (`side_file`, when `ours(cfg)`
+    says it is this format's); None when neither names the format. Another method's quantization_config wins
+    over whatever lies beside it."""
+    import json
+
+    qc = quant_config(ctx)
+    if str(qc.get("quant_method", "")).lower() == method:
+        return qc, "config.json quantization_config"
+    if qc:
+        return None
+    files = ctx.component.files
+    p = files[0].path.parent / side_file if files else None
+    if p is None or not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise CkptError(f"{p}: not {label} (expected a JSON object); nothing was written") from None
+    return (cfg, str(p)) if ours(cfg) else None
 
 
 def model_dtype(ctx: DecodeContext) -> torch.dtype:
@@ -258,3 +284,31 @@ def scaled(ctx, wkey, w, skey, s, natural, block=None, extra=None) -> ScaledTens
         raise refuse(ctx, skey, f"scale {skey!r} is stored as {st_name(s.dtype)} (packed/swizzled block scales, e.g. "
                                 "MXFP8 or NVFP4), which ckpt cannot decode")
     return ScaledTensor(w, s, natural, layout, extra)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading columns
+
+
+def read_columns(t: Tensor, a: int, b: int, device) -> torch.Tensor:
+    """Columns [a, b) of the 2-D stored tensor `t`, on `device`.
+
+    Why not `t.read`: stored tensors read row bands, and a band of GPTQ output rows is a band of columns of
+    every stored tensor. A safetensors tensor is read with one pread per stored row (only the bytes the
+    band needs); a pickled one is sliced; anything else is read whole and cut."""
+    rows, cols = t.shape
+    if a == 0 and b == cols:
+        out = read_rows(t, 0, rows, torch.device("cpu"))
+    elif isinstance(t, RawTensor):
+        isz = t.dtype.itemsize
+        out = torch.empty((rows, b - a), dtype=t.dtype)
+        if rows and b > a:
+            mv = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            fd, w = t.handles.fd(t.info.path), (b - a) * isz
+            for r in range(rows):
+                read_into(fd, mv[r * w:(r + 1) * w], t.info.start + (r * cols + a) * isz, t.info.path)
+    elif isinstance(t, PickleTensor):
+        out = t.value[:, a:b].contiguous()
+    else:
+        out = read_rows(t, 0, rows, torch.device("cpu"))[:, a:b]
+    return out.to(device)

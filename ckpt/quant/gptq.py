@@ -35,15 +35,14 @@ them, and `g_idx` (K values), with one positioned read per stored row (`read_col
 
 from __future__ import annotations
 
-import json
 
 from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
-from ckpt.io.header import read_into
-from ckpt.io.tensors import PickleTensor, RawTensor, Tensor, read_rows
+from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
-from ckpt.quant.common import DecodeContext, Decoded, companion, float_scale, quant_config, refuse, st_name
+from ckpt.quant.common import (DecodeContext, Decoded, companion, float_scale, method_config, read_columns, refuse,
+                               st_name)
 from ckpt.quant.encoding import NoEncoder
 
 SIDE_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel's own config beside the weights
@@ -56,34 +55,6 @@ REPACKED = {"marlin": "Marlin-repacked", "bitblas": "BitBLAS-repacked", "gptq_p"
 
 _NO_ENCODER = NoEncoder("GPTQ", "GPTQ is decoded only: ckpt has no GPTQ encoder yet (merge without --keep-format "
                                 "for a plain file)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# reading columns
-
-
-def read_columns(t: Tensor, a: int, b: int, device) -> torch.Tensor:
-    """Columns [a, b) of the 2-D stored tensor `t`, on `device`.
-
-    Why not `t.read`: stored tensors read row bands, and a band of GPTQ output rows is a band of columns of
-    every stored tensor. A safetensors tensor is read with one pread per stored row (only the bytes the
-    band needs); a pickled one is sliced; anything else is read whole and cut."""
-    rows, cols = t.shape
-    if a == 0 and b == cols:
-        out = read_rows(t, 0, rows, torch.device("cpu"))
-    elif isinstance(t, RawTensor):
-        isz = t.dtype.itemsize
-        out = torch.empty((rows, b - a), dtype=t.dtype)
-        if rows and b > a:
-            mv = memoryview(out.view(torch.uint8).numpy()).cast("B")
-            fd, w = t.handles.fd(t.info.path), (b - a) * isz
-            for r in range(rows):
-                read_into(fd, mv[r * w:(r + 1) * w], t.info.start + (r * cols + a) * isz, t.info.path)
-    elif isinstance(t, PickleTensor):
-        out = t.value[:, a:b].contiguous()
-    else:
-        out = read_rows(t, 0, rows, torch.device("cpu"))[:, a:b]
-    return out.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,24 +148,8 @@ class GptqWeight(Wrapper):
 def gptq_config(ctx: DecodeContext) -> tuple[dict, str] | None:
     """(the GPTQ config, where it came from), or None when neither config.json nor quantize_config.json
     names GPTQ."""
-    qc = quant_config(ctx)
-    if str(qc.get("quant_method", "")).lower() == "gptq":
-        return qc, "config.json quantization_config"
-    if qc:  # another method's config (awq, bitsandbytes, ...): not ours, whatever lies beside it
-        return None
-    files = ctx.component.files
-    p = files[0].path.parent / SIDE_CONFIG if files else None
-    if p is None or not p.is_file():
-        return None
-    try:
-        cfg = json.loads(p.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError
-    except (ValueError, UnicodeDecodeError):
-        raise CkptError(f"{p}: not a GPTQ quantize config (expected a JSON object); nothing was written") from None
-    if str(cfg.get("quant_method", "gptq")).lower() != "gptq":
-        return None
-    return cfg, str(p)
+    return method_config(ctx, "gptq", SIDE_CONFIG, "a GPTQ quantize config",
+                         lambda cfg: str(cfg.get("quant_method", "gptq")).lower() == "gptq")
 
 
 def _int(cfg, key, where, default=None):
