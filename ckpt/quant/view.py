@@ -31,9 +31,11 @@ class View:
 
 def _decoders():
     from ckpt.quant import awq, bnb, comfy_quant, fp8, gguf, gptq, quanto
+    from ckpt.quant import mxfp4
 
     return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) + list(fp8.DECODERS) \
-        + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS)
+        + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS) \
+        + list(mxfp4.DECODERS)
 
 
 # Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today: GGUF,
