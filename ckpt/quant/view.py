@@ -32,10 +32,13 @@ class View:
 def _decoders():
     from ckpt.quant import awq, bnb, comfy_quant, fp8, gguf, gptq, quanto
     from ckpt.quant import mxfp4
+    from ckpt.quant import compressed_tensors, modelopt
 
-    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) + list(fp8.DECODERS) \
+    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) \
+        + list(compressed_tensors.DECODERS) + list(modelopt.DECODERS) + list(fp8.DECODERS) \
         + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS) \
-        + list(mxfp4.DECODERS)
+        + list(mxfp4.DECODERS) \
+        + list(compressed_tensors.LAST)
 
 
 # Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today: GGUF,

@@ -1,0 +1,491 @@
+"""compressed-tensors (llm-compressor) integer and NVFP4 checkpoints decoded back to plain Linear weights.
+
+config.json `quantization_config` (`quant_method: compressed-tensors`) lists `config_groups`, each a scheme
+with `targets` (module names, `re:` regexes, or class names such as "Linear"), `weights` args (`num_bits`,
+`type` int/float, `symmetric`, `strategy` tensor/channel/group, `group_size`) and a `format`; `ignore` lists
+modules left plain. Which group a module gets follows compressed-tensors 0.20's `apply_quantization_config`:
+a target that names the module (exact name first, then regexes, each set sorted as `match_targets` sorts it)
+wins over a class-name target; when two groups list one target, the later group's scheme holds it; a module
+an `ignore` entry names stays plain. The checkpoint has no module classes, so a class-name target is taken
+to match every module that carries quantized keys and no name target; several class targets with different
+schemes are refused (ckpt cannot tell which class a module is without the model).
+
+Stored layouts (a Linear of N outputs, K inputs), decoded as the package's compressors decompress them:
+- `pack-quantized`: `X.weight_packed` int32 [N, ceil(K * bits / 32)], codes + 2^(bits-1) packed densely,
+  lowest bits first, 32 codes in exactly `bits` words (codes may straddle words for 3/5/6/7 bits:
+  0.20's `pack_to_int32`); `X.weight_shape` [N, K] (checked against `weight_packed`, which
+  compressed-tensors does not do: it truncates a wider shape silently); `X.weight_scale` [1] (tensor),
+  [N, 1] (channel) or [N, K / group] (group); asymmetric `X.weight_zero_point` packed the same way along
+  dim 0 (output rows) for channel/group, an int8 [1] for tensor. A width that only fits the older
+  `32 // bits` codes-per-word packing (before 0.20, for 3/5/6/7 bits) is refused by name.
+- `naive-quantized` / `int-quantized`: `X.weight` int8 codes (no offset), the same scales and zero points
+  unpacked.
+- `nvfp4-pack-quantized`: `X.weight_packed` uint8 [N, K / 2], two e2m1 codes per byte, the even element in
+  the LOW nibble (the reverse of ComfyUI's order, so bytes are nibble-swapped before ckpt's e2m1 lookup);
+  `X.weight_scale` float8_e4m3fn [N, K / 16]; `X.weight_global_scale` fp32 [1] = 448 * 6 / amax (the
+  reciprocal of ModelOpt's `weight_scale_2`; it is divided by, never inverted here). Value, as
+  `NVFP4PackedCompressor.decompress` computes it: s = bf16(weight_scale) / weight_global_scale (torch's
+  type promotion: fp32 for a [1] global scale), W = bf16(e2m1 * s).
+- `float-quantized` (FP8 `X.weight` + `X.weight_scale`) is left to `ckpt.quant.fp8`, which decodes it.
+- `X.input_scale`, `X.input_global_scale`, `X.input_zero_point` (static activation quantization) only
+  configure inference kernels: consumed and listed as dropped.
+
+Values: integers W = (q - z) * s, computed as the package computes it in the scale's dtype (the difference
+of two codes is exact there, the product of a 16-bit scale and a 9-bit integer is exact in float32, so one
+rounding to the scale's dtype gives its bits); the decoded dtype is the scale's (what `decompress` returns,
+the model's dtype when llm-compressor calibrated it). NVFP4 decodes to bf16, as the package does.
+
+Refused by name: sparse-24 / sparse-bitmask compression (`sparsity_config`, `.bitmask` keys: compressed-
+tensors > 0.14 dropped it), `marlin-24`, a `transform_config` (rotated weights need the online transforms),
+activation-ordered `X.weight_g_idx` (actorder "group", removed from compressed-tensors), block-strategy
+integer weights, num_bits outside 1..8. MXFP4/6/8 groups are left to their own decoder; their keys, like any
+compressed-tensors key no decoder consumed, are refused by `unclaimed` (registered last).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ckpt.lazy import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
+from ckpt.quant import microscaling as mx
+from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, quant_config,
+                               refuse, st_name)
+from ckpt.quant.encoding import NoEncoder
+
+METHOD = "compressed-tensors"
+PACK, NAIVE, INT, NVFP4, FLOAT = ("pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
+                                  "float-quantized")
+DECODED = (PACK, NAIVE, INT, NVFP4)
+OTHERS = (FLOAT, "mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized")  # other decoders' layouts
+REFUSED = {"sparse-24-bitmask": "sparse-24 bitmask compression, which compressed-tensors > 0.14 no longer supports",
+           "sparse-bitmask": "sparse bitmask compression, which compressed-tensors no longer supports",
+           "marlin-24": "the Marlin 2:4 sparse layout, which compressed-tensors no longer supports"}
+# keys that only exist beside compressed-tensors codes: one no decoder consumed is refused by `unclaimed`
+CT_SUFFIXES = (".weight_packed", ".weight_shape", ".weight_global_scale", ".weight_g_idx", ".input_global_scale",
+               ".weight_zero_point", ".input_zero_point", ".output_zero_point", ".bitmask", ".row_offsets")
+ACTIVATION_ONLY = ACTIVATION_SCALES | {"input_global_scale", "input_zero_point", "output_zero_point"}
+
+_NO_ENCODER = NoEncoder("compressed-tensors", "compressed-tensors is decoded only: ckpt has no compressed-tensors "
+                                              "encoder yet (merge without --keep-format for a plain file)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# unpacking
+
+
+def unpack_dense(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 words [R, W] -> the first n codes of each row as int32, unsigned (0 .. 2^bits - 1): code i
+    at bit i * bits of the row's little-endian bit stream (compressed-tensors 0.20 `unpack_from_int32`
+    before its offset is taken off). A code that straddles two words takes its high bits from the next."""
+    R = words.shape[0]
+    if bits in (1, 2, 4, 8):  # whole codes per byte: split the bytes (the little-endian byte order of int32)
+        b = words.contiguous().view(torch.uint8).reshape(R, -1).to(torch.int32)
+        per = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=words.device)
+        return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(R, -1)[:, :n]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = torch.cat((w, torch.zeros((R, 1), dtype=torch.int64, device=w.device)), dim=1)
+    start = torch.arange(n, dtype=torch.int64, device=w.device) * bits
+    word, off = start // 32, start % 32
+    x = w[:, word] | ((w[:, word + 1] & 0xFF) << 32)
+    return ((x >> off) & ((1 << bits) - 1)).to(torch.int32)
+
+
+def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Low-nibble-first e2m1 bytes (compressed-tensors, ModelOpt) in ComfyUI's high-first order, which
+    `microscaling.unpack_e2m1` reads."""
+    return ((packed & 15) << 4) | (packed >> 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# decoded weights
+
+
+class CtIntWeight(Wrapper):
+    """W [N, K] = (q - z) * s of a pack-quantized or naive-quantized Linear; `base` is the stored codes.
+    float32 values (exact products), rounded once to the scale's dtype (`natural`)."""
+
+    encoding = _NO_ENCODER
+    row_align = 1
+
+    def __init__(self, name, base: Tensor, shape, bits: int, packed: bool, scale: Tensor, strategy: str,
+                 group: int, zero: Tensor | None, zero_packed: bool):
+        self.name, self.base, self.shape, self.home = name, base, tuple(shape), base.home
+        self.bits, self.packed, self.scale, self.strategy, self.group = bits, packed, scale, strategy, group
+        self.zero, self.zero_packed = zero, zero_packed
+        self.dtype, self.natural = torch.float32, scale.dtype
+        self._zeros = None
+
+    @property
+    def source_bytes(self):
+        return self.base.source_bytes + self.scale.numel * self.scale.dtype.itemsize
+
+    def _zero_rows(self, start, stop, device):
+        if self.zero is None:
+            return None
+        if self.strategy == "tensor":
+            return self.zero.read_all(torch.device("cpu")).to(device=device, dtype=torch.int32).reshape(1, 1)
+        if not self.zero_packed:
+            return self.zero.read(start, stop, device).to(torch.int32)
+        if self._zeros is None:  # [ceil(N * bits / 32), G] words along dim 0: small, unpacked once
+            z = self.zero.read_all(torch.device("cpu"))
+            self._zeros = unpack_dense(z.T.contiguous(), self.bits, self.shape[0]).T.contiguous() - (1 << (self.bits - 1))
+        return self._zeros[start:stop].to(device)
+
+    def read(self, start, stop, device, scratch=None):
+        n, k = stop - start, self.shape[1]
+        codes = self.base.read(start, stop, device, scratch)
+        if self.packed:
+            q = unpack_dense(codes, self.bits, k) - (1 << (self.bits - 1))
+        else:
+            q = codes.to(torch.int32)
+        z = self._zero_rows(start, stop, device)
+        if self.strategy == "tensor":
+            s = self.scale.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(1, 1)
+        else:
+            s = self.scale.read(start, stop, device).to(torch.float32).reshape(n, -1)
+        if self.strategy == "group":
+            q = q.reshape(n, -1, self.group)
+            if z is not None:
+                q = q - z.unsqueeze(-1)
+            w = q.to(torch.float32).mul_(s.unsqueeze(-1)).reshape(n, k)
+        else:
+            if z is not None:
+                q = q - z
+            w = q.to(torch.float32).mul_(s)
+        return w
+
+
+class CtNvfp4Weight(Wrapper):
+    """W [N, K] of an nvfp4-pack-quantized Linear; `base` is `weight_packed` [N, K / 2]. The block scale
+    is divided by the global scale with the package's own torch ops (so its type promotion is kept), then
+    multiplied into the e2m1 values; float32 out, rounded once to bf16 (`natural`)."""
+
+    encoding = _NO_ENCODER
+    row_align = 1
+
+    def __init__(self, name, base: Tensor, scale: Tensor, global_scale: Tensor):
+        self.name, self.base, self.scale, self.global_scale = name, base, scale, global_scale
+        self.shape, self.home = (base.shape[0], base.shape[1] * 2), base.home
+        self.dtype, self.natural = torch.float32, torch.bfloat16
+
+    def read(self, start, stop, device, scratch=None):
+        n = stop - start
+        vals = mx.unpack_e2m1(swap_nibbles(self.base.read(start, stop, device, scratch)))  # [n, K] fp32
+        g = self.global_scale.read_all(torch.device("cpu")).to(device)
+        s = self.scale.read(start, stop, device).to(torch.bfloat16) / g  # [n, K / 16]
+        w = vals.to(s.dtype).reshape(n, -1, 16) * s.unsqueeze(-1)
+        return w.to(torch.bfloat16).to(torch.float32).reshape(n, -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# config: which scheme a module gets
+
+
+class Scheme:
+    """One config group: its name, targets, weight args and storage format."""
+
+    def __init__(self, where: str, name: str, group: dict, default_format: str | None):
+        self.name = name
+        bad = f"{where}: compressed-tensors config group {name!r}"
+        if not isinstance(group, dict):
+            raise CkptError(f"{bad} is not an object; nothing was written")
+        targets = group.get("targets") or []
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise CkptError(f"{bad}: targets {targets!r} is not a list of names; nothing was written")
+        self.targets = targets
+        w = group.get("weights")
+        self.weights = w if isinstance(w, dict) else None
+        self.has_input = bool(group.get("input_activations"))
+        self.format = group.get("format") or default_format
+        if self.weights is None:
+            return
+        bits, typ = w.get("num_bits", 8), str(w.get("type", "int")).lower()
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise CkptError(f"{bad}: weights num_bits {bits!r} is not supported (compressed-tensors packs 1 to 8 "
+                            "bits); nothing was written")
+        gs = w.get("group_size")
+        strategy = w.get("strategy")
+        if strategy is None:
+            strategy = "tensor" if gs is None else "group" if isinstance(gs, int) and gs > 0 else "channel"
+        strategy = str(strategy).lower()
+        if strategy in ("group", "tensor_group") and (isinstance(gs, bool) or not isinstance(gs, int) or gs <= 0):
+            raise CkptError(f"{bad}: strategy {strategy} needs a positive group_size, not {gs!r}; nothing was written")
+        self.bits, self.type, self.strategy, self.group = bits, typ, strategy, gs
+        self.symmetric = w.get("symmetric", True) is not False
+        if self.format in (None, "mixed-precision"):
+            self.format = self._inferred()
+
+    def _inferred(self) -> str:
+        """compressed-tensors' `infer_module_format` for a Linear (its COMPRESSION_FORMAT_PRIORITY order)."""
+        if self.type == "float" and self.bits == 4:
+            return NVFP4 if self.group == 16 else "mxfp4-pack-quantized"
+        if self.type == "int":
+            return INT if self.has_input else PACK
+        if self.type == "float" and self.bits == 8:
+            return FLOAT if self.has_input else NAIVE
+        return NAIVE
+
+
+def _name_match(name: str, target: str) -> bool:
+    """compressed-tensors' `match_name`: `re:` targets match from the start (`re.match`), others exactly."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+class Groups:
+    """The config's groups and ignore list, and the per-module choice compressed-tensors makes."""
+
+    def __init__(self, qc: dict, where: str):
+        self.where = where
+        groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise CkptError(f"{where}: compressed-tensors config_groups is not an object; nothing was written")
+        top = qc.get("format")
+        default = top if top not in (None, "mixed-precision") else None
+        self.schemes = [Scheme(where, k, g, default) for k, g in groups.items()]
+        self.target_to_scheme: dict[str, Scheme] = {}
+        for s in self.schemes:  # a later group listing the same target takes it over (an OrderedDict assignment)
+            for t in s.targets:
+                self.target_to_scheme[t] = s
+        ignore = qc.get("ignore") or []
+        self.ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+
+    def ignored(self, name: str) -> bool:
+        return any(_name_match(name, i) for i in self.ignore if isinstance(i, str))
+
+    def scheme_for(self, name: str) -> tuple[Scheme | None, str]:
+        """(scheme, how it was chosen) of module `name`; (None, why) when no group applies."""
+        if self.ignored(name):
+            return None, "an ignore entry names it"
+        targets = sorted(self.target_to_scheme, key=lambda x: ("re:" in x, x))  # match_targets' order
+        named = [t for t in targets if _name_match(name, t)]
+        if named:
+            return self.target_to_scheme[named[0]], f"target {named[0]!r}"
+        classes = [t for t in targets if not t.startswith("re:") and "." not in t and t[:1].isupper()]
+        if not classes:
+            return None, "no config group targets it"
+        schemes = {id(self.target_to_scheme[t]): self.target_to_scheme[t] for t in classes}
+        if len(schemes) > 1:
+            return None, (f"class targets {classes} belong to different groups, and the checkpoint does not say "
+                          "which class the module is")
+        return self.target_to_scheme[classes[0]], f"class target {classes[0]!r}"
+
+
+def ct_config(ctx: DecodeContext) -> dict | None:
+    qc = quant_config(ctx)
+    return qc if str(qc.get("quant_method", "")).lower() == METHOD else None
+
+
+def _refuse_unsupported(ctx: DecodeContext, qc: dict, where: str) -> None:
+    sparsity = qc.get("sparsity_config") or {}
+    fmt = str(sparsity.get("format") or "") if isinstance(sparsity, dict) else ""
+    if fmt in REFUSED or (fmt and fmt != "dense"):
+        raise CkptError(f"{where}: compressed-tensors sparsity format {fmt!r} is "
+                        f"{REFUSED.get(fmt, 'a sparse compression ckpt does not decode')}; nothing was written")
+    for f in [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
+                                   if isinstance(g, dict)]:
+        if f in REFUSED:
+            raise CkptError(f"{where}: compressed-tensors format {f!r} is {REFUSED[f]}; nothing was written")
+    transform = qc.get("transform_config") or {}
+    if isinstance(transform, dict) and transform.get("config_groups"):
+        raise CkptError(f"{where}: a compressed-tensors transform_config (Hadamard / rotation transforms) is "
+                        "present: its weights are stored rotated and need the online transforms, which a plain "
+                        "checkpoint cannot hold; ckpt does not decode it; nothing was written")
+    for key in ctx.remaining:
+        if key.endswith((".bitmask", ".row_offsets")):
+            raise refuse(ctx, key, f"{key!r} is compressed-tensors sparse-bitmask data, a compression "
+                                   "compressed-tensors > 0.14 no longer supports and ckpt does not decode")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the decoder
+
+
+def _int_layer(ctx, layer, s: Scheme, fmt: str):
+    """The decoded weight of one integer layer, every companion checked; and the keys it consumes."""
+    pk, wk, sk, zk, hk = (f"{layer}.{x}" for x in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
+                                                   "weight_shape"))
+    what = f"compressed-tensors {fmt} {layer!r}"
+    if s.type != "int":
+        raise refuse(ctx, pk if pk in ctx.remaining else wk, f"{what}: group {s.name!r} has {s.type} weights, "
+                                                             f"which {fmt} does not store")
+    if s.strategy not in ("tensor", "channel", "group"):
+        raise refuse(ctx, pk if pk in ctx.remaining else wk, f"{what}: weight strategy {s.strategy!r} is not "
+                                                             "supported (tensor, channel, group)")
+    consumed = {}
+    if fmt == PACK:
+        packed = companion(ctx, pk, f"{what} packed weight", dtypes=(torch.int32,))
+        if len(packed.shape) != 2:
+            raise refuse(ctx, pk, f"{what}: weight_packed is {list(packed.shape)}; expected 2-D [out, in * bits / 32]")
+        shape_t = companion(ctx, hk, f"{what} weight_shape", dtypes=(torch.int64, torch.int32), numel=2)
+        n, k = (int(v) for v in shape_t.read_all(torch.device("cpu")).reshape(-1))
+        words = -(-k * s.bits // 32)
+        if n != packed.shape[0] or k <= 0 or words != packed.shape[1]:
+            legacy = -(-k // (32 // s.bits)) if k > 0 else -1
+            if n == packed.shape[0] and legacy == packed.shape[1] and legacy != words:
+                raise refuse(ctx, pk, f"{what}: weight_packed {list(packed.shape)} holds {32 // s.bits} {s.bits}-bit "
+                                      "codes per word, the packing of compressed-tensors before 0.20, which ckpt "
+                                      "does not decode (0.20 packs densely)")
+            raise refuse(ctx, hk, f"{what}: weight_shape [{n}, {k}] disagrees with weight_packed "
+                                  f"{list(packed.shape)} (a [{n}, {k}] weight packs {s.bits}-bit codes into "
+                                  f"[{n}, {words}])")
+        base = packed
+        consumed[pk] = f"packed {s.bits}-bit codes of {layer}.weight"
+        consumed[hk] = f"shape of {layer}.weight"
+    else:
+        base = companion(ctx, wk, f"{what} weight codes", dtypes=(torch.int8,))
+        if len(base.shape) != 2:
+            raise refuse(ctx, wk, f"{what}: weight is {list(base.shape)}; expected 2-D [out, in]")
+        n, k = base.shape
+    if s.strategy == "group":
+        if k % s.group:
+            raise refuse(ctx, sk, f"{what}: {k} inputs are not whole groups of {s.group}")
+        sshape = (n, k // s.group)
+    else:
+        sshape = (n, 1) if s.strategy == "channel" else (1,)
+    scale = companion(ctx, sk, f"{what} weight_scale", dtypes=float_scale)
+    if tuple(scale.shape) != sshape and not (s.strategy == "tensor" and scale.numel == 1):
+        raise refuse(ctx, sk, f"{what}: weight_scale is {list(scale.shape)}; strategy {s.strategy} needs {list(sshape)}")
+    consumed[sk] = f"scale of {layer}.weight ({st_name(scale.dtype)})"
+    zero, zero_packed = None, False
+    if s.symmetric:
+        if zk in ctx.remaining:
+            z = ctx.remaining[zk].read_all(torch.device("cpu"))
+            if z.numel() and bool((z != 0).any()):
+                raise refuse(ctx, zk, f"{what}: group {s.name!r} is symmetric but {zk!r} holds non-zero zero points")
+            consumed[zk] = f"zero point of {layer}.weight (symmetric: all zero)"
+    else:
+        zero_packed = fmt == PACK and s.strategy in ("channel", "group")
+        if zero_packed:
+            zshape = (-(-n * s.bits // 32), sshape[1])
+            zero = companion(ctx, zk, f"{what} packed zero point", dtypes=(torch.int32,), shape=zshape)
+        else:
+            zero = companion(ctx, zk, f"{what} zero point", dtypes=(torch.int8, torch.int32))
+            if zero.numel != math.prod(sshape):
+                raise refuse(ctx, zk, f"{what}: zero point is {list(zero.shape)}; strategy {s.strategy} needs "
+                                      f"{list(sshape)}")
+        consumed[zk] = f"zero point of {layer}.weight"
+    w = CtIntWeight(f"{layer}.weight", base, (n, k), s.bits, fmt == PACK, scale, s.strategy, s.group or 0,
+                    zero, zero_packed)
+    return w, consumed
+
+
+def _nvfp4_layer(ctx, layer, s: Scheme):
+    pk, sk, gk = (f"{layer}.{x}" for x in ("weight_packed", "weight_scale", "weight_global_scale"))
+    what = f"compressed-tensors nvfp4 {layer!r}"
+    if s.type != "float" or s.bits != 4 or s.group != 16 or not s.symmetric:
+        raise refuse(ctx, pk, f"{what}: group {s.name!r} ({s.type} {s.bits}-bit, group {s.group}, "
+                              f"{'symmetric' if s.symmetric else 'asymmetric'}) is not NVFP4 (symmetric float "
+                              "4-bit, groups of 16)")
+    packed = companion(ctx, pk, f"{what} packed weight", dtypes=(torch.uint8,))
+    if len(packed.shape) != 2 or packed.shape[1] * 2 % 16:
+        raise refuse(ctx, pk, f"{what}: weight_packed is {list(packed.shape)}; expected 2-D [out, in / 2] with "
+                              "whole blocks of 16 inputs")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    scale = companion(ctx, sk, f"{what} block scales", dtypes=(torch.float8_e4m3fn,), shape=(n, k // 16))
+    glob = companion(ctx, gk, f"{what} global scale", dtypes=(torch.float32,), numel=1)
+    consumed = {pk: f"packed e2m1 codes of {layer}.weight", sk: f"e4m3 block scales of {layer}.weight",
+                gk: f"global scale of {layer}.weight (448 * 6 / amax)"}
+    if f"{layer}.weight_zero_point" in ctx.remaining:
+        raise refuse(ctx, f"{layer}.weight_zero_point", f"{what}: an NVFP4 layer has no zero point")
+    return CtNvfp4Weight(f"{layer}.weight", packed, scale, glob), consumed
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    """Every quantized module of a compressed-tensors checkpoint (integer packs, naive int8, NVFP4) becomes
+    its plain `X.weight`; its scheme is the one compressed-tensors would apply, every companion is checked
+    against it before anything is read."""
+    qc = ct_config(ctx)
+    if qc is None:
+        return None
+    where = "config.json quantization_config"
+    _refuse_unsupported(ctx, qc, where)
+    groups = Groups(qc, where)
+    layers = []
+    for key in ctx.remaining:
+        for suffix in (".weight_packed", ".weight_scale"):
+            if key.endswith(suffix) and key[: -len(suffix)] not in layers:
+                layers.append(key[: -len(suffix)])
+    tensors, consumed, anchors, kinds = {}, {}, {}, {}
+    for layer in layers:
+        if f"{layer}.weight_g_idx" in ctx.remaining:
+            raise refuse(ctx, f"{layer}.weight_g_idx", f"compressed-tensors {layer!r} has an activation-ordered group "
+                                                       "index (actorder group), which compressed-tensors removed and "
+                                                       "ckpt does not decode")
+        s, how = groups.scheme_for(layer)
+        key = f"{layer}.weight_packed" if f"{layer}.weight_packed" in ctx.remaining else f"{layer}.weight_scale"
+        if s is None:
+            w = ctx.remaining.get(f"{layer}.weight")
+            if key.endswith("weight_scale") and w is not None and w.dtype in mx_float_dtypes():
+                continue  # an FP8 layer outside the groups: ckpt.quant.fp8 decodes it on its own
+            raise refuse(ctx, key, f"compressed-tensors {layer!r} holds quantized weights, but {how}")
+        if s.weights is None:
+            raise refuse(ctx, key, f"compressed-tensors {layer!r}: its group {s.name!r} quantizes no weights")
+        fmt = s.format
+        if fmt in OTHERS:
+            continue  # FP8 (ckpt.quant.fp8) and MX layouts are other decoders' (what none takes, `unclaimed` refuses)
+        if fmt not in DECODED:
+            raise refuse(ctx, key, f"compressed-tensors {layer!r}: format {fmt!r} of group {s.name!r} is not one "
+                                   f"ckpt decodes ({', '.join(DECODED)})")
+        stored = ctx.remaining.get(f"{layer}.weight_packed")
+        if fmt in (NAIVE, INT) and stored is not None:
+            raise refuse(ctx, key, f"compressed-tensors {layer!r} has weight_packed, but its group {s.name!r} "
+                                   f"({how}) says {fmt}")
+        if fmt in (PACK, NVFP4) and stored is None:
+            raise refuse(ctx, f"{layer}.weight_packed", f"compressed-tensors {layer!r} ({how}, group {s.name!r}, "
+                                                        f"{fmt}) has no weight_packed")
+        if fmt == NVFP4:
+            w, used = _nvfp4_layer(ctx, layer, s)
+            anchor = f"{layer}.weight_packed"
+            label = "nvfp4"
+        else:
+            w, used = _int_layer(ctx, layer, s, fmt)
+            anchor = f"{layer}.weight_packed" if fmt == PACK else None
+            label = f"int{s.bits} {s.strategy}{'' if s.symmetric else ' asym'}"
+        if anchor and f"{layer}.weight" in ctx.remaining:
+            raise refuse(ctx, f"{layer}.weight", f"compressed-tensors {layer!r} has both a plain weight and "
+                                                 "weight_packed")
+        tensors[w.name] = w
+        if anchor:
+            anchors[anchor] = w.name
+        consumed.update(used)
+        kinds[label] = kinds.get(label, 0) + 1
+    for key in ctx.remaining:  # static activation / kv-cache parameters anywhere in the model: inference only
+        if key not in consumed and key.rsplit(".", 1)[-1] in ACTIVATION_ONLY:
+            consumed[key] = "activation quantization parameter (inference only)"
+    if not tensors and not consumed:
+        return None
+    notes = [f"compressed-tensors: decoded " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + " layer(s)"
+             if kinds else "compressed-tensors: no integer or NVFP4 layers to decode"]
+    dropped = sum(1 for v in consumed.values() if v.startswith("activation"))
+    if dropped:
+        notes.append(f"compressed-tensors: {dropped} activation quantization parameter(s) dropped (inference only)")
+    return Decoded(f"compressed-tensors {'+'.join(sorted(kinds)) or 'config'}", tensors, consumed, notes=notes,
+                   anchors=anchors)
+
+
+def mx_float_dtypes():
+    return (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def unclaimed(ctx: DecodeContext) -> None:
+    """compressed-tensors keys no decoder consumed (an MX group no decoder took, a `weight_shape` whose
+    codes are gone): refused by name, never written as if they were weights."""
+    for key in ctx.remaining:
+        if key.endswith(CT_SUFFIXES):
+            raise refuse(ctx, key, f"compressed-tensors key {key!r} was not decoded (no decoder ckpt has takes "
+                                   "its layer)")
+    return None
+
+
+DECODERS = [decode]
+LAST = [unclaimed]

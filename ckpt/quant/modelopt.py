@@ -1,0 +1,141 @@
+"""NVIDIA ModelOpt NVFP4 exports decoded back to plain Linear weights.
+
+ModelOpt's Hugging Face export (`export_hf_checkpoint`) says what it did in `hf_quant_config.json` beside
+the weights (`{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+"exclude_modules": [...]}}`) and, in newer exports, in config.json `quantization_config` (`quant_method:
+modelopt`, `quant_algo: NVFP4`). A quantized Linear `X` (N outputs, K inputs) stores:
+- `X.weight` uint8 [N, K / 2]: two e2m1 codes per byte, the even element in the low nibble;
+- `X.weight_scale` float8_e4m3fn [N, K / 16]: one block scale per 16 inputs;
+- `X.weight_scale_2` fp32 scalar = amax / (448 * 6) (the reciprocal of compressed-tensors'
+  `weight_global_scale`: multiplied here, as ModelOpt multiplies it);
+- `X.input_scale` fp32 scalar: the activations' scale, inference only, dropped (listed).
+W = e2m1 * (float(weight_scale) * weight_scale_2), as ModelOpt 0.47's `NVFP4QTensor.dequantize` computes it
+(non-fast path): the block scales times the per-tensor scale in float32, the e2m1 values (float32) times
+that, then one cast to the output dtype. That is ComfyUI's NVFP4 arithmetic (`microscaling.nvfp4_decode`,
+global * block, then value * total), reused after swapping the nibbles into its high-first order. The
+decoded dtype is config.json `torch_dtype` (the model's, what ModelOpt's `metadata["dtype"]` holds).
+
+Refused by name: other ModelOpt algorithms whose weights are not plain NVFP4 (`NVFP4_AWQ` and `W4A8_AWQ`
+carry `pre_quant_scale` smoothing, `MIXED_PRECISION` per-layer algorithms, INT4/INT8/W4A8 packs). ModelOpt
+FP8 (`quant_algo: FP8`) is `ckpt.quant.fp8`'s: this decoder leaves it alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckpt.lazy import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
+from ckpt.quant import microscaling as mx
+from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, model_dtype, quant_config,
+                               refuse)
+from ckpt.quant.encoding import NoEncoder
+
+SIDE_CONFIG = "hf_quant_config.json"
+LEFT_TO_FP8 = ("FP8", "FP8_PB_WO", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCKWISE", None, "")
+
+_NO_ENCODER = NoEncoder("ModelOpt NVFP4", "ModelOpt NVFP4 is decoded only: ckpt has no ModelOpt encoder yet "
+                                          "(merge without --keep-format for a plain file)")
+
+
+def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Low-nibble-first e2m1 bytes in the high-first order `microscaling` reads."""
+    return ((packed & 15) << 4) | (packed >> 4)
+
+
+class ModelOptNvfp4Weight(Wrapper):
+    """W [N, K] of a ModelOpt NVFP4 Linear; `base` is the packed `weight` [N, K / 2]. float32 values,
+    rounded once to the model's dtype (`natural`)."""
+
+    encoding = _NO_ENCODER
+    row_align = 1
+
+    def __init__(self, name, base: Tensor, scale: Tensor, scale_2: Tensor, natural):
+        self.name, self.base, self.scale, self.scale_2 = name, base, scale, scale_2
+        self.shape, self.home = (base.shape[0], base.shape[1] * 2), base.home
+        self.dtype, self.natural = torch.float32, natural
+
+    def read(self, start, stop, device, scratch=None):
+        packed = swap_nibbles(self.base.read(start, stop, device, scratch))
+        g = self.scale_2.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(())
+        return mx.nvfp4_decode(packed, g, self.scale.read(start, stop, device))
+
+
+def modelopt_config(ctx: DecodeContext) -> tuple[str | None, dict, str] | None:
+    """(quant_algo, the config's quantization section, where it came from), or None when neither config.json
+    nor hf_quant_config.json names ModelOpt."""
+    qc = quant_config(ctx)
+    if str(qc.get("quant_method", "")).lower() == "modelopt":
+        sect = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+        return sect.get("quant_algo"), sect, "config.json quantization_config"
+    if qc:
+        return None
+    files = ctx.component.files
+    p = files[0].path.parent / SIDE_CONFIG if files else None
+    if p is None or not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise CkptError(f"{p}: not a ModelOpt quant config (expected a JSON object); nothing was written") from None
+    producer = cfg.get("producer") if isinstance(cfg.get("producer"), dict) else {}
+    sect = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else None
+    if sect is None or str(producer.get("name", "modelopt")).lower() != "modelopt":
+        return None
+    return sect.get("quant_algo"), sect, str(p)
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    """Every ModelOpt NVFP4 `X.weight` (uint8 beside `X.weight_scale_2`) becomes its plain value; block and
+    per-tensor scales consumed, activation scales dropped."""
+    found = modelopt_config(ctx)
+    if found is None:
+        return None
+    algo, sect, where = found
+    algo = None if algo is None else str(algo).upper()
+    if algo in LEFT_TO_FP8:
+        return None
+    if algo != "NVFP4":
+        raise CkptError(f"{where}: ModelOpt quant_algo {algo!r} is not decoded by ckpt (it decodes NVFP4, and FP8 "
+                        "through its FP8 decoder); nothing was written")
+    group = sect.get("group_size", 16)
+    if group != 16:
+        raise CkptError(f"{where}: ModelOpt NVFP4 group_size {group!r} is not 16; nothing was written")
+    natural = model_dtype(ctx)
+    layers = [k[: -len(".weight_scale_2")] for k in ctx.remaining if k.endswith(".weight_scale_2")]
+    tensors, consumed, anchors = {}, {}, {}
+    for layer in layers:
+        wk, sk, gk = f"{layer}.weight", f"{layer}.weight_scale", f"{layer}.weight_scale_2"
+        what = f"ModelOpt NVFP4 {layer!r}"
+        if f"{layer}.pre_quant_scale" in ctx.remaining:
+            raise refuse(ctx, f"{layer}.pre_quant_scale", f"{what} has an AWQ pre_quant_scale (NVFP4_AWQ), which "
+                                                          "ckpt does not decode")
+        packed = companion(ctx, wk, f"{what} packed weight", dtypes=(torch.uint8,))
+        if len(packed.shape) != 2 or packed.shape[1] * 2 % 16:
+            raise refuse(ctx, wk, f"{what}: weight is {list(packed.shape)}; expected 2-D [out, in / 2] with whole "
+                                  "blocks of 16 inputs")
+        n, k = packed.shape[0], packed.shape[1] * 2
+        scale = companion(ctx, sk, f"{what} block scales", dtypes=(torch.float8_e4m3fn,), shape=(n, k // 16))
+        scale_2 = companion(ctx, gk, f"{what} per-tensor scale", dtypes=(torch.float32,), numel=1)
+        tensors[wk] = ModelOptNvfp4Weight(wk, packed, scale, scale_2, natural)
+        consumed[sk] = f"e4m3 block scales of {wk}"
+        consumed[gk] = f"per-tensor scale of {wk} (amax / (448 * 6))"
+    for key in ctx.remaining:
+        if key.rsplit(".", 1)[-1] in ACTIVATION_SCALES:
+            consumed[key] = "activation scale (inference only)"
+    for key in ctx.remaining:
+        if key.endswith(".weight_scale") and key not in consumed:
+            raise refuse(ctx, key, f"ModelOpt NVFP4 {key!r} has no {key + '_2'!r} (the per-tensor scale)")
+    notes = [f"ModelOpt NVFP4: decoded {len(tensors)} layer(s) ({where})"]
+    dropped = sum(1 for v in consumed.values() if v.startswith("activation"))
+    if dropped:
+        notes.append(f"ModelOpt: {dropped} activation scale(s) dropped (inference only)")
+    return Decoded("ModelOpt NVFP4", tensors, consumed, notes=notes, anchors=anchors)
+
+
+DECODERS = [decode]
