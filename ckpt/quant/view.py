@@ -31,13 +31,13 @@ class View:
 
 def _decoders():
     from ckpt.quant import awq, bnb, comfy_quant, fp8, gguf, gptq, quanto
-    from ckpt.quant import mxfp4
+    from ckpt.quant import hqq, mxfp4
     from ckpt.quant import compressed_tensors, modelopt
 
     return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) \
         + list(compressed_tensors.DECODERS) + list(modelopt.DECODERS) + list(fp8.DECODERS) \
         + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS) \
-        + list(mxfp4.DECODERS) \
+        + list(mxfp4.DECODERS) + list(hqq.DECODERS) \
         + list(compressed_tensors.LAST)
 
 

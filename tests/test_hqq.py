@@ -1,0 +1,201 @@
+"""HQQ layers (`HQQLinear.state_dict()` flattened under each layer's prefix, as transformers' HQQ save writes
+them) decoded by `ckpt dequant` / `ckpt convert`, bit for bit with hqq.
+
+A tiny Llama is built here (no downloads); every Linear of its decoder layer is replaced by hqq 0.2.8's own
+`HQQLinear(linear, BaseQuantizeConfig(nbits, group_size, axis), compute_dtype, device="cpu")` (its quantizer,
+with its proximal optimizer, runs on the CPU), and the model's state dict (what `save_pretrained` writes for
+an HQQ model) is saved to safetensors with config.json `quantization_config` (quant_method hqq).
+
+Oracles: `HQQLinear.dequantize()` of the quantizing layer, and of a fresh `HQQLinear` that loads the saved
+file's keys through hqq's own `load_state_dict` (its decoding of the encoded metadata). hqq 0.2.8.post1
+installs on the CPU machine with `DISABLE_CUDA=1 pip install --no-deps hqq` plus einops and termcolor;
+without it the tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.refusals import assert_refused
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+L = "model.layers.0.self_attn.q_proj"
+
+
+def _hqq():
+    try:
+        from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+    except ImportError:
+        pytest.skip("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq einops termcolor)")
+    return HQQLinear, BaseQuantizeConfig
+
+
+def build(folder, nbits=4, group=64, axis=1, compute=torch.float16, view_as_float=False, hidden=64, inter=128):
+    """An HQQ folder; returns {weight name: HQQLinear.dequantize() of the quantizing layer}."""
+    import transformers
+
+    HQQLinear, BaseQuantizeConfig = _hqq()
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_bias=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(compute)
+    qc = BaseQuantizeConfig(nbits=nbits, group_size=group, axis=axis, view_as_float=view_as_float)
+    expected = {}
+    for lin_name in LINEARS:
+        name = f"model.layers.0.{lin_name}"
+        parent, _, attr = name.rpartition(".")
+        lin = model.get_submodule(name)
+        q = HQQLinear(lin, quant_config=qc, compute_dtype=compute, device="cpu")
+        setattr(model.get_submodule(parent), attr, q)
+        expected[f"{name}.weight"] = q.dequantize()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if v is not None}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    hq = {"quant_method": "hqq", "skip_modules": ["lm_head"],
+          "quant_config": {k: v for k, v in qc.items() if k != "offload_meta"}}
+    dtype = str(compute).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": hq, "torch_dtype": dtype}))
+    return expected
+
+
+def reloaded(folder, layer, compute):
+    """hqq's own reading of the saved keys: a fresh HQQLinear loads them and dequantizes."""
+    HQQLinear, _ = _hqq()
+    sd = load_file(folder / "model.safetensors")
+    q = HQQLinear(None, quant_config=None, compute_dtype=compute, device="cpu", initialize=False)
+    q.load_state_dict({k[len(layer) + 1:]: v for k, v in sd.items() if k.startswith(layer + ".")})
+    return q.dequantize()
+
+
+def bits_equal(a, b):
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
+
+
+CASES = [(4, 64, 1, torch.float16), (4, 64, 0, torch.bfloat16), (2, 32, 1, torch.bfloat16), (2, 64, 0, torch.float16),
+         (8, 64, 1, torch.float16), (8, 32, 0, torch.bfloat16), (3, 64, 1, torch.float16), (3, 64, 0, torch.bfloat16),
+         (1, 64, 1, torch.float16), (5, 64, 0, torch.float16)]
+
+
+@pytest.mark.parametrize("nbits,group,axis,compute", CASES)
+def test_dequant_equals_hqq_bit_for_bit(tmp_path, run_ckpt, nbits, group, axis, compute):
+    expected = build(tmp_path / "q", nbits, group, axis, compute)
+    stored = load_file(tmp_path / "q" / "model.safetensors")
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    assert not any(k.endswith((".W_q", ".zero", ".nbits", ".packing", ".stores_quant_config")) for k in out)
+    for name, want in expected.items():
+        layer = name[: -len(".weight")]
+        assert bits_equal(out[name], want), ("HQQLinear.dequantize", name)
+        assert bits_equal(out[name], reloaded(tmp_path / "q", layer, compute)), ("hqq load_state_dict", name)
+        if layer.split(".")[-2] == "self_attn":  # attention_bias: the HQQLinear's plain bias, kept
+            assert bits_equal(out[f"{layer}.bias"], stored[f"{layer}.bias"])
+
+
+def test_view_as_float(tmp_path, run_ckpt):
+    for nbits in (4, 3):
+        expected = build(tmp_path / f"q{nbits}", nbits, 64, 1, torch.float16, view_as_float=True)
+        assert load_file(tmp_path / f"q{nbits}" / "model.safetensors")[f"{L}.W_q"].dtype == torch.float16
+        code, _, err = run_ckpt("dequant", tmp_path / f"q{nbits}", "-o", tmp_path / f"p{nbits}", "-q")
+        assert code == 0, err
+        out = load_file(tmp_path / f"p{nbits}" / "model.safetensors")
+        for name, want in expected.items():
+            assert bits_equal(out[name], want), (nbits, name)
+
+
+def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
+    import transformers
+
+    expected = build(tmp_path / "q", 4, 64, 1, torch.bfloat16)
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in config
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True)
+    assert not any(info.values()), info
+    for name, want in expected.items():
+        assert bits_equal(model.get_parameter(name).data, want), name
+    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp32", "-o", tmp_path / "c32", "-q")
+    assert code == 0, err
+    c32 = load_file(tmp_path / "c32" / "model.safetensors")
+    for name, want in expected.items():
+        assert bits_equal(c32[name], want.float()), name  # bf16 values widened: one exact cast
+
+
+def test_bands_equal_the_whole(tmp_path):
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.quant import hqq, logical_view
+
+    cpu = torch.device("cpu")
+    for nbits, axis in ((4, 1), (3, 0), (2, 0), (3, 1)):
+        build(tmp_path / f"{nbits}{axis}", nbits, 32, axis, torch.float16)
+        with open_checkpoint(str(tmp_path / f"{nbits}{axis}")) as ck:
+            t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.up_proj.weight"]
+            assert isinstance(t, hqq.HqqWeight) and t.shape == (128, 64)
+            whole = t.read(0, 128, cpu)
+            for a, b in [(0, 3), (3, 21), (21, 100), (100, 128), (64, 128)]:
+                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (nbits, axis, a, b)
+
+
+def test_every_metadata_key_is_consumed_with_a_reason(tmp_path):
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.quant import logical_view
+
+    build(tmp_path / "q")
+    with open_checkpoint(str(tmp_path / "q")) as ck:
+        v = logical_view(ck.components[0])
+        stored = set(ck.components[0].tensors)
+    per_layer = {k for k in stored if k.startswith(L + ".")} - {f"{L}.bias"}
+    assert len(per_layer) == 19 and per_layer <= set(v.consumed)
+    assert all(v.consumed[k] for k in per_layer)
+    assert set(v.tensors) == stored - set(v.consumed) | {f"model.layers.0.{n}.weight" for n in LINEARS}
+
+
+# --- bad input: one line, exit 2, nothing written -----------------------------------------------------
+
+
+def _edit(folder, tensors=None, drop=()):
+    sd = load_file(folder / "model.safetensors")
+    for k in drop:
+        del sd[k]
+    sd.update(tensors or {})
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _s(text):
+    return torch.tensor([ord(c) for c in text], dtype=torch.uint8)
+
+
+BAD = {
+    "missing zero": (dict(drop=[f"{L}.zero"]), "is missing"),
+    "missing shape": (dict(drop=[f"{L}.shape"]), "is missing"),
+    "missing W_q": (dict(drop=[f"{L}.W_q"]), "has no"),
+    "scale shape": (dict(tensors={f"{L}.scale": torch.ones(32, 1, dtype=torch.float16)}), "HQQ scales of"),
+    "W_q shape": (dict(tensors={f"{L}.W_q": torch.zeros(16, 64, dtype=torch.uint8)}), "HQQ packed codes"),
+    "shape not groups": (dict(tensors={f"{L}.shape": torch.tensor([60, 61])}), "not whole groups of 64"),
+    "nbits vs packing": (dict(tensors={f"{L}.nbits": torch.tensor(3, dtype=torch.int32)}),
+                         "HQQ nbits 3 is not stored with packing '4bit_u8'"),
+    "unknown packing": (dict(tensors={f"{L}.packing": _s("4bit_u32")}), "HQQ packing '4bit_u32'"),
+    "compute dtype": (dict(tensors={f"{L}.compute_dtype": _s("torch.float8_e4m3fn")}), "HQQ compute_dtype"),
+    "axis": (dict(tensors={f"{L}.axis": torch.tensor(2, dtype=torch.int32)}), "HQQ axis 2"),
+    "quantized zero": (dict(tensors={f"{L}.quant_zero": torch.tensor(1, dtype=torch.uint8)}), "is set"),
+    "zero_scale": (dict(tensors={f"{L}.zero_scale": torch.ones(2, 128, 1, dtype=torch.float16)}),
+                   "offloaded scale/zero"),
+    "plain and packed": (dict(tensors={f"{L}.weight": torch.zeros(64, 64, dtype=torch.float16)}),
+                         "both a plain"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
+    edit, needle = BAD[case]
+    build(tmp_path / "q")
+    _edit(tmp_path / "q", **edit)
+    for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
+        assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)
