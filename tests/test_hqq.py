@@ -79,7 +79,7 @@ def bits_equal(a, b):
 
 CASES = [(4, 64, 1, torch.float16), (4, 64, 0, torch.bfloat16), (2, 32, 1, torch.bfloat16), (2, 64, 0, torch.float16),
          (8, 64, 1, torch.float16), (8, 32, 0, torch.bfloat16), (3, 64, 1, torch.float16), (3, 64, 0, torch.bfloat16),
-         (1, 64, 1, torch.float16), (5, 64, 0, torch.float16)]
+         (1, 64, 1, torch.float16), (5, 64, 0, torch.float16), (1.58, 64, 1, torch.float16)]  # 1.58: nbits as F32
 
 
 @pytest.mark.parametrize("nbits,group,axis,compute", CASES)
