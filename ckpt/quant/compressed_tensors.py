@@ -85,7 +85,6 @@ def unpack_dense(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     R = words.shape[0]
     if bits in (1, 2, 4, 8):  # whole codes per byte: split the bytes (the little-endian byte order of int32)
         b = words.contiguous().view(torch.uint8).reshape(R, -1).to(torch.int32)
-        per = 8 // bits
         shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=words.device)
         return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(R, -1)[:, :n]
     w = words.to(torch.int64) & 0xFFFFFFFF
@@ -134,7 +133,8 @@ class CtIntWeight(Wrapper):
             return self.zero.read(start, stop, device).to(torch.int32)
         if self._zeros is None:  # [ceil(N * bits / 32), G] words along dim 0: small, unpacked once
             z = self.zero.read_all(torch.device("cpu"))
-            self._zeros = unpack_dense(z.T.contiguous(), self.bits, self.shape[0]).T.contiguous() - (1 << (self.bits - 1))
+            z = unpack_dense(z.T.contiguous(), self.bits, self.shape[0]).T.contiguous()
+            self._zeros = z - (1 << (self.bits - 1))
         return self._zeros[start:stop].to(device)
 
     def read(self, start, stop, device, scratch=None):
@@ -354,7 +354,8 @@ def _int_layer(ctx, layer, s: Scheme, fmt: str):
         sshape = (n, 1) if s.strategy == "channel" else (1,)
     scale = companion(ctx, sk, f"{what} weight_scale", dtypes=float_scale)
     if tuple(scale.shape) != sshape and not (s.strategy == "tensor" and scale.numel == 1):
-        raise refuse(ctx, sk, f"{what}: weight_scale is {list(scale.shape)}; strategy {s.strategy} needs {list(sshape)}")
+        raise refuse(ctx, sk, f"{what}: weight_scale is {list(scale.shape)}; strategy {s.strategy} needs "
+                              f"{list(sshape)}")
     consumed[sk] = f"scale of {layer}.weight ({st_name(scale.dtype)})"
     zero, zero_packed = None, False
     if s.symmetric:
@@ -431,6 +432,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         if s.weights is None:
             raise refuse(ctx, key, f"compressed-tensors {layer!r}: its group {s.name!r} quantizes no weights")
         fmt = s.format
+        if s.type == "float" and s.bits == 8:
+            continue  # FP8 codes with a weight_scale (float- or naive-quantized): ckpt.quant.fp8 decodes them
         if fmt in OTHERS:
             continue  # FP8 (ckpt.quant.fp8) and MX layouts are other decoders' (what none takes, `unclaimed` refuses)
         if fmt not in DECODED:
@@ -464,7 +467,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
             consumed[key] = "activation quantization parameter (inference only)"
     if not tensors and not consumed:
         return None
-    notes = [f"compressed-tensors: decoded " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + " layer(s)"
+    notes = ["compressed-tensors: decoded " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + " layer(s)"
              if kinds else "compressed-tensors: no integer or NVFP4 layers to decode"]
     dropped = sum(1 for v in consumed.values() if v.startswith("activation"))
     if dropped:

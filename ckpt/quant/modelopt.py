@@ -11,9 +11,11 @@ modelopt`, `quant_algo: NVFP4`). A quantized Linear `X` (N outputs, K inputs) st
 - `X.input_scale` fp32 scalar: the activations' scale, inference only, dropped (listed).
 W = e2m1 * (float(weight_scale) * weight_scale_2), as ModelOpt 0.47's `NVFP4QTensor.dequantize` computes it
 (non-fast path): the block scales times the per-tensor scale in float32, the e2m1 values (float32) times
-that, then one cast to the output dtype. That is ComfyUI's NVFP4 arithmetic (`microscaling.nvfp4_decode`,
-global * block, then value * total), reused after swapping the nibbles into its high-first order. The
-decoded dtype is config.json `torch_dtype` (the model's, what ModelOpt's `metadata["dtype"]` holds).
+that, then one cast to the output dtype: ComfyUI's NVFP4 arithmetic (`microscaling.nvfp4_decode`, global * block,
+then value * total) on ckpt's e2m1 lookup (`microscaling.unpack_e2m1`, after swapping the nibbles into its
+high-first order), except that ModelOpt's table holds +0 for code 8 where ckpt's (and compressed-tensors')
+holds -0: the sign of that zero is ModelOpt's. The decoded dtype is config.json `torch_dtype` (the model's,
+what ModelOpt's `metadata["dtype"]` holds).
 
 Refused by name: other ModelOpt algorithms whose weights are not plain NVFP4 (`NVFP4_AWQ` and `W4A8_AWQ`
 carry `pre_quant_scale` smoothing, `MIXED_PRECISION` per-layer algorithms, INT4/INT8/W4A8 packs). ModelOpt
@@ -59,9 +61,12 @@ class ModelOptNvfp4Weight(Wrapper):
         self.dtype, self.natural = torch.float32, natural
 
     def read(self, start, stop, device, scratch=None):
-        packed = swap_nibbles(self.base.read(start, stop, device, scratch))
+        n = stop - start
+        vals = mx.unpack_e2m1(swap_nibbles(self.base.read(start, stop, device, scratch)))
+        vals.add_(0.0)  # ModelOpt's e2m1 table holds +0 for code 8 (-0 + 0 = +0; every other value unchanged)
         g = self.scale_2.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(())
-        return mx.nvfp4_decode(packed, g, self.scale.read(start, stop, device))
+        total = self.scale.read(start, stop, device).to(torch.float32) * g  # ModelOpt: per-block scale in fp32
+        return (vals.reshape(n, -1, 16) * total.unsqueeze(-1)).reshape(n, -1)
 
 
 def modelopt_config(ctx: DecodeContext) -> tuple[str | None, dict, str] | None:

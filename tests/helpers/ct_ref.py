@@ -86,7 +86,8 @@ def oracle(folder, schemes) -> dict[str, torch.Tensor]:
     stored = load_file(folder / "model.safetensors")
     out = {}
     for name, scheme in schemes.items():
-        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+        local = {k[len(name) + 1:]: v for k, v in stored.items()
+                 if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
         local.pop("bias", None)
         compressor = BaseCompressor.get_value_from_registry(scheme.format.value if hasattr(scheme.format, "value")
                                                             else scheme.format)
