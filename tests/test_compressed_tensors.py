@@ -126,6 +126,18 @@ def test_fp8_group_beside_int4_is_left_to_the_fp8_decoder(tmp_path, run_ckpt):
     _check(_dequant(run_ckpt, tmp_path / "q", tmp_path / "plain"), expected, None)
 
 
+def test_dense_uncompressed_save_keeps_its_float_weights(tmp_path, run_ckpt):
+    """A frozen, uncompressed save (format dense: float weights beside their qparams) is already plain: the
+    weights pass through, the qparams are dropped, the config removed."""
+    ct_ref.build(tmp_path / "q", {"g": linear(int_args(4, "group", 32, False))}, ignore=["lm_head"], fmt="dense")
+    stored = load_file(tmp_path / "q" / "model.safetensors")
+    assert stored[f"{L}.weight"].dtype == torch.bfloat16 and f"{L}.weight_scale" in stored
+    out = _dequant(run_ckpt, tmp_path / "q", tmp_path / "plain")
+    assert set(out) == set(ct_ref.tiny_llama()[1].state_dict())
+    assert all(bits_equal(out[k], stored[k]) for k in out)
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+
+
 def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
     transformers = pytest.importorskip("transformers")
     schemes = ct_ref.build(tmp_path / "q", MIXED, ignore=MIXED_IGNORE)
@@ -207,6 +219,17 @@ BAD = {
     "ignored but packed": "an ignore entry names it",
     "config says naive": "says naive-quantized",
 }
+
+
+def test_pre_020_packing_refused_by_name(tmp_path, run_ckpt, capsys):
+    """Before 0.20, compressed-tensors put 32 // bits codes in each word (10 3-bit codes, 2 bits unused); 0.20
+    packs densely. A 3-bit weight_packed only the old width fits is refused by name, not misread."""
+    ct_ref.build(tmp_path / "q", {"g": linear(int_args(3, "channel"))}, ignore=["lm_head"])
+    n, k = 64, 64
+    ct_ref.edit(tmp_path / "q", tensors={f"{L}.weight_packed": torch.zeros(n, -(-k // 10), dtype=torch.int32)})
+    capsys.readouterr()
+    assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "q", "-o", tmp_path / "out", "-q"), "",
+                   "the packing of compressed-tensors before 0.20")
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -27,6 +27,8 @@ Stored layouts (a Linear of N outputs, K inputs), decoded as the package's compr
   `NVFP4PackedCompressor.decompress` computes it: s = bf16(weight_scale) / weight_global_scale (torch's
   type promotion: fp32 for a [1] global scale), W = bf16(e2m1 * s).
 - `float-quantized` (FP8 `X.weight` + `X.weight_scale`) is left to `ckpt.quant.fp8`, which decodes it.
+- `dense` (a model saved before compression, `quantization_status` frozen): `X.weight` is already the float
+  weight the package would load; its `weight_scale` / `weight_zero_point` are consumed and listed.
 - `X.input_scale`, `X.input_global_scale`, `X.input_zero_point` (static activation quantization) only
   configure inference kernels: consumed and listed as dropped.
 
@@ -434,6 +436,14 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         fmt = s.format
         if s.type == "float" and s.bits == 8:
             continue  # FP8 codes with a weight_scale (float- or naive-quantized): ckpt.quant.fp8 decodes them
+        plain = ctx.remaining.get(f"{layer}.weight")
+        if fmt == "dense" and plain is not None and plain.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+                and f"{layer}.weight_packed" not in ctx.remaining:
+            for q in ("weight_scale", "weight_zero_point", "weight_global_scale"):  # status frozen: stored in float
+                if f"{layer}.{q}" in ctx.remaining:
+                    consumed[f"{layer}.{q}"] = f"{q} of {layer}.weight, stored uncompressed (format dense)"
+            kinds["dense (already plain)"] = kinds.get("dense (already plain)", 0) + 1
+            continue
         if fmt in OTHERS:
             continue  # FP8 (ckpt.quant.fp8) and MX layouts are other decoders' (what none takes, `unclaimed` refuses)
         if fmt not in DECODED:
