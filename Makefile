@@ -16,9 +16,11 @@ $(BIN)/ckpt: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
-	# GPTQ/AWQ oracles: their packers and CPU dequantizers, imported by file in the tests; their declared
-	# dependencies would pull another torch (auto-gptq) or triton (autoawq), which the tests do not need
+	# Oracles installed without their declared dependencies, which would pull another torch (auto-gptq, hqq) or
+	# triton (autoawq) and which the tests do not need: GPTQ/AWQ packers and CPU dequantizers (imported by file)
 	$(BIN)/pip install -q --no-deps "auto-gptq==0.7.1" "autoawq==0.2.9"
+	# HQQ's quantizer (an sdist whose CUDA extension is skipped with DISABLE_CUDA=1) and ModelOpt's NVFP4 code
+	DISABLE_CUDA=1 $(BIN)/pip install -q --no-deps "hqq==0.2.8.post1" "nvidia-modelopt==0.47.0"
 	touch $(BIN)/ckpt
 
 setup: $(BIN)/ckpt

@@ -30,9 +30,7 @@ class View:
 
 
 def _decoders():
-    from ckpt.quant import awq, bnb, comfy_quant, fp8, gguf, gptq, quanto
-    from ckpt.quant import hqq, mxfp4
-    from ckpt.quant import compressed_tensors, modelopt
+    from ckpt.quant import awq, bnb, comfy_quant, compressed_tensors, fp8, gguf, gptq, hqq, modelopt, mxfp4, quanto
 
     return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) \
         + list(compressed_tensors.DECODERS) + list(modelopt.DECODERS) + list(fp8.DECODERS) \
@@ -43,8 +41,8 @@ def _decoders():
 
 # Stored-key patterns no decoder claimed: name -> (regex on a key, what is wrong). Decoded today: GGUF,
 # ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), bitsandbytes NF4/FP4/LLM.int8, every FP8 layout, quanto,
-# GPTQ and AWQ (when config.json, quantize_config.json or quant_config.json names the method): int packs left
-# over have no config saying which they are.
+# compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ, GPTQ and AWQ (when config.json, quantize_config.json
+# or quant_config.json names the method): int packs left over have no config saying which they are.
 UNSUPPORTED = {
     "bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+|SCB)$"),
                      "data without the quant state or weight it belongs to"),
