@@ -24,15 +24,13 @@ FP8 (`quant_algo: FP8`) is `ckpt.quant.fp8`'s: this decoder leaves it alone.
 
 from __future__ import annotations
 
-import json
-
 from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
-from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, model_dtype, quant_config,
+from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, method_config, model_dtype,
                                refuse)
 from ckpt.quant.encoding import NoEncoder
 
@@ -72,27 +70,17 @@ class ModelOptNvfp4Weight(Wrapper):
 def modelopt_config(ctx: DecodeContext) -> tuple[str | None, dict, str] | None:
     """(quant_algo, the config's quantization section, where it came from), or None when neither config.json
     nor hf_quant_config.json names ModelOpt."""
-    qc = quant_config(ctx)
-    if str(qc.get("quant_method", "")).lower() == "modelopt":
-        sect = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
-        return sect.get("quant_algo"), sect, "config.json quantization_config"
-    if qc:
+
+    def ours(cfg: dict) -> bool:
+        producer = cfg.get("producer") if isinstance(cfg.get("producer"), dict) else {}
+        return isinstance(cfg.get("quantization"), dict) and str(producer.get("name", "modelopt")).lower() == "modelopt"
+
+    found = method_config(ctx, "modelopt", SIDE_CONFIG, "a ModelOpt quant config", ours)
+    if found is None:
         return None
-    files = ctx.component.files
-    p = files[0].path.parent / SIDE_CONFIG if files else None
-    if p is None or not p.is_file():
-        return None
-    try:
-        cfg = json.loads(p.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError
-    except (ValueError, UnicodeDecodeError):
-        raise CkptError(f"{p}: not a ModelOpt quant config (expected a JSON object); nothing was written") from None
-    producer = cfg.get("producer") if isinstance(cfg.get("producer"), dict) else {}
-    sect = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else None
-    if sect is None or str(producer.get("name", "modelopt")).lower() != "modelopt":
-        return None
-    return sect.get("quant_algo"), sect, str(p)
+    cfg, where = found
+    sect = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else cfg
+    return sect.get("quant_algo"), sect, where
 
 
 def decode(ctx: DecodeContext) -> Decoded | None:
