@@ -29,11 +29,50 @@ from ckpt.dtypes import FP8, TARGETS, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import WEIGHT_SUFFIXES
 from ckpt.io.checkpoint_plan import plan_checkpoint
+from ckpt.io.wrapper import Wrapper
 from ckpt.merge_lora import litgpt
 from ckpt.merge_lora.merged import Patch, Patched
 from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
+# A base decoded from one of these LLM quantization formats (the decoders' modules -> the format's name) is written
+# in bf16 without --to (issue 24): the decoded values are in the format's compute dtype (fp16 scales for
+# GPTQ/AWQ/HQQ...), but fine-tuners merge a QLoRA into them to get the bf16 model back, as PEFT users do.
+LLM_QUANT = {"ckpt.quant.gptq": "GPTQ", "ckpt.quant.awq": "AWQ", "ckpt.quant.compressed_tensors": "compressed-tensors",
+             "ckpt.quant.modelopt": "ModelOpt NVFP4", "ckpt.quant.mxfp4": "gpt-oss MXFP4", "ckpt.quant.hqq": "HQQ"}
+LLM_QUANT_DEFAULT = torch.bfloat16
+
+
+class AsComputed(Wrapper):
+    """A decoded LLM-quantization weight as its library computes it: rounded once to the format's compute dtype
+    (`natural_dtype`) where the decoder gives exact fp32 products (compressed-tensors int packs). That value is the
+    weight the QLoRA was trained against and the one PEFT merges into (`merge_and_unload` on the library's
+    dequantized model), so merges start from it rather than from the unrounded product."""
+
+    def __init__(self, base):
+        self.base, self.name, self.home = base, base.name, base.home
+        self.shape, self.row_align, self.dtype = tuple(base.shape), base.row_align, base.natural_dtype
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch).to(self.dtype)
+
+
+def as_computed(views):
+    """The views with every LLM-quantization weight whose decoder reads wider than its compute dtype wrapped in
+    AsComputed; other tensors as they are."""
+    def fix(t):
+        if type(t).__module__ in LLM_QUANT and is_float(t.dtype) and is_float(t.natural_dtype) \
+                and t.natural_dtype != t.dtype:
+            return AsComputed(t)
+        return t
+
+    return [replace(v, tensors={k: fix(t) for k, t in v.tensors.items()}) for v in views]
+
+
+def llm_quant_formats(views) -> list[str]:
+    """The LLM quantization formats (LLM_QUANT) some tensor of the views was decoded from, sorted."""
+    return sorted({LLM_QUANT[type(t).__module__] for v in views for t in v.tensors.values()
+                   if type(t).__module__ in LLM_QUANT})
 
 Patches = list[dict[str, list[Patch]]]  # per component: view key -> patches in order
 
@@ -63,7 +102,8 @@ class Strategy:
 
 class Plain(Strategy):
     """Every logical tensor cast to --to, else to `dtype` (the LitGPT LoRA's, said in a note), else to the
-    model's own dtype (an FP8 base as FP8_DEFAULT); the patched ones merged in fp32 first."""
+    model's own dtype (an FP8 base as FP8_DEFAULT; a GPTQ, AWQ, compressed-tensors, ModelOpt, gpt-oss MXFP4 or
+    HQQ base, every floating tensor as LLM_QUANT_DEFAULT, said in a note); the patched ones merged in fp32 first."""
 
     def __init__(self, to: str | None, fmt: str | None, container: str = "safetensors",
                  dtype: torch.dtype | None = None, dtype_source: str = ""):
@@ -81,6 +121,11 @@ class Plain(Strategy):
             dtype_note = f"written in {short_name(self.dtype)}, {self.dtype_source} (pass --to to choose)"
         fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
                        for v in views for t in v.tensors.values())
+        quant = llm_quant_formats(views) if target is None else []
+        if quant:
+            target = LLM_QUANT_DEFAULT
+            dtype_note = (f"{', '.join(quant)} base: merged in fp32 and written as {short_name(target)} "
+                          "(pass --to to choose)")
 
         def out_dtype(t) -> torch.dtype:
             if target is not None:
@@ -90,14 +135,14 @@ class Plain(Strategy):
         make = cast_outputs(report, out_dtype, source_of=lambda t: t.merged() if isinstance(t, Patched) else t)
         # The patches travel on the tensors of the views planned from (`make` sees only a tensor).
         patched = [replace(v, tensors={k: Patched(t, ps[k]) if k in ps else t for k, t in v.tensors.items()})
-                   for v, ps in zip(views, patches)]
+                   for v, ps in zip(as_computed(views), patches)]
         cfg_dtype = target or (FP8_DEFAULT if fp8_seen else None)
         plan = plan_checkpoint(ckpt, patched, make, operation=operation, file_format=file_format,
                                output_dtype=lambda c: cfg_dtype)
         plan.notes += decoded_notes(ckpt, views) + notes
         if dtype_note:
             plan.notes.append(dtype_note)
-        if fp8_seen and target is None:
+        if fp8_seen and target is None and not quant:
             plan.notes.append(f"FP8 base: merged in fp32 and written as {short_name(FP8_DEFAULT)} (pass --to to choose)")
         return plan
 
