@@ -21,6 +21,12 @@ than 4, and `zero_point: false` (AutoAWQ writes no such checkpoint).
 
 Bands: GEMM output rows are columns of every stored tensor (read with `common.read_columns`: only the words of the
 band); GEMV output rows are stored rows.
+
+`merge-lora --keep-format` (the weights' `encoding`, `ckpt.quant.int_pack_encode`): a changed weight keeps its
+scales and qzeros as stored; only `qweight` is written again, each code clamp(round(W / scale) + zero, 0, 15)
+on that grid (AutoAWQ's `pseudo_quantize_tensor`), packed as `from_linear` packs (GEMM's interleave; GEMV in
+order). GEMM's `qweight` holds output rows as columns, so it is encoded per whole tensor (memory: the packed
+tensor plus one band); GEMV band by band.
 """
 
 from __future__ import annotations
@@ -31,15 +37,11 @@ from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, method_config, read_columns, refuse
-from ckpt.quant.encoding import NoEncoder
 
 SIDE_CONFIG = "quant_config.json"  # AutoAWQ < 0.1.7 saved its config beside the weights
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i holds output order[i] of its word
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # output j sits in nibble REVERSE[j]
 LAYOUTS = ("gemm", "gemv")
-
-_NO_ENCODER = NoEncoder("AWQ", "AWQ is decoded only: ckpt has no AWQ encoder yet (merge without --keep-format "
-                               "for a plain file)")
 
 
 def zeros_width(k: int, group: int) -> int:
@@ -64,13 +66,29 @@ def _nibbles(words: torch.Tensor, order=None) -> torch.Tensor:
 class AwqGemmWeight(Wrapper):
     """W [N, K] of an AutoAWQ GEMM Linear; `base` is `qweight` [K, N / 8]."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name: str, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int):
         self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
         self.shape, self.home = (qweight.shape[1] * 8, qweight.shape[0]), qweight.home
         self.dtype = self.natural = scales.dtype
+
+    @property
+    def encoding(self):
+        from ckpt.quant.int_pack_encode import IntGridEncoding, pack_rows
+
+        def store(codes):  # [n, K] -> [K, n / 8]: eight outputs per word, interleaved
+            k = codes.shape[1]
+            return pack_rows(codes.T.reshape(k, -1, 8)[:, :, list(ORDER)].reshape(k, -1), 4)
+
+        return IntGridEncoding(self, "AWQ 4-bit GEMM", self.base, 4, 0, 15, store, per_column=8)
+
+    def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale fp32, zero int32), each [n, K], of outputs [start, stop): the stored grid `encoding` keeps."""
+        w0, w1 = start // 8, -(-stop // 8)
+        z = _nibbles(read_columns(self.qzeros, w0, w1, device), REVERSE)[:, start - 8 * w0: stop - 8 * w0]
+        g = torch.arange(self.shape[1], device=device) // self.group
+        return read_columns(self.scales, start, stop, device).to(torch.float32)[g].T, z[g].T
 
     def read(self, start, stop, device, scratch=None):
         w0, w1 = start // 8, -(-stop // 8)
@@ -86,13 +104,25 @@ class AwqGemmWeight(Wrapper):
 class AwqGemvWeight(Wrapper):
     """W [N, K] of an AutoAWQ GEMV Linear; `base` is `qweight` [N, K / 8] (rows are output rows)."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name: str, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int):
         self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
         self.shape, self.home = (qweight.shape[0], qweight.shape[1] * 8), qweight.home
         self.dtype = self.natural = scales.dtype
+
+    @property
+    def encoding(self):
+        from ckpt.quant.int_pack_encode import IntGridEncoding, pack_rows
+
+        return IntGridEncoding(self, "AWQ 4-bit GEMV", self.base, 4, 0, 15, lambda codes: pack_rows(codes, 4))
+
+    def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale fp32, zero int32), each [n, K], of outputs [start, stop) (the padding columns read past)."""
+        groups = self.shape[1] // self.group
+        g = torch.arange(self.shape[1], device=device) // self.group
+        z = _nibbles(self.qzeros.read(start, stop, device))[:, :groups]
+        return self.scales.read(start, stop, device)[:, :groups].to(torch.float32)[:, g], z[:, g]
 
     def read(self, start, stop, device, scratch=None):
         k = self.shape[1]

@@ -37,6 +37,11 @@ of two codes is exact there, the product of a 16-bit scale and a 9-bit integer i
 rounding to the scale's dtype gives its bits); the decoded dtype is the scale's (what `decompress` returns,
 the model's dtype when llm-compressor calibrated it). NVFP4 decodes to bf16, as the package does.
 
+`merge-lora --keep-format` (`CtIntWeight.encoding`, `ckpt.quant.int_pack_encode`): a changed integer weight
+keeps `weight_scale`, `weight_zero_point` and `weight_shape` as stored; only its codes (`weight_packed`, or
+the naive int8 `weight`) are written again, band by band: clamp(round(W / scale) + zero, -2^(bits-1),
+2^(bits-1) - 1) on that grid, packed as `pack_to_int32` packs. NVFP4 is decoded only.
+
 Refused by name: sparse-24 / sparse-bitmask compression (`sparsity_config`, `.bitmask` keys: compressed-
 tensors > 0.14 dropped it), `marlin-24`, a `transform_config` (rotated weights need the online transforms),
 activation-ordered `X.weight_g_idx` (actorder "group", removed from compressed-tensors), block-strategy
@@ -72,8 +77,8 @@ CT_SUFFIXES = (".weight_packed", ".weight_shape", ".weight_global_scale", ".weig
                ".weight_zero_point", ".input_zero_point", ".output_zero_point", ".bitmask", ".row_offsets")
 ACTIVATION_ONLY = ACTIVATION_SCALES | {"input_global_scale", "input_zero_point", "output_zero_point"}
 
-_NO_ENCODER = NoEncoder("compressed-tensors", "compressed-tensors is decoded only: ckpt has no compressed-tensors "
-                                              "encoder yet (merge without --keep-format for a plain file)")
+_NO_ENCODER = NoEncoder("compressed-tensors nvfp4", "compressed-tensors NVFP4 is decoded only: ckpt has no NVFP4 "
+                                                    "encoder yet (merge without --keep-format for a plain file)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,7 +116,6 @@ class CtIntWeight(Wrapper):
     """W [N, K] = (q - z) * s of a pack-quantized or naive-quantized Linear; `base` is the stored codes.
     float32 values (exact products), rounded once to the scale's dtype (`natural`)."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name, base: Tensor, shape, bits: int, packed: bool, scale: Tensor, strategy: str,
@@ -121,6 +125,30 @@ class CtIntWeight(Wrapper):
         self.zero, self.zero_packed = zero, zero_packed
         self.dtype, self.natural = torch.float32, scale.dtype
         self._zeros = None
+
+    @property
+    def encoding(self):
+        from ckpt.quant.int_pack_encode import IntGridEncoding, pack_rows
+
+        bits, half = self.bits, 1 << (self.bits - 1)
+        if self.packed:
+            label, store = f"compressed-tensors int{bits} pack-quantized", lambda c: pack_rows(c + half, bits)
+        else:
+            label, store = f"compressed-tensors int{bits} naive", lambda c: c.to(torch.int8)
+        return IntGridEncoding(self, label, self.base, bits, -half, half - 1, store)
+
+    def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale fp32, zero int32 or None) of output rows [start, stop), broadcastable to [n, K] (group
+        strategy: expanded per input): the stored grid `encoding` keeps."""
+        z = self._zero_rows(start, stop, device)
+        if self.strategy == "tensor":
+            s = self.scale.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(1, 1)
+        else:
+            s = self.scale.read(start, stop, device).to(torch.float32).reshape(stop - start, -1)
+        if self.strategy == "group":
+            s = s.repeat_interleave(self.group, dim=1)
+            z = None if z is None else z.repeat_interleave(self.group, dim=1)
+        return s, z
 
     @property
     def source_bytes(self):

@@ -31,6 +31,11 @@ name: GPTQModel's planar 5/6/7-bit (`gptq_p`) and Marlin / BitBLAS repacked layo
 Bands run along the output rows (dim 0 of the decoded [N, K] weight), which are columns of every stored
 tensor: a band [a, b) reads only columns a..b of `qweight` and `scales`, the words of `qzeros` that hold
 them, and `g_idx` (K values), with one positioned read per stored row (`read_columns`).
+
+`merge-lora --keep-format` (`GptqWeight.encoding`, `ckpt.quant.int_pack_encode`): a changed weight keeps its
+scales, qzeros and g_idx as stored; only `qweight` is written again, each code clamp(round(W / scale) +
+zero, 0, 2^bits - 1) on that grid (GPTQ's own quantizer), packed as `QuantLinear.pack` packs. `qweight`
+holds output rows as columns, so it is encoded per whole tensor (memory: the packed tensor plus one band).
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import (DecodeContext, Decoded, companion, float_scale, method_config, read_columns, refuse,
                                st_name)
-from ckpt.quant.encoding import NoEncoder
 
 SIDE_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel's own config beside the weights
 BITS = (2, 3, 4, 8)
@@ -52,9 +56,6 @@ V1_FORMATS = ("gptq", "")  # absent: AutoGPTQ < 0.8 and optimum write v1 without
 V2_FORMATS = ("gptq_v2",)
 REPACKED = {"marlin": "Marlin-repacked", "bitblas": "BitBLAS-repacked", "gptq_p": "planar (gptq_p)",
             "ipex": "IPEX-repacked", "qqq": "QQQ"}
-
-_NO_ENCODER = NoEncoder("GPTQ", "GPTQ is decoded only: ckpt has no GPTQ encoder yet (merge without --keep-format "
-                                "for a plain file)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,7 +106,6 @@ def code_block(bits: int) -> int:
 class GptqWeight(Wrapper):
     """W [N, K] of one GPTQ Linear; `base` is `qweight`. Values in the scales' dtype (`natural` too)."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name: str, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor | None,
@@ -125,14 +125,33 @@ class GptqWeight(Wrapper):
             return torch.arange(self.in_features, device=device) // self.group_size
         return self.g_idx.read_all(torch.device("cpu")).to(device=device, dtype=torch.int64)
 
-    def read(self, start, stop, device, scratch=None):
+    @property
+    def encoding(self):
+        from ckpt.quant.int_pack_encode import IntGridEncoding, pack_rows
+
+        bits = self.bits
+        return IntGridEncoding(self, f"GPTQ {bits}-bit", self.base, bits, 0, (1 << bits) - 1,
+                               lambda codes: pack_rows(codes, bits).T, per_column=1)
+
+    def zeros(self, start, stop, device) -> torch.Tensor:
+        """The zero points [G, n] of outputs [start, stop) as integers (v1's stored z - 1 undone per field)."""
         bits, blk = self.bits, code_block(self.bits)
-        q = unpack_words(read_columns(self.base, start, stop, device), bits, 0)  # [K, n]
         c0, c1 = start // blk * blk, min(self.shape[0], -(-stop // blk) * blk)  # outputs whose words we read
         z = unpack_words(read_columns(self.qzeros, words_for(c0, bits), words_for(c1, bits), device), bits, 1)
         z = z[:, start - c0: stop - c0]
         if self.v1:
             z = (z + 1) & ((1 << bits) - 1)
+        return z
+
+    def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale fp32, zero int32), each [n, K], of outputs [start, stop): the stored grid `encoding` keeps."""
+        g = self.groups(device)
+        s = read_columns(self.scales, start, stop, device).to(torch.float32)[g].T
+        return s, self.zeros(start, stop, device)[g].T
+
+    def read(self, start, stop, device, scratch=None):
+        q = unpack_words(read_columns(self.base, start, stop, device), self.bits, 0)  # [K, n]
+        z = self.zeros(start, stop, device)
         g = self.groups(device)
         q.sub_(z[g])  # q - z, [K, n]: in place, a band holds about four copies of itself at most
         w = q.to(torch.float32)

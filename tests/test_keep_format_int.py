@@ -1,0 +1,367 @@
+"""`ckpt merge-lora --keep-format` on GPTQ, AWQ and compressed-tensors integer bases: the changed weights
+re-encoded on the base's own grid (`ckpt/quant/int_pack_encode.py`).
+
+Each test builds a tiny quantized Llama here (no downloads) with the libraries' own packers, as the decoder
+tests do (tests/test_gptq.py, test_awq.py, test_compressed_tensors.py: AutoGPTQ 0.7.1's `QuantLinear.pack`,
+AutoAWQ 0.2.9's `WQLinear_GEMM.from_linear`, compressed-tensors 0.20's `ModelCompressor` via
+`helpers.ct_ref.build`), and a PEFT LoRA (adapter_config.json + adapter_model.safetensors, written directly)
+on some of its Linear layers. The merged value is ckpt's own fp32 merge (`plain_merge`, checked against PEFT
+elsewhere). Oracle for each changed layer: the expected codes are computed here by the rule the encoder
+states, clamp(round(merged / scale) + zero, lo, hi) with the base's stored scales and zero points (the
+libraries' packers do not clamp, so the clamp cannot come from them), then packed by the library's own
+packer: AutoGPTQ `QuantLinear.pack` / AutoAWQ `from_linear` on a Linear holding (code - zero) * scale in
+fp32 with the base's scales and zeros (they re-round: that gives back exactly these codes, as asserted),
+compressed-tensors `pack_to_int32`. Asserted: every stored key but the changed codes byte-identical to the
+base (scales, zeros, g_idx included); the changed codes equal the oracle's; `ckpt dequant` of the output
+equals scale * (code - zero) of those codes in the decoder's dtype; the report's requantization error is
+the one measured here; a delta past the grid is clamped (and counted), never spilled into the next field.
+
+The compressed-tensors models here are fp32: a plain merge into these bases may start from the decoded weight
+rounded to the model's dtype (as the package's decompression gives it), --keep-format starts from the
+decoder's exact fp32 product; in fp32 the two are the same value, in bf16 they can differ by half a bf16 step
+of the base, which moves a code at a rounding boundary by one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import gptq_ref
+from helpers.keep_format import plain_merge, rel_rms, reported
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")  # the LoRA's layers (of layer 0)
+CLAMPED = "values fell outside the base's integer grid and were clamped to its ends (its scales are kept)"
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def _tiny(dtype=torch.float16, layers=1):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return cfg, transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def peft_lora(folder, shapes: dict[str, tuple[int, int]], scale=0.1, rank=4, alpha=8, seed=3):
+    """A PEFT LoRA folder on modules {name: (out, in)}; B random (not PEFT's zero init) so the merge changes."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, (out, inn) in shapes.items():
+        sd[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, inn, generator=g) * scale
+        sd[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out, rank, generator=g) * scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted({n.rsplit(".", 1)[-1]
+                                                                                         for n in shapes}),
+        "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False}))
+    return folder
+
+
+def merge(run_ckpt, base, lora, tmp_path):
+    """(ckpt's fp32 merge, the --keep-format output's tensors, the reported errors, stdout+stderr)."""
+    merged = plain_merge(run_ckpt, base, lora, tmp_path, "plain")
+    code, out, err = run_ckpt("merge-lora", base, lora, "--keep-format", "-o", tmp_path / "kf",
+                              "--report", tmp_path / "r.json")
+    assert code == 0, err
+    kept = {k: v for f in sorted((tmp_path / "kf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    return merged, kept, reported(tmp_path / "r.json"), out + err
+
+
+def dequant(run_ckpt, folder, out):
+    code, _, err = run_ckpt("dequant", folder, "-o", out, "-q")
+    assert code == 0, err
+    return load_file(out / "model.safetensors")
+
+
+def check_common(base: dict, kept: dict, changed_keys: set[str]):
+    assert list(kept) == list(base) or set(kept) == set(base)
+    for k, v in base.items():
+        if k in changed_keys:
+            assert kept[k].dtype == v.dtype and kept[k].shape == v.shape, k
+            assert not same_bytes(kept[k], v), f"{k}: the merge changed nothing"
+        else:
+            assert same_bytes(kept[k], v), f"{k} is not the base's bytes"
+
+
+def codes_for(merged: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, lo: int, hi: int):
+    """The rule the encoder states, restated: clamp(round(merged / scale) + zero, lo, hi); and how many clamped."""
+    q = torch.round(merged.float() / scale.float())
+    if zero is not None:
+        q = q + zero
+    return q.clamp(lo, hi).to(torch.int64), int(((q < lo) | (q > hi)).sum())
+
+
+# ---- GPTQ -----------------------------------------------------------------------------------------------
+
+def _qlinear():
+    ql = gptq_ref.autogptq_quantlinear("cuda")
+    if ql is None:
+        pytest.skip("auto-gptq is not installed (pip install --no-deps auto-gptq): its QuantLinear.pack is the oracle")
+    return ql
+
+
+def gptq_base(folder, bits, group, desc_act, sym, seed=0):
+    """A GPTQ (v1) folder packed by AutoGPTQ; returns {layer: (scales fp16 [n, G], zeros int [n, G], g_idx)}."""
+    QL = _qlinear()
+    cfg, model = _tiny()
+    gen = torch.Generator().manual_seed(seed + 1)
+    sd, grids = dict(model.state_dict()), {}
+    maxq = (1 << bits) - 1
+    for lin_name in LINEARS:
+        name = f"model.layers.0.{lin_name}"
+        lin = model.get_submodule(name)
+        n, k = lin.weight.shape
+        gs = k if group == -1 else group
+        G = math.ceil(k / gs)
+        g_idx = torch.arange(k) // gs
+        if desc_act:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        scales = torch.rand(n, G, generator=gen) * 0.01 + 0.002
+        zeros = (torch.full((n, G), float((maxq + 1) // 2)) if sym
+                 else torch.randint(1, maxq + 1, (n, G), generator=gen).float())
+        q = torch.randint(0, maxq + 1, (n, k), generator=gen).float()
+        noise = (torch.rand(n, k, generator=gen) - 0.5) * 0.5
+        lin.weight.data = ((q - zeros[:, g_idx] + noise) * scales[:, g_idx]).half()
+        ql = QL(bits, group, k, n, bias=False)
+        ql.pack(lin, scales, zeros.clone(), g_idx.to(torch.int32))  # clone: pack's `zeros -= 1` may hit its input
+        del sd[f"{name}.weight"]
+        for key in ("qweight", "qzeros", "scales", "g_idx"):
+            sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
+        grids[name] = (ql.scales.t().contiguous(), zeros.long(), g_idx)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym}
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": qc,
+                                                                    "torch_dtype": "float16"}))
+    return sd, grids
+
+
+def gptq_oracle_pack(codes, scales16, zeros, g_idx, bits):
+    """AutoGPTQ's own `QuantLinear.pack` of known codes: a Linear holding (code - zero) * scale in fp32."""
+    QL = _qlinear()
+    n, k = codes.shape
+    lin = torch.nn.Linear(k, n, bias=False)
+    s = scales16.float()[:, g_idx]
+    lin.weight.data = (codes - zeros[:, g_idx]).float() * s
+    ql = QL(bits, -1 if scales16.shape[1] == 1 else k // scales16.shape[1], k, n, bias=False)
+    ql.pack(lin, scales16.float(), zeros.float(), g_idx.to(torch.int32))
+    return ql.qweight
+
+
+GPTQ_CASES = {"4-bit group 32 asym": (4, 32, False, False), "3-bit act-order": (3, 16, True, False),
+              "8-bit sym": (8, -1, False, True), "2-bit group 32 asym": (2, 32, False, False)}
+
+
+@pytest.mark.parametrize("case", list(GPTQ_CASES))
+def test_gptq_codes_requantized_on_the_base_grid(tmp_path, run_ckpt, monkeypatch, case):
+    import ckpt.io.output as output
+
+    monkeypatch.setattr(output, "BAND_ELEMS", 1000)  # several bands of output rows per tensor
+    bits, group, desc_act, sym = GPTQ_CASES[case]
+    base, grids = gptq_base(tmp_path / "q", bits, group, desc_act, sym)
+    shapes = {f"model.layers.0.{t}": tuple(grids[f"model.layers.0.{t}"][1].shape[:1]) + (
+        grids[f"model.layers.0.{t}"][2].numel(),) for t in TARGETS}
+    lora = peft_lora(tmp_path / "lora", shapes, scale=0.1)
+    merged, kept, errs, text = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
+    assert "re-encoded 3 changed tensors" in text and "requantization error" in text
+    check_common(base, kept, {f"{m}.qweight" for m in shapes})
+    dec = dequant(run_ckpt, tmp_path / "kf", tmp_path / "dq")
+    maxq = (1 << bits) - 1
+    for m in shapes:
+        s16, z, g = grids[m]
+        codes, _ = codes_for(merged[f"{m}.weight"], s16[:, g], z[:, g], 0, maxq)
+        want = gptq_oracle_pack(codes, s16, z, g, bits)
+        assert torch.equal(kept[f"{m}.qweight"], want), m
+        value = (s16.float()[:, g] * (codes - z[:, g]).float()).half()
+        assert same_bytes(dec[f"{m}.weight"], value), m
+        assert errs[f"{m}.weight"] == pytest.approx(rel_rms(value, merged[f"{m}.weight"]), rel=1e-6), m
+
+
+def test_gptq_big_delta_is_clamped_never_spilled(tmp_path, run_ckpt):
+    bits = 4
+    base, grids = gptq_base(tmp_path / "q", bits, 32, False, False)
+    m = "model.layers.0.self_attn.q_proj"
+    lora = peft_lora(tmp_path / "lora", {m: (64, 64)}, scale=1.0)  # deltas of many grid steps
+    merged, kept, errs, text = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
+    s16, z, g = grids[m]
+    codes, n_clamped = codes_for(merged[f"{m}.weight"], s16[:, g], z[:, g], 0, 15)
+    assert n_clamped > 100
+    assert torch.equal(kept[f"{m}.qweight"], gptq_oracle_pack(codes, s16, z, g, bits))
+    unclamped = torch.round(merged[f"{m}.weight"].float() / s16.float()[:, g]) + z[:, g]
+    assert float(unclamped.max()) > 15 and float(unclamped.min()) < 0
+    QL = _qlinear()  # AutoGPTQ's pack on the merged weight itself does not clamp: its codes spill into their words
+    lin = torch.nn.Linear(64, 64, bias=False)
+    lin.weight.data = merged[f"{m}.weight"].float()
+    ql = QL(bits, 32, 64, 64, bias=False)
+    ql.pack(lin, s16.float(), z.float(), g.to(torch.int32))
+    assert not torch.equal(ql.qweight, kept[f"{m}.qweight"])
+    assert f"{n_clamped:,} {CLAMPED}" in text
+    dec = dequant(run_ckpt, tmp_path / "kf", tmp_path / "dq")
+    value = (s16.float()[:, g] * (codes - z[:, g]).float()).half()
+    assert same_bytes(dec[f"{m}.weight"], value)
+    assert errs[f"{m}.weight"] == pytest.approx(rel_rms(value, merged[f"{m}.weight"]), rel=1e-6)
+    assert errs[f"{m}.weight"] > 0.1
+
+
+def test_gptq_zero_delta_gives_back_the_base_bytes(tmp_path, run_ckpt):
+    """A LoRA whose delta is zero on some rows re-encodes those rows to their own codes (fp16 decode is exact
+    enough that round() finds them again)."""
+    base, grids = gptq_base(tmp_path / "q", 8, 32, False, False)
+    m = "model.layers.0.self_attn.q_proj"
+    lora = peft_lora(tmp_path / "lora", {m: (64, 64)}, scale=0.1)
+    sd = load_file(lora / "adapter_model.safetensors")
+    sd[f"base_model.model.{m}.lora_B.weight"][::2] = 0  # even output rows unchanged
+    save_file(sd, lora / "adapter_model.safetensors")
+    _, kept, _, _ = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
+    assert torch.equal(kept[f"{m}.qweight"][:, ::2], base[f"{m}.qweight"][:, ::2])
+
+
+# ---- AWQ ------------------------------------------------------------------------------------------------
+
+def _awq():
+    if not hasattr(sys.modules.get("awq"), "__path__"):
+        spec = importlib.util.find_spec("awq")
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip("autoawq is not installed (pip install --no-deps autoawq)")
+        pkg = types.ModuleType("awq")
+        pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["awq"] = pkg
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.modules.linear.gemv import WQLinear_GEMV
+
+    return WQLinear_GEMM, WQLinear_GEMV
+
+
+def awq_base(folder, version, group=32, seed=1):
+    GEMM, GEMV = _awq()
+    cfg, model = _tiny()
+    gen = torch.Generator().manual_seed(seed)
+    sd, grids = dict(model.state_dict()), {}
+    for lin_name in LINEARS:
+        name = f"model.layers.0.{lin_name}"
+        lin = model.get_submodule(name)
+        n, k = lin.weight.shape
+        G = k // group
+        g = torch.arange(k) // group
+        scales = torch.rand(n, G, generator=gen) * 0.01 + 0.002
+        zeros = torch.randint(0, 16, (n, G), generator=gen).float()
+        q = torch.randint(0, 16, (n, k), generator=gen).float()
+        lin.weight.data = ((q - zeros[:, g] + (torch.rand(n, k, generator=gen) - 0.5) * 0.5) * scales[:, g]).half()
+        ql = awq_pack(version, lin, scales, zeros, group)
+        del sd[f"{name}.weight"]
+        for key in ("qweight", "qzeros", "scales"):
+            sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
+        grids[name] = (scales.half(), zeros.long(), g)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    qc = {"quant_method": "awq", "zero_point": True, "group_size": group, "bits": 4, "version": version}
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": qc,
+                                                                    "torch_dtype": "float16"}))
+    return sd, grids
+
+
+def awq_pack(version, lin, scales, zeros, group):
+    GEMM, GEMV = _awq()
+    if version == "gemm":
+        return GEMM.from_linear(lin, 4, group, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
+    return GEMV.from_linear(lin, 4, group, scales=scales, zeros=zeros)
+
+
+@pytest.mark.parametrize("version", ["gemm", "gemv"])
+def test_awq_codes_requantized_on_the_base_grid(tmp_path, run_ckpt, monkeypatch, version):
+    import ckpt.io.output as output
+
+    monkeypatch.setattr(output, "BAND_ELEMS", 1000)
+    base, grids = awq_base(tmp_path / "q", version)
+    shapes = {f"model.layers.0.{t}": (grids[f"model.layers.0.{t}"][0].shape[0], grids[f"model.layers.0.{t}"][2].numel())
+              for t in TARGETS}
+    lora = peft_lora(tmp_path / "lora", shapes, scale=0.1)
+    merged, kept, errs, text = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
+    assert "re-encoded 3 changed tensors" in text
+    check_common(base, kept, {f"{m}.qweight" for m in shapes})
+    dec = dequant(run_ckpt, tmp_path / "kf", tmp_path / "dq")
+    for m in shapes:
+        s16, z, g = grids[m]
+        codes, _ = codes_for(merged[f"{m}.weight"], s16[:, g], z[:, g], 0, 15)
+        n, k = codes.shape
+        lin = torch.nn.Linear(k, n, bias=False)
+        lin.weight.data = (codes - z[:, g]).float() * s16.float()[:, g]
+        want = awq_pack(version, lin, s16.float(), z.float(), 32).qweight
+        assert torch.equal(kept[f"{m}.qweight"], want), m
+        value = (s16.float()[:, g] * (codes - z[:, g]).float()).half()
+        assert same_bytes(dec[f"{m}.weight"], value), m
+        assert errs[f"{m}.weight"] == pytest.approx(rel_rms(value, merged[f"{m}.weight"]), rel=1e-6), m
+
+
+# ---- compressed-tensors ---------------------------------------------------------------------------------
+
+CT_CASES = {"int4 group asym": (4, "group", 32, False, None, 0.1),
+            "int8 channel sym": (8, "channel", None, True, None, 0.1),
+            "int3 channel asym (codes straddle words)": (3, "channel", None, False, None, 0.1),
+            "naive int8 group asym": (8, "group", 32, False, "naive-quantized", 0.1),
+            "int4 group asym, a delta past the grid": (4, "group", 32, False, None, 1.0)}
+
+
+@pytest.mark.parametrize("case", list(CT_CASES))
+def test_compressed_tensors_codes_requantized_on_the_base_grid(tmp_path, run_ckpt, monkeypatch, case):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (the oracle)")
+    pytest.importorskip("loguru")
+    import ckpt.io.output as output
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from helpers import ct_ref
+
+    monkeypatch.setattr(output, "BAND_ELEMS", 1000)
+    bits, strategy, group, sym, fmt, lora_scale = CT_CASES[case]
+    args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=sym)
+    ct_ref.build(tmp_path / "q", {"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                 ignore=["lm_head"], fmt=fmt, dtype=torch.float32)  # module docstring: why fp32
+    base = load_file(tmp_path / "q" / "model.safetensors")
+    codes_key = "weight" if fmt else "weight_packed"
+    mods = [f"model.layers.{i}.{t}" for i in (0, 1) for t in TARGETS[:2]]
+    shapes = {m: (base[f"{m}.weight_scale"].shape[0], 64) for m in mods}
+    lora = peft_lora(tmp_path / "lora", shapes, scale=lora_scale)
+    merged, kept, errs, text = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
+    assert f"re-encoded {len(mods)} changed tensors" in text and "requantization error" in text
+    check_common(base, kept, {f"{m}.{codes_key}" for m in mods})
+    dec = dequant(run_ckpt, tmp_path / "kf", tmp_path / "dq")
+    half, clamped = 1 << (bits - 1), 0
+    for m in mods:
+        s = base[f"{m}.weight_scale"].float()
+        z = None
+        if not sym:
+            z = base[f"{m}.weight_zero_point"]
+            if not fmt:  # packed along the output rows, stored + 2^(bits-1)
+                from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+                z = unpack_from_int32(z, bits, torch.Size(s.shape), packed_dim=0)
+            z = z.to(torch.int64)
+        if strategy == "group":
+            s = s.repeat_interleave(group, 1)
+            z = None if z is None else z.repeat_interleave(group, 1)
+        codes, n_clamped = codes_for(merged[f"{m}.weight"], s, z, -half, half - 1)
+        clamped += n_clamped
+        want = codes.to(torch.int8) if fmt else pack_to_int32(codes.to(torch.int8), bits)
+        assert torch.equal(kept[f"{m}.{codes_key}"], want), m
+        value = ((codes - (0 if z is None else z)).float() * s).to(base[f"{m}.weight_scale"].dtype)
+        assert same_bytes(dec[f"{m}.weight"], value), m
+        assert errs[f"{m}.weight"] == pytest.approx(rel_rms(value, merged[f"{m}.weight"]), rel=1e-6), m
+    if lora_scale > 0.5:
+        assert clamped > 100 and f"{clamped:,} {CLAMPED}" in text
