@@ -16,10 +16,9 @@ base (scales, zeros, g_idx included); the changed codes equal the oracle's; `ckp
 equals scale * (code - zero) of those codes in the decoder's dtype; the report's requantization error is
 the one measured here; a delta past the grid is clamped (and counted), never spilled into the next field.
 
-The compressed-tensors models here are fp32: a plain merge into these bases may start from the decoded weight
-rounded to the model's dtype (as the package's decompression gives it), --keep-format starts from the
-decoder's exact fp32 product; in fp32 the two are the same value, in bf16 they can differ by half a bf16 step
-of the base, which moves a code at a rounding boundary by one.
+compressed-tensors bases are bf16, as llm-compressor saves them: the merge (plain and --keep-format alike) starts
+from the decoded weight rounded once to bf16, as the package's decompression gives it (`strategies.as_computed`),
+so the value re-encoded is `plain_merge`'s exactly.
 """
 
 from __future__ import annotations
@@ -332,7 +331,7 @@ def test_compressed_tensors_codes_requantized_on_the_base_grid(tmp_path, run_ckp
     bits, strategy, group, sym, fmt, lora_scale = CT_CASES[case]
     args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=sym)
     ct_ref.build(tmp_path / "q", {"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                 ignore=["lm_head"], fmt=fmt, dtype=torch.float32)  # module docstring: why fp32
+                 ignore=["lm_head"], fmt=fmt)  # bf16, as llm-compressor saves
     base = load_file(tmp_path / "q" / "model.safetensors")
     codes_key = "weight" if fmt else "weight_packed"
     mods = [f"model.layers.{i}.{t}" for i in (0, 1) for t in TARGETS[:2]]
