@@ -115,8 +115,10 @@ def _qlinear():
     return ql
 
 
-def gptq_base(folder, bits, group, desc_act, sym, seed=0):
-    """A GPTQ (v1) folder packed by AutoGPTQ; returns {layer: (scales fp16 [n, G], zeros int [n, G], g_idx)}."""
+def gptq_base(folder, bits, group, desc_act, sym, seed=0, fmt=None, g_idx_stored=True):
+    """A GPTQ folder packed by AutoGPTQ (v1 zero points; `fmt` "gptq_v2": zeros stored as they are; without
+    `g_idx_stored` the g_idx keys are left out, as older AutoGPTQ files without act-order may be); returns
+    (stored tensors, {layer: (scales fp16 [n, G], zeros int [n, G], g_idx)})."""
     QL = _qlinear()
     cfg, model = _tiny()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -140,12 +142,16 @@ def gptq_base(folder, bits, group, desc_act, sym, seed=0):
         ql = QL(bits, group, k, n, bias=False)
         ql.pack(lin, scales, zeros.clone(), g_idx.to(torch.int32))  # clone: pack's `zeros -= 1` may hit its input
         del sd[f"{name}.weight"]
-        for key in ("qweight", "qzeros", "scales", "g_idx"):
+        for key in ("qweight", "qzeros", "scales") + (("g_idx",) if g_idx_stored else ()):
             sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
+        if fmt == "gptq_v2":
+            sd[f"{name}.qzeros"] = gptq_ref.pack_zeros(zeros, bits, offset=0)
         grids[name] = (ql.scales.t().contiguous(), zeros.long(), g_idx)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym}
+    if fmt:
+        qc["checkpoint_format"] = fmt
     (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": qc,
                                                                     "torch_dtype": "float16"}))
     return sd, grids
@@ -163,8 +169,14 @@ def gptq_oracle_pack(codes, scales16, zeros, g_idx, bits):
     return ql.qweight
 
 
-GPTQ_CASES = {"4-bit group 32 asym": (4, 32, False, False), "3-bit act-order": (3, 16, True, False),
-              "8-bit sym": (8, -1, False, True), "2-bit group 32 asym": (2, 32, False, False)}
+GPTQ_CASES = {  # bits, group, desc_act, sym, checkpoint_format, g_idx stored
+    "4-bit group 32 asym v1": (4, 32, False, False, None, True),
+    "3-bit act-order (codes cross words)": (3, 16, True, False, None, True),
+    "8-bit sym, one group": (8, -1, False, True, None, True),
+    "2-bit group 32 asym": (2, 32, False, False, None, True),
+    "4-bit gptq_v2 zero points": (4, 32, False, False, "gptq_v2", True),
+    "4-bit without g_idx keys": (4, 32, False, False, None, False),
+}
 
 
 @pytest.mark.parametrize("case", list(GPTQ_CASES))
@@ -172,8 +184,8 @@ def test_gptq_codes_requantized_on_the_base_grid(tmp_path, run_ckpt, monkeypatch
     import ckpt.io.output as output
 
     monkeypatch.setattr(output, "BAND_ELEMS", 1000)  # several bands of output rows per tensor
-    bits, group, desc_act, sym = GPTQ_CASES[case]
-    base, grids = gptq_base(tmp_path / "q", bits, group, desc_act, sym)
+    bits, group, desc_act, sym, fmt, g_idx_stored = GPTQ_CASES[case]
+    base, grids = gptq_base(tmp_path / "q", bits, group, desc_act, sym, fmt=fmt, g_idx_stored=g_idx_stored)
     shapes = {f"model.layers.0.{t}": tuple(grids[f"model.layers.0.{t}"][1].shape[:1]) + (
         grids[f"model.layers.0.{t}"][2].numel(),) for t in TARGETS}
     lora = peft_lora(tmp_path / "lora", shapes, scale=0.1)
@@ -364,3 +376,60 @@ def test_compressed_tensors_codes_requantized_on_the_base_grid(tmp_path, run_ckp
         assert errs[f"{m}.weight"] == pytest.approx(rel_rms(value, merged[f"{m}.weight"]), rel=1e-6), m
     if lora_scale > 0.5:
         assert clamped > 100 and f"{clamped:,} {CLAMPED}" in text
+
+
+# ---- streaming ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq gemm", "awq gemv", "compressed-tensors"])
+def test_codes_are_encoded_band_by_band_and_bands_equal_the_whole(tmp_path, monkeypatch, fmt):
+    """The value is read in bands of output rows (aligned to AWQ GEMM's 8 outputs per word), never whole, and
+    the codes written equal those of one whole band."""
+    import ckpt.io.output as output
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.io.tensors import Tensor, read_rows
+    from ckpt.quant import logical_view
+    from ckpt.quant.encoding import ErrorMeter
+    from ckpt.report import Report
+
+    if fmt == "gptq":
+        gptq_base(tmp_path / "q", 3, 16, True, False)
+    elif fmt.startswith("awq"):
+        awq_base(tmp_path / "q", fmt.split()[1])
+    else:
+        pytest.importorskip("compressed_tensors")
+        pytest.importorskip("loguru")
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        from helpers import ct_ref
+
+        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
+        ct_ref.build(tmp_path / "q", {"g": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"])
+
+    class Value(Tensor):
+        def __init__(self, x, home):
+            self.x, self.home, self.name, self.dtype, self.shape = x, home, "v", torch.float32, tuple(x.shape)
+            self.reads = []
+
+        def read(self, start, stop, device, scratch=None):
+            self.reads.append((start, stop))
+            return self.x[start:stop].to(device)
+
+    cpu = torch.device("cpu")
+    with open_checkpoint(str(tmp_path / "q")) as ck:
+        t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.down_proj.weight"]
+        x = t.read(0, t.shape[0], cpu).float() + torch.randn(t.shape, generator=torch.Generator().manual_seed(0)) * 0.01
+        outs = {}
+        for band_elems in (10**9, 1000):
+            monkeypatch.setattr(output, "BAND_ELEMS", band_elems)
+            v = Value(x, t.home)
+            (o,) = t.encoding.encode(v, Report(), ErrorMeter("v", "x"))
+            src = o.source
+            parts = [read_rows(src, a, b, cpu) for a, b in output.bands(src)]
+            outs[band_elems] = torch.cat(parts) if src.shape else parts[0]
+            if band_elems == 1000:
+                assert len(v.reads) > 1 and all((b - a) * x.shape[1] <= max(1000, 8 * x.shape[1]) for a, b in v.reads)
+                if fmt == "awq gemm":
+                    assert all(a % 8 == 0 for a, _ in v.reads)
+            else:
+                assert v.reads == [(0, x.shape[0])]
+        assert torch.equal(outs[10**9], outs[1000])

@@ -95,6 +95,9 @@ class IntGridEncoding(Encoding):
         self.w, self.label, self.stored, self.bits = weight, label, stored, bits
         self.lo, self.hi, self.store, self.per_column = lo, hi, store, per_column
         self.keys = (stored.name,)
+        self.note = ("integer grids (GPTQ, AWQ, compressed-tensors int): the base's scales, zero points and g_idx are "
+                     "kept as calibrated (not re-optimized); only the changed weights' codes are re-rounded onto them, "
+                     "clamped to the grid's ends")
 
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
         enc = self
@@ -114,6 +117,13 @@ class IntGridEncoding(Encoding):
 
             name, dtype, shape, home = enc.stored.name, enc.stored.dtype, tuple(enc.stored.shape), value.home
             row_align = None if value.row_align is None else 1
+
+            @property
+            def band_elems(self):
+                """Bands as many rows as the writer's band of the fp32 value holds (not of the packed words)."""
+                from ckpt.io import output
+
+                return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
 
             def read(self, start, stop, device, scratch=None):
                 return band(start, stop, device)
