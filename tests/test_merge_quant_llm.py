@@ -16,6 +16,10 @@ PEFT's `merge_and_unload()` on an fp32 `LlamaForCausalLM` holding the library's 
   `quantization_config`, loading strictly with `from_pretrained`; the run says so in a note.
 - `--keep-format` on a format whose encoder ckpt does not have yet: one line naming the format, exit 2, nothing
   written (formats with an encoder are covered by the keep-format tests).
+- gpt-oss MXFP4 (a tiny `GptOssForCausalLM`, banks packed by helpers/mxfp4_ref, transformers'
+  `convert_moe_packed_tensors` the oracle's dequantization): a PEFT LoRA with `target_parameters` on
+  `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (PEFT's `lora.ParamWrapper`) lands on the expert banks as
+  PEFT's `merge_and_unload` merges it.
 
 Oracles missing on the machine skip their case, saying which.
 """
@@ -154,25 +158,109 @@ def test_default_output_is_bf16_rounded_once_and_loads_strictly(made, run_ckpt, 
         assert torch.equal(model.state_dict()[k], v), k
 
 
-def _no_encoder(folder) -> str | None:
+def _no_encoder(folder, key="model.layers.0.self_attn.q_proj.weight") -> str | None:
     """Why ckpt cannot re-encode this base's decoded weights (None: an encoder exists)."""
     from ckpt.io.checkpoint import open_checkpoint
     from ckpt.quant import logical_view
     from ckpt.quant.encoding import encoding_of
 
     with open_checkpoint(str(folder)) as ck:
-        t = logical_view(ck.components[0]).tensors["model.layers.0.self_attn.q_proj.weight"]
+        t = logical_view(ck.components[0]).tensors[key]
         enc = encoding_of(t)
         return "no encoding" if enc is None else enc.why_not()
 
 
 def test_keep_format_without_an_encoder_is_one_line_exit_2(made, run_ckpt, tmp_path):
     root, _, name = made
-    if _no_encoder(root / "q") is None:
+    _refused_without_encoder(run_ckpt, tmp_path, root, root / "lora", name, "model.layers.0.self_attn.q_proj.weight")
+
+
+def _refused_without_encoder(run_ckpt, tmp_path, root, lora, name, key):
+    if _no_encoder(root / "q", key) is None:
         pytest.skip(f"{name} has a --keep-format encoder: its own keep-format tests cover it")
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    code, out, err = run_ckpt("merge-lora", root / "q", root / "lora", "--keep-format", "-o", tmp_path / "kf")
+    code, out, err = run_ckpt("merge-lora", root / "q", lora, "--keep-format", "-o", tmp_path / "kf")
     assert code == 2, (out, err)
     assert err.count("\n") == 1 and err.startswith("error: --keep-format: ") and name in err, err
     assert "nothing was written" in err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+# --- gpt-oss: a PEFT target_parameters LoRA (lora.ParamWrapper) on the MXFP4 expert banks ----------------------
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """A gpt-oss MXFP4 folder (helpers.mxfp4_ref), transformers' own dequantization of its banks, and a PEFT LoRA
+    on both expert banks (target_parameters) and the attention's q_proj (target_modules)."""
+    pytest.importorskip("transformers.integrations.mxfp4")
+    from helpers import mxfp4_ref
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip(f"PEFT {peft.__version__} has no target_parameters (ParamWrapper LoRAs came in PEFT 0.17)")
+    root = tmp_path_factory.mktemp("gptoss")
+    packs, _ = mxfp4_ref.build(root / "q")
+    dequantized = {stem: convert_moe_packed_tensors(blocks, scales) for stem, (blocks, scales) in packs.items()}
+    config = qm.plain_config(root / "q", transformers.GptOssConfig)
+    both = peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    qm.peft_lora(root / "lora", config, transformers.GptOssForCausalLM, both)
+    down = peft.LoraConfig(r=3, lora_alpha=6, target_modules=[], target_parameters=["mlp.experts.down_proj"],
+                           use_rslora=True)
+    qm.peft_lora(root / "down", config, transformers.GptOssForCausalLM, down, seed=5)
+    gate_up = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    qm.peft_lora(root / "gate_up", config, transformers.GptOssForCausalLM, gate_up, seed=6)
+    return root, dequantized
+
+
+@pytest.mark.parametrize("lora", ["lora", "down"])
+def test_gptoss_expert_lora_equals_peft(gptoss, run_ckpt, tmp_path, lora):
+    """PEFT saves a ParamWrapper under the experts module (`mlp.experts.lora_A.weight`, the first-registered
+    gate_up_proj a `base_layer` deeper when both banks are targeted): each lands on its bank, expert e's delta
+    PEFT's einsum of lora_B [out, r * E] and lora_A [r * E, in], scaled by alpha / r (alpha / sqrt(r) with rslora).
+    ckpt runs the same einsum; PEFT scales the product before adding it, ckpt adds it with the scale as alpha,
+    so the banks agree within a few fp32 ulps (bit-equal where the scale is a power of two, as in `lora`); q_proj
+    too (addmm)."""
+    root, dequantized = gptoss
+    want = qm.peft_merged(root / "q", dequantized, root / lora, transformers.GptOssForCausalLM,
+                          transformers.GptOssConfig)
+    code, text, err = run_ckpt("merge-lora", root / "q", root / lora, "--to", "fp32", "-o", tmp_path / "m32")
+    assert code == 0, err
+    got = load_file(tmp_path / "m32" / "model.safetensors")
+    assert set(got) == set(want)
+    banks = [k for k in got if k.endswith(".down_proj") or (lora == "lora" and k.endswith(".gate_up_proj"))]
+    assert len(banks) == (4 if lora == "lora" else 2) and f"base tensors changed: {len(banks) + 2 * (lora == 'lora')}" in text
+    for k, v in got.items():
+        if k in banks or (k.endswith("q_proj.weight") and lora == "lora"):
+            torch.testing.assert_close(v, want[k], **TOL, msg=lambda m: f"{k}: {m}")
+            assert k not in banks or not torch.equal(v, dequantized[k].float()), k
+            assert lora != "lora" or k not in banks or torch.equal(v, want[k]), k  # scale 4: the same bits
+        else:
+            assert torch.equal(v, want[k]), k
+    code, text, err = run_ckpt("merge-lora", root / "q", root / lora, "-o", tmp_path / "m")
+    assert code == 0, err
+    assert "gpt-oss MXFP4 base: merged in fp32 and written as bf16" in text + err
+    got16 = load_file(tmp_path / "m" / "model.safetensors")
+    for k, v in got16.items():
+        assert torch.equal(v.view(torch.int16), got[k].to(torch.bfloat16).view(torch.int16)), k
+    model, info = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(model.state_dict()[banks[0]], got16[banks[0]])
+
+
+def test_gptoss_gate_up_alone_is_refused_not_misplaced(gptoss, run_ckpt, tmp_path):
+    """A LoRA on gate_up_proj alone is saved under the same name (`mlp.experts`) as down_proj's when both are
+    targeted; ckpt reads that name as down_proj's (the common case), and gate_up_proj's factors cannot fit it
+    ([2 * intermediate, hidden] against down_proj's [hidden, intermediate]): one line, exit 2, nothing written."""
+    root, _ = gptoss
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, out, err = run_ckpt("merge-lora", root / "q", root / "gate_up", "-o", tmp_path / "m")
+    assert code == 2 and err.count("\n") == 1 and "does not fit" in err and "down_proj" in err, (out, err)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_gptoss_keep_format_without_an_encoder_is_one_line_exit_2(gptoss, run_ckpt, tmp_path):
+    root, _ = gptoss
+    _refused_without_encoder(run_ckpt, tmp_path, root, root / "lora", "gpt-oss MXFP4",
+                             "model.layers.0.mlp.experts.down_proj")

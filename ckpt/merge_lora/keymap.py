@@ -75,6 +75,57 @@ class BaseComponent:
 
 
 @dataclass(frozen=True)
+class ExpertBank:
+    """The Target transform of a 3-D expert parameter [E, in, out] a PEFT `target_parameters` (ParamWrapper) LoRA
+    changes, whole bank (`ckpt.merge_lora.adapters.experts`)."""
+
+    experts: int
+
+    row_local = False
+    keeps_rows = True
+
+    def shape(self, shape):
+        if len(shape) != 3 or shape[0] != self.experts:
+            raise ValueError(f"not an expert bank of {self.experts} experts: {list(shape)}")
+        return (shape[2], shape[1])  # the [out, in] of the LoRA's factors
+
+    def apply(self, x):
+        return x  # the bank as stored: `ExpertLoRA.apply` works on it directly
+
+    @property
+    def inverse(self):
+        return self
+
+    def on_bias(self, x):
+        raise ValueError("a ParamWrapper LoRA has no bias delta")
+
+    def __str__(self):
+        return f"expert bank ({self.experts} experts)"
+
+
+# gpt-oss expert banks (transformers' GptOssExperts: [E, in, out], registered gate_up_proj then down_proj, each with
+# a `_bias`): PEFT nests one ParamWrapper per targeted parameter, the first registered innermost, so with both
+# targeted `experts` is down_proj's and `experts.base_layer` gate_up_proj's; down_proj alone is `experts` too.
+EXPERT_BANKS = (("down_proj", ""), ("gate_up_proj", ".base_layer"))
+
+
+def expert_aliases(keys: Shapes) -> list[Alias]:
+    """PEFT target_parameters names of gpt-oss expert banks (EXPERT_BANKS): module `M` (and `M.base_layer`) ->
+    `M.down_proj` (and `M.gate_up_proj`), each with its ExpertBank transform."""
+    out = []
+    for key, shape in keys.items():
+        if not key.endswith(".gate_up_proj") or len(shape) != 3:
+            continue
+        m = key[: -len(".gate_up_proj")]
+        down, bias = keys.get(m + ".down_proj"), keys.get(m + ".gate_up_proj_bias")
+        if down is None or len(down) != 3 or down[0] != shape[0] or bias is None:
+            continue
+        for param, nest in EXPERT_BANKS:
+            out.append(Alias(m + nest, (Target(f"{m}.{param}", transform=ExpertBank(shape[0])),)))
+    return out
+
+
+@dataclass(frozen=True)
 class Alias:
     """Module `name` (a family's scheme, relative to the model) lands on `targets` (keys relative too)."""
 
@@ -153,6 +204,8 @@ def build_keymap(base: dict[str, tuple[int, ...]], component: str | None = None)
                 aliases = [a for a in aliases if a.name not in renamed] + extra
             else:
                 aliases += [a for a in extra if a.name not in raw]
+        raw = {a.name for a in aliases}
+        aliases += [a for a in expert_aliases(part.keys) if a.name not in raw]
         for alias in aliases:
             targets = tuple(replace(t, key=part.prefix + t.key) for t in alias.targets)
             for name in _spellings(part, alias.name):

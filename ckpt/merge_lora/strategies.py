@@ -11,7 +11,11 @@ what differs is what happens around it, and each strategy answers the same four 
 
 plus `finish`, what the strategy adds to the report once the output is written.
 
-`Plain` casts every logical tensor to one dtype (--to, else the model's own); `KeepFormat` writes the base's
+Every strategy gives the patches matched to an expert bank by a PEFT `target_parameters` LoRA their expert adapter
+first (`ckpt.merge_lora.adapters.experts.experts_patches`).
+
+`Plain` casts every logical tensor to one dtype (--to, else the model's own; bf16 for a base decoded from an LLM
+quantization format: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ); `KeepFormat` writes the base's
 stored encoding again (`ckpt.merge_lora.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
 older `attn.attn` bases read as `attn.qkv`, the LoRA's dtype and the torch container as defaults, and a
 finetune folder merged into a LitGPT checkpoint folder. Choosing once keeps these decisions out of the
@@ -31,6 +35,7 @@ from ckpt.io.checkpoint import WEIGHT_SUFFIXES
 from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.wrapper import Wrapper
 from ckpt.merge_lora import litgpt
+from ckpt.merge_lora.adapters.experts import experts_patches
 from ckpt.merge_lora.merged import Patch, Patched
 from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
@@ -114,6 +119,7 @@ class Plain(Strategy):
         return output_format(self.fmt, out, self.container)
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
+        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         target = TARGETS[self.to] if self.to else None
         dtype_note = None
         if target is None and self.dtype is not None and is_float(self.dtype):
@@ -173,6 +179,7 @@ class KeepFormat(Strategy):
         return []
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
+        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         from ckpt.merge_lora.keep_format import plan_keep_format
 
         from ckpt.merge_lora.merged import MergedTensor
@@ -207,6 +214,7 @@ class GGUF(Strategy):
         return "gguf"
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
+        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         from ckpt.convert.command import ConvertOptions
         from ckpt.merge_lora.merged import MergedTensor
 
