@@ -79,6 +79,8 @@ def merge(run_ckpt, base, lora, tmp_path):
                               "--report", tmp_path / "r.json")
     assert code == 0, err
     kept = {k: v for f in sorted((tmp_path / "kf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    config = json.loads((tmp_path / "kf" / "config.json").read_text())
+    assert config == json.loads((base / "config.json").read_text())  # quantization_config and all, unchanged
     return merged, kept, reported(tmp_path / "r.json"), out + err
 
 
@@ -326,6 +328,7 @@ CT_CASES = {"int4 group asym": (4, "group", 32, False, None, 0.1),
             "int8 channel sym": (8, "channel", None, True, None, 0.1),
             "int3 channel asym (codes straddle words)": (3, "channel", None, False, None, 0.1),
             "naive int8 group asym": (8, "group", 32, False, "naive-quantized", 0.1),
+            "int2 tensor asym": (2, "tensor", None, False, None, 0.1),
             "int4 group asym, a delta past the grid": (4, "group", 32, False, None, 1.0)}
 
 
@@ -347,7 +350,7 @@ def test_compressed_tensors_codes_requantized_on_the_base_grid(tmp_path, run_ckp
     base = load_file(tmp_path / "q" / "model.safetensors")
     codes_key = "weight" if fmt else "weight_packed"
     mods = [f"model.layers.{i}.{t}" for i in (0, 1) for t in TARGETS[:2]]
-    shapes = {m: (base[f"{m}.weight_scale"].shape[0], 64) for m in mods}
+    shapes = {m: (64 if m.endswith("q_proj") else 32, 64) for m in mods}
     lora = peft_lora(tmp_path / "lora", shapes, scale=lora_scale)
     merged, kept, errs, text = merge(run_ckpt, tmp_path / "q", lora, tmp_path)
     assert f"re-encoded {len(mods)} changed tensors" in text and "requantization error" in text
@@ -359,7 +362,7 @@ def test_compressed_tensors_codes_requantized_on_the_base_grid(tmp_path, run_ckp
         z = None
         if not sym:
             z = base[f"{m}.weight_zero_point"]
-            if not fmt:  # packed along the output rows, stored + 2^(bits-1)
+            if not fmt and strategy != "tensor":  # packed along the output rows, stored + 2^(bits-1)
                 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
                 z = unpack_from_int32(z, bits, torch.Size(s.shape), packed_dim=0)
