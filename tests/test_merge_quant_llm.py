@@ -264,3 +264,15 @@ def test_gptoss_keep_format_without_an_encoder_is_one_line_exit_2(gptoss, run_ck
     root, _ = gptoss
     _refused_without_encoder(run_ckpt, tmp_path, root, root / "lora", "gpt-oss MXFP4",
                              "model.layers.0.mlp.experts.down_proj")
+
+
+def test_gptoss_expert_lora_in_a_model_merge_is_refused_in_one_line(gptoss, run_ckpt, tmp_path):
+    """`ckpt merge` (mergekit's `model: BASE+LORA`) matches LoRAs as merge-lora does but has no expert adapter
+    yet: the expert-bank patch refuses rather than applying the factors as a plain LoRA; nothing is left."""
+    root, _ = gptoss
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(f"merge_method: linear\nmodels:\n  - model: {root / 'q'}+{root / 'lora'}\n"
+                   "    parameters: {weight: 1.0}\ndtype: float32\n")
+    code, out, err = run_ckpt("merge", cfg, "-o", tmp_path / "mm")
+    assert code == 2 and err.count("\n") == 1 and "target_parameters" in err, (code, out, err)
+    assert not (tmp_path / "mm").exists()

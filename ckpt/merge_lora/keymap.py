@@ -80,6 +80,7 @@ class ExpertBank:
     changes, whole bank (`ckpt.merge_lora.adapters.experts`)."""
 
     experts: int
+    prepared: bool = False  # the patch carries its ExpertLoRA (`experts_patches`); only then does it apply
 
     row_local = False
     keeps_rows = True
@@ -90,6 +91,10 @@ class ExpertBank:
         return (shape[2], shape[1])  # the [out, in] of the LoRA's factors
 
     def apply(self, x):
+        if not self.prepared:  # a path that merges patches without `experts_patches`: refuse, never misapply
+            from ckpt.errors import CkptError
+
+            raise CkptError("a PEFT target_parameters LoRA on an expert bank merges only through `ckpt merge-lora`")
         return x  # the bank as stored: `ExpertLoRA.apply` works on it directly
 
     @property

@@ -69,7 +69,8 @@ def experts_patches(patches, views):
     for comp, view in zip(patches, views):
         fixed = {}
         for key, ps in comp.items():
-            fixed[key] = [replace(p, adapter=ExpertLoRA(p.adapter, p.transform, tuple(view.tensors[key].shape)))
-                          if isinstance(p.transform, ExpertBank) else p for p in ps]
+            fixed[key] = [replace(p, adapter=ExpertLoRA(p.adapter, p.transform, tuple(view.tensors[key].shape)),
+                                  transform=replace(p.transform, prepared=True))
+                          if isinstance(p.transform, ExpertBank) and not p.transform.prepared else p for p in ps]
         out.append(fixed)
     return out
