@@ -163,12 +163,13 @@ def _from_computed(views, changed: list[dict[str, Tensor]]) -> list[dict[str, Te
     from ckpt.merge_lora.merged import MergedTensor
     from ckpt.merge_lora.strategies import as_computed
 
-    out = []
-    for view, computed, comp in zip(views, as_computed(views), changed):
-        out.append({k: MergedTensor(computed.tensors[k], v.patches)
-                    if isinstance(v, MergedTensor) and v.base is view.tensors.get(k) and computed.tensors[k] is not v.base
-                    else v for k, v in comp.items()})
-    return out
+    def remade(v, own, computed):
+        if isinstance(v, MergedTensor) and v.base is own and computed is not own:
+            return MergedTensor(computed, v.patches)
+        return v
+
+    return [{k: remade(v, view.tensors.get(k), computed.tensors.get(k)) for k, v in comp.items()}
+            for view, computed, comp in zip(views, as_computed(views), changed)]
 
 
 def _plan_gguf(ckpt, tensors: dict[str, Tensor], make, operation: str) -> Plan:
