@@ -54,6 +54,9 @@ class Report:
                      "values overflowed to inf in the target dtype (use --clamp to saturate)"),
         "clamped": ("value was clamped to the target dtype's finite range",
                     "values were clamped to the target dtype's finite range"),
+        "clamped_to_grid": ("value fell outside the base's integer grid and was clamped to its ends (its scales are "
+                            "kept)", "values fell outside the base's integer grid and were clamped to its ends (its "
+                            "scales are kept)"),
         "saturated": ("value saturated at the fp8 maximum (448)", "values saturated at the fp8 maximum (448)"),
         "nonfinite_input": ("NaN/Inf value was already in the input (kept as it is)",
                             "NaN/Inf values were already in the input (kept as they are)"),

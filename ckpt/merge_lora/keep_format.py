@@ -108,7 +108,6 @@ def plan_keep_format(ckpt, views, changed: list[dict[str, Tensor]], report: Repo
     and the notes to print. `changed`: per component, view key -> the new value of that logical tensor (merge-lora's
     `MergedTensor`, a model merge's `MergedModelTensor`), encoded as the stored tensor it replaces."""
     refuse_plain(ckpt, views)
-    changed = _from_computed(views, changed)
     meters: list[ErrorMeter] = []
     notes: list[str] = []
     replaced: list[dict[str, OutTensor]] = []  # per component: stored key -> its re-encoded output
@@ -154,22 +153,6 @@ def plan_keep_format(ckpt, views, changed: list[dict[str, Tensor]], report: Repo
     stored_views = [View(tensors, {}, [], set(), False, [], None) for tensors in stored]
     plan = plan_checkpoint(ckpt, stored_views, make, operation=operation, file_format=file_format)
     return plan, meters, notes
-
-
-def _from_computed(views, changed: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-    """A LoRA merged into an LLM-quantization weight starts from the weight its library computes (rounded once to
-    the format's compute dtype: `strategies.as_computed`, what a plain merge starts from), so the value re-encoded
-    is the plain fp32 merge's. Only merge-lora's `MergedTensor`s over the view's own tensor are re-made."""
-    from ckpt.merge_lora.merged import MergedTensor
-    from ckpt.merge_lora.strategies import as_computed
-
-    def remade(v, own, computed):
-        if isinstance(v, MergedTensor) and v.base is own and computed is not own:
-            return MergedTensor(computed, v.patches)
-        return v
-
-    return [{k: remade(v, view.tensors.get(k), computed.tensors.get(k)) for k, v in comp.items()}
-            for view, computed, comp in zip(views, as_computed(views), changed)]
 
 
 def _plan_gguf(ckpt, tensors: dict[str, Tensor], make, operation: str) -> Plan:

@@ -179,12 +179,13 @@ class KeepFormat(Strategy):
         return []
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         from ckpt.merge_lora.keep_format import plan_keep_format
-
         from ckpt.merge_lora.merged import MergedTensor
 
-        changed = [{k: MergedTensor(v.tensors[k], ps) for k, ps in comp.items()} for v, comp in zip(views, patches)]
+        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
+        # the merge starts from the value a plain merge starts from (the library's own, in its compute dtype)
+        changed = [{k: MergedTensor(v.tensors[k], ps) for k, ps in comp.items()}
+                   for v, comp in zip(as_computed(views), patches)]
         plan, report.meters, own = plan_keep_format(ckpt, views, changed, report, operation, file_format)
         plan.notes += own + notes
         return plan

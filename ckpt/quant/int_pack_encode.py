@@ -47,7 +47,7 @@ from ckpt.quant.encoding import Encoding, ErrorMeter
 from ckpt.report import Report
 
 # the per-tensor count of values clamped to the grid's ends (a Report count kind; the warning line reads it)
-CLAMPED = "values fell outside the base's integer grid and were clamped to its ends (its scales are kept)"
+CLAMPED = "clamped_to_grid"  # the Report count kind (its wording: Report.DESCRIBE)
 
 
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
