@@ -40,7 +40,9 @@ the model's dtype when llm-compressor calibrated it). NVFP4 decodes to bf16, as 
 `merge-lora --keep-format` (`CtIntWeight.encoding`, `ckpt.quant.int_pack_encode`): a changed integer weight
 keeps `weight_scale`, `weight_zero_point` and `weight_shape` as stored; only its codes (`weight_packed`, or
 the naive int8 `weight`) are written again, band by band: clamp(round(W / scale) + zero, -2^(bits-1),
-2^(bits-1) - 1) on that grid, packed as `pack_to_int32` packs. NVFP4 is decoded only.
+2^(bits-1) - 1) on that grid, packed as `pack_to_int32` packs. A changed NVFP4 weight gets its global scale,
+block scales and codes recomputed from the merged value as compressed-tensors' quantizer and llm-compressor's
+min-max observer compute them (`CtNvfp4Weight.encoding`, `ckpt.quant.fp4_encode`).
 
 Refused by name: sparse-24 / sparse-bitmask compression (`sparsity_config`, `.bitmask` keys: compressed-
 tensors > 0.14 dropped it), `marlin-24`, a `transform_config` (rotated weights need the online transforms),
@@ -62,7 +64,6 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
 from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, quant_config,
                                refuse, st_name)
-from ckpt.quant.encoding import NoEncoder
 
 METHOD = "compressed-tensors"
 PACK, NAIVE, INT, NVFP4, FLOAT = ("pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
@@ -77,8 +78,6 @@ CT_SUFFIXES = (".weight_packed", ".weight_shape", ".weight_global_scale", ".weig
                ".weight_zero_point", ".input_zero_point", ".output_zero_point", ".bitmask", ".row_offsets")
 ACTIVATION_ONLY = ACTIVATION_SCALES | {"input_global_scale", "input_zero_point", "output_zero_point"}
 
-_NO_ENCODER = NoEncoder("compressed-tensors nvfp4", "compressed-tensors NVFP4 is decoded only: ckpt has no NVFP4 "
-                                                    "encoder yet (merge without --keep-format for a plain file)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,7 +195,6 @@ class CtNvfp4Weight(Wrapper):
     is divided by the global scale with the package's own torch ops (so its type promotion is kept), then
     multiplied into the e2m1 values; float32 out, rounded once to bf16 (`natural`)."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name, base: Tensor, scale: Tensor, global_scale: Tensor):
@@ -211,6 +209,14 @@ class CtNvfp4Weight(Wrapper):
         s = self.scale.read(start, stop, device).to(torch.bfloat16) / g  # [n, K / 16]
         w = vals.to(s.dtype).reshape(n, -1, 16) * s.unsqueeze(-1)
         return w.to(torch.bfloat16).to(torch.float32).reshape(n, -1)
+
+    @property
+    def encoding(self):
+        """--keep-format: codes, block scales and global scale recomputed as compressed-tensors quantizes
+        (`ckpt.quant.fp4_encode`)."""
+        from ckpt.quant.fp4_encode import CT, Nvfp4Encoding
+
+        return Nvfp4Encoding(CT, self, self.base, self.scale, self.global_scale)
 
 
 # ---------------------------------------------------------------------------------------------------

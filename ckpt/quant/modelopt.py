@@ -20,6 +20,10 @@ what ModelOpt's `metadata["dtype"]` holds).
 Refused by name: other ModelOpt algorithms whose weights are not plain NVFP4 (`NVFP4_AWQ` and `W4A8_AWQ`
 carry `pre_quant_scale` smoothing, `MIXED_PRECISION` per-layer algorithms, INT4/INT8/W4A8 packs). ModelOpt
 FP8 (`quant_algo: FP8`) is `ckpt.quant.fp8`'s: this decoder leaves it alone.
+
+`merge-lora --keep-format`: a changed weight's codes, block scales and `weight_scale_2` are recomputed from
+the merged value as ModelOpt's `NVFP4QTensor.quantize` computes them (`ckpt.quant.fp4_encode`); `input_scale`
+is copied as stored.
 """
 
 from __future__ import annotations
@@ -32,13 +36,10 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
 from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, method_config, model_dtype,
                                refuse)
-from ckpt.quant.encoding import NoEncoder
 
 SIDE_CONFIG = "hf_quant_config.json"
 LEFT_TO_FP8 = ("FP8", "FP8_PB_WO", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCKWISE", None, "")
 
-_NO_ENCODER = NoEncoder("ModelOpt NVFP4", "ModelOpt NVFP4 is decoded only: ckpt has no ModelOpt encoder yet "
-                                          "(merge without --keep-format for a plain file)")
 
 
 def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,6 @@ class ModelOptNvfp4Weight(Wrapper):
     """W [N, K] of a ModelOpt NVFP4 Linear; `base` is the packed `weight` [N, K / 2]. float32 values,
     rounded once to the model's dtype (`natural`)."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name, base: Tensor, scale: Tensor, scale_2: Tensor, natural):
@@ -65,6 +65,14 @@ class ModelOptNvfp4Weight(Wrapper):
         g = self.scale_2.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(())
         total = self.scale.read(start, stop, device).to(torch.float32) * g  # ModelOpt: per-block scale in fp32
         return (vals.reshape(n, -1, 16) * total.unsqueeze(-1)).reshape(n, -1)
+
+    @property
+    def encoding(self):
+        """--keep-format: codes, block scales and `weight_scale_2` recomputed as ModelOpt's
+        `NVFP4QTensor.quantize` computes them (`ckpt.quant.fp4_encode`)."""
+        from ckpt.quant.fp4_encode import MODELOPT, Nvfp4Encoding
+
+        return Nvfp4Encoding(MODELOPT, self, self.base, self.scale, self.scale_2)
 
 
 def modelopt_config(ctx: DecodeContext) -> tuple[str | None, dict, str] | None:

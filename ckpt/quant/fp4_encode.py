@@ -1,0 +1,146 @@
+"""Storing a new value of an NVFP4 weight in the base's own layout (`merge-lora --keep-format`), with its scales
+recomputed from the new value as the format's own quantizer computes them (see `ckpt.quant.encoding`).
+
+Two NVFP4 layouts share the stored shape (codes uint8 [N, K / 2], two e2m1 codes per byte, the even element in
+the LOW nibble; float8_e4m3fn block scales [N, K / 16]; one fp32 per-tensor scale) and differ in the per-tensor
+scale's direction and in the float32 operation order, which decides the last bit of a block scale or a code:
+
+- compressed-tensors 0.20 (`nvfp4-pack-quantized`, what llm-compressor's NVFP4 scheme writes with its min-max
+  observer): `weight_global_scale` g = 448 * 6 / amax (`generate_gparam`: amax = max |x| over the tensor, at
+  least the float32 `tiny`; a non-finite g becomes 1); block scale s = e4m3(g * (block amax / 6)) clamped to
+  +-448 (`calculate_qparams` with `scale_dtype` float8_e4m3fn), a zero scale replaced by 0.125 (its eps for
+  e4m3); code = e2m1(clamp(x / (s / g), -6, 6)) (`_quantize`: the scale divided by g first), packed by
+  `pack_fp4_to_uint8`.
+- ModelOpt 0.47 (`NVFP4QTensor.quantize`, dynamic path): `weight_scale_2` s2 = amax / (6 * 448); block scale
+  s = e4m3(clamp(block amax / (6 * s2), 2^-9, 448)), a zero one replaced by 1.0 first; code = e2m1(x / (s * s2)).
+
+e2m1 rounding is to nearest, ties to the even code (both libraries: compressed-tensors' `cast_to_fp4` bounds,
+ModelOpt's `searchsorted` plus its odd-bound adjustment), magnitudes past 6 give 6, and the sign bit is set for
+x < 0 only (a value that rounds to zero keeps its minus sign, -0.0 itself gets code 0: torch.sign(-0.0) is
++0 in compressed-tensors, `weight < 0` in ModelOpt). ckpt's e2m1 code table (`microscaling.encode_e2m1`) does
+the rounding; its nibble order is swapped to the low-first one.
+
+The value is ckpt's fp32 merge. The per-tensor scale needs the whole tensor's amax before the first band: one
+streamed pass for it (`comfy_quant.finite_amax`, finite values only; a NaN/Inf value is stored as code 0 and
+counted as `nonfinite_quantized`), then the codes and the block scales band by band of output rows (each band
+its own block scales: they are row-local). The error meter gets each band's fp32 values and what the format's
+decoder (`ckpt.quant.compressed_tensors` / `ckpt.quant.modelopt`) gives for the written bytes.
+"""
+
+from __future__ import annotations
+
+from ckpt.lazy import torch
+
+from ckpt.io.plan import OutTensor
+from ckpt.io.tensors import ComputedTensor, Tensor, read_rows
+from ckpt.quant import microscaling as mx
+from ckpt.quant.encoding import Encoding, ErrorMeter, Lazy
+from ckpt.report import Report
+
+CT, MODELOPT = "compressed-tensors", "modelopt"
+FP4_MAX, FP8_MAX = 6.0, 448.0
+
+
+def e2m1_codes_low_first(y: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 2n] (already divided by the block scale) -> packed bytes [..., n], even element in the low
+    nibble: round to nearest e2m1, ties to even, |y| > 6 -> 6, sign bit for y < 0 (module docstring)."""
+    y = y.nan_to_num(0.0).clamp_(-FP4_MAX, FP4_MAX).add_(0.0)  # -0.0 + 0.0 = +0.0: no sign bit for -0.0
+    c = mx.encode_e2m1(y)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def global_scale(flavor: str, amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale as stored: compressed-tensors' g = 448 * 6 / amax, ModelOpt's s2 = amax / (6 * 448)."""
+    amax = amax.to(torch.float32)
+    if flavor == CT:
+        g = (FP8_MAX * FP4_MAX) / torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
+        return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
+    return amax / (FP4_MAX * FP8_MAX)
+
+
+def block_scales(flavor: str, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """float32 rows [n, K] -> float32 values of their e4m3 block scales [n, K / 16] (module docstring)."""
+    bamax = mx.block_amax(x, 16)
+    if flavor == CT:
+        s = (gs * (bamax / FP4_MAX)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        return torch.where(s == 0, torch.full_like(s, 0.125), s)
+    s = bamax / (FP4_MAX * gs)
+    s[s == 0] = 1.0
+    return s.clamp_(min=2.0 ** -9, max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def codes(flavor: str, x: torch.Tensor, gs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float32 rows [n, K] + their block scales -> packed bytes [n, K / 2]."""
+    n, k = x.shape
+    step = s / gs if flavor == CT else s * gs
+    return e2m1_codes_low_first((x.reshape(n, -1, 16) / step.unsqueeze(-1)).reshape(n, k))
+
+
+def decoded(flavor: str, packed: torch.Tensor, gs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """What ckpt's decoder of the format gives for these bytes (float32; compressed-tensors' bf16 rounding)."""
+    n = packed.shape[0]
+    vals = mx.unpack_e2m1(((packed & 15) << 4) | (packed >> 4)).reshape(n, -1, 16)
+    if flavor == CT:
+        step = s.to(torch.float8_e4m3fn).to(torch.bfloat16) / gs.reshape(1)  # fp32, as the [1] stored scale
+        return (vals.to(step.dtype) * step.unsqueeze(-1)).to(torch.bfloat16).to(torch.float32).reshape(n, -1)
+    return (vals * (s * gs).unsqueeze(-1)).reshape(n, -1)
+
+
+class Nvfp4Encoding(Encoding):
+    """A changed NVFP4 weight stored as its base stores it (module docstring): `stored` the three stored
+    tensors (packed codes, block scales, per-tensor scale) whose keys, dtypes and shapes are written again."""
+
+    def __init__(self, flavor: str, weight: Tensor, packed: Tensor, scale: Tensor, per_tensor: Tensor):
+        self.flavor, self.w, self.packed, self.scale, self.per_tensor = flavor, weight, packed, scale, per_tensor
+        self.keys = (packed.name, scale.name, per_tensor.name)
+        self.label = f"{'compressed-tensors' if flavor == CT else 'ModelOpt'} nvfp4"
+        self.note = (f"NVFP4 ({'compressed-tensors' if flavor == CT else 'ModelOpt'}): per-tensor and block scales "
+                     "recomputed from the merged weight as the library's quantizer computes them (one extra read "
+                     "of each changed weight for its amax)")
+
+    def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
+        from ckpt.quant.comfy_quant import finite_amax
+
+        flavor, name = self.flavor, self.w.name
+        gs = Lazy(lambda: global_scale(flavor, finite_amax(value)))
+
+        def band(a: int, b: int, device, with_codes: bool):
+            x = read_rows(value, a, b, device).to(torch.float32)
+            g = gs().to(device)
+            s = block_scales(flavor, x, g)
+            if not with_codes:
+                return s
+            report.count("nonfinite_quantized", name, int((~torch.isfinite(x)).sum()))
+            c = codes(flavor, x, g, s)
+            meter.add(x, decoded(flavor, c, g, s))
+            return c
+
+        def rows(stored: Tensor, with_codes: bool) -> OutTensor:
+            class Rows(Tensor):
+                """Stored rows = output rows: each band of the value encoded on its own."""
+
+                name, dtype, shape, home = stored.name, stored.dtype, tuple(stored.shape), value.home
+                row_align = None if value.row_align is None else 1
+
+                @property
+                def band_elems(self):
+                    from ckpt.io import output
+
+                    return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
+
+                @property
+                def source_bytes(self):
+                    return 0
+
+                def read(self, start, stop, device, scratch=None):
+                    out = band(start, stop, device, with_codes)
+                    return out if with_codes else out.to(torch.float8_e4m3fn)
+
+            src = Rows()
+            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src, lambda x, b: x)
+
+        pt = self.per_tensor
+        shape = tuple(pt.shape)
+        glob = ComputedTensor(pt.name, lambda: gs().reshape(shape), torch.float32, shape, home=value.home)
+        return [rows(self.packed, True), rows(self.scale, False),
+                OutTensor(pt.name, torch.float32, shape, glob, lambda x, b: x)]

@@ -1,0 +1,218 @@
+"""`ckpt merge-lora BASE LORA --keep-format` into FP4 bases: compressed-tensors NVFP4, ModelOpt NVFP4 (`ckpt/quant/
+fp4_encode.py`) and gpt-oss MXFP4 expert banks (`ckpt/quant/mxfp4.py`).
+
+Each base is built by its decoder test's builder with the format's own library (compressed-tensors 0.20's
+compressors via `helpers.ct_ref.build` with the NVFP4A16 scheme and min-max calibration; ModelOpt 0.47's
+`NVFP4QTensor.quantize` via `test_modelopt_nvfp4.build`; gpt-oss banks via `helpers.mxfp4_ref.build`), and a PEFT
+LoRA made with `save_pretrained` (`helpers.quant_llm_merge.peft_lora`; gpt-oss's on the expert banks through
+`target_parameters`). The value each changed tensor is re-encoded from is ckpt's own fp32 merge (`merge-lora --to
+fp32`, checked against PEFT in tests/test_merge_quant_llm.py). Oracle: the library's own quantizer run here on that
+fp32 value (compressed-tensors: `generate_gparam` + `calculate_qparams` as llm-compressor's min-max observer
+calls them, then `NVFP4PackedCompressor.compress`; ModelOpt: `NVFP4QTensor.quantize`; MXFP4: see its test).
+
+Asserted: config.json unchanged; every stored key the LoRA does not touch byte-identical to the base; each changed
+tensor's stored keys (codes, block scales, per-tensor scale) equal the oracle's bytes bit for bit; the report lists
+each changed tensor's requantization error, equal to the relative RMS of ckpt's decode of the written bytes against
+the fp32 merge.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from helpers import quant_llm_merge as qm  # noqa: E402
+from helpers.keep_format import rel_rms, reported  # noqa: E402
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def load_dir(folder) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def keep_format(run_ckpt, base, lora, tmp_path):
+    """(ckpt's fp32 merge, the --keep-format output, the reported errors, the run's text)."""
+    code, _, err = run_ckpt("merge-lora", base, lora, "--to", "fp32", "-o", tmp_path / "m32", "-q")
+    assert code == 0, err
+    merged = load_dir(tmp_path / "m32")
+    code, out, err = run_ckpt("merge-lora", base, lora, "--keep-format", "-o", tmp_path / "kf",
+                              "--report", tmp_path / "r.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "kf" / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    return merged, load_dir(tmp_path / "kf"), reported(tmp_path / "r.json"), out + err
+
+
+def check(base: dict, kept: dict, want: dict, text: str):
+    """Unchanged keys byte-identical to the base, changed ones the oracle's bytes; the run reports the error."""
+    assert set(kept) == set(base)
+    for k, v in base.items():
+        if k in want:
+            assert same_bytes(kept[k], want[k]), f"{k}: not the oracle's bytes"
+        else:
+            assert same_bytes(kept[k], v), f"{k} is not the base's bytes"
+    assert "requantization error" in text, text
+
+
+# ---- compressed-tensors NVFP4 -----------------------------------------------------------------------------
+
+
+def ct_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors 0.20 on an fp32 weight, as llm-compressor's min-max observer calibrates NVFP4: the global
+    scale from the tensor's min/max (`generate_gparam`), block scales from each group's min/max
+    (`calculate_qparams`), then `NVFP4PackedCompressor.compress` (quantize + pack)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = QuantizationScheme(targets=["Linear"], **NVFP4A16)
+    n, _ = w.shape
+    g = generate_gparam(w.amin(), w.amax())
+    groups = w.reshape(n, -1, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=g)
+    comp = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    out = comp.compress({"weight": w, "weight_scale": scale, "weight_global_scale": g}, scheme)
+    return {"weight_packed": out["weight_packed"], "weight_scale": out["weight_scale"],
+            "weight_global_scale": out["weight_global_scale"].to(torch.float32)}
+
+
+@pytest.fixture(scope="module")
+def ct_base(tmp_path_factory):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (the oracle)")
+    pytest.importorskip("loguru")
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from helpers import ct_ref
+
+    root = tmp_path_factory.mktemp("ct_nvfp4")
+    ct_ref.build(root / "q", {"group_0": QuantizationScheme(targets=["Linear"], **NVFP4A16)}, ignore=["lm_head"])
+    config = qm.plain_config(root / "q", transformers.LlamaConfig)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    qm.peft_lora(root / "lora", config, transformers.LlamaForCausalLM, lora)
+    return root
+
+
+def test_ct_nvfp4_keep_format_equals_compressed_tensors(ct_base, run_ckpt, tmp_path):
+    root = ct_base
+    base = load_dir(root / "q")
+    merged, kept, errors, text = keep_format(run_ckpt, root / "q", root / "lora", tmp_path)
+    layers = sorted({k[: -len(".weight")] for k in merged if k.rsplit(".", 2)[-2] in TARGETS})
+    assert len(layers) == 2 * len(TARGETS)  # two decoder layers
+    want = {}
+    for layer in layers:
+        q = ct_quantize(merged[f"{layer}.weight"])
+        for key, v in q.items():
+            want[f"{layer}.{key}"] = v.reshape(base[f"{layer}.{key}"].shape)
+        assert not same_bytes(want[f"{layer}.weight_packed"], base[f"{layer}.weight_packed"]), layer
+    check(base, kept, want, text)
+    # the reported error: ckpt's decode of the written bytes against the fp32 merge (the package's decompress
+    # of the same bytes, as the decoder tests assert)
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+
+    scheme = QuantizationScheme(targets=["Linear"], **NVFP4A16)
+    comp = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    for layer in layers:
+        local = {k: kept[f"{layer}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        dec = comp.decompress(local, scheme)["weight"]
+        assert errors[f"{layer}.weight"] == pytest.approx(rel_rms(dec, merged[f"{layer}.weight"]), rel=1e-9)
+        assert 0 < errors[f"{layer}.weight"] < 0.2
+
+
+def edge_weight() -> torch.Tensor:
+    """Values that hit every e2m1 tie (block 1: amax 4, so x / step = x * 6 / 4 lands on the bounds), signed zeros,
+    an all-zero block, a block whose scale underflows e4m3, and one large value."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g)
+    w[0, :16] = 0.0
+    w[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                              -5.0, -0.0]) / 6 * 4.0
+    w[2, :16] = 1e-12
+    w[3, 0] = 40.0
+    w[4, :16] = -0.0
+    w[5, :16] = -1e-3
+    w[5, 0] = 1.0
+    return w
+
+
+def test_ct_nvfp4_rule_matches_the_package_on_edge_values():
+    """The encoder's arithmetic against the package's quantize + pack on values that hit every e2m1 tie, signed
+    zeros, an all-zero block (scale 0.125) and a block whose scale underflows e4m3."""
+    pytest.importorskip("compressed_tensors")
+    from ckpt.quant import fp4_encode as fe
+
+    w = edge_weight()
+    want = ct_quantize(w)
+    gs = fe.global_scale(fe.CT, w.abs().amax())
+    s = fe.block_scales(fe.CT, w, gs)
+    assert same_bytes(gs.reshape(1), want["weight_global_scale"].reshape(1))
+    assert same_bytes(s.to(torch.float8_e4m3fn), want["weight_scale"])
+    assert same_bytes(fe.codes(fe.CT, w, gs, s), want["weight_packed"])
+
+
+# ---- ModelOpt NVFP4 ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mo_base(tmp_path_factory):
+    import test_modelopt_nvfp4
+
+    test_modelopt_nvfp4._nvfp4()
+    root = tmp_path_factory.mktemp("modelopt_nvfp4")
+    test_modelopt_nvfp4.build(root / "q")
+    config = qm.plain_config(root / "q", transformers.LlamaConfig)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    qm.peft_lora(root / "lora", config, transformers.LlamaForCausalLM, lora)
+    return root
+
+
+def test_modelopt_nvfp4_keep_format_equals_modelopt(mo_base, run_ckpt, tmp_path):
+    import test_modelopt_nvfp4
+
+    Q = test_modelopt_nvfp4._nvfp4()
+    root = mo_base
+    base = load_dir(root / "q")
+    merged, kept, errors, text = keep_format(run_ckpt, root / "q", root / "lora", tmp_path)
+    layers = sorted({k[: -len(".weight")] for k in merged if k.rsplit(".", 2)[-2] in TARGETS})
+    assert len(layers) == len(TARGETS)
+    want = {}
+    for layer in layers:
+        w = merged[f"{layer}.weight"]
+        qt, scale, scale_2 = Q.quantize(w.clone(), 16)
+        want[f"{layer}.weight"] = qt._quantized_data
+        want[f"{layer}.weight_scale"] = scale
+        want[f"{layer}.weight_scale_2"] = scale_2.to(torch.float32).reshape(base[f"{layer}.weight_scale_2"].shape)
+        assert not same_bytes(want[f"{layer}.weight"], base[f"{layer}.weight"]), layer
+        dec = qt.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+        assert errors[f"{layer}.weight"] == pytest.approx(rel_rms(dec, w), rel=1e-9)
+    check(base, kept, want, text)
+
+
+def test_modelopt_nvfp4_rule_matches_modelopt_on_edge_values():
+    """The encoder's arithmetic against `NVFP4QTensor.quantize` on the same edge values (ModelOpt: an all-zero
+    block's scale 1.0, an underflowing one clamped to 2^-9, -0.0 without a sign bit)."""
+    import test_modelopt_nvfp4
+
+    from ckpt.quant import fp4_encode as fe
+
+    Q = test_modelopt_nvfp4._nvfp4()
+    w = edge_weight()
+    qt, scale, scale_2 = Q.quantize(w.clone(), 16)
+    s2 = fe.global_scale(fe.MODELOPT, w.abs().amax())
+    s = fe.block_scales(fe.MODELOPT, w, s2)
+    assert same_bytes(s2.reshape(()), scale_2.to(torch.float32).reshape(()))
+    assert same_bytes(s.to(torch.float8_e4m3fn), scale)
+    assert same_bytes(fe.codes(fe.MODELOPT, w, s2, s), qt._quantized_data)
