@@ -97,3 +97,102 @@ def _quanto(tensors: dict, enc: Encodings, qmap) -> None:
         enc.aux_keys |= {k for k in (e.data_key, e.prefix + "._scale", e.shift_key) if k in tensors}
     if enc.quantized and any(k.startswith("optimum-quanto") for k in enc.quantized):
         enc.aux_keys |= {n for n in tensors if QUANTO_ACTIVATION.search(n)}
+
+
+def quantized_layers(view, config) -> dict | None:
+    """What the LLM-quantization decoders (GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ)
+    decoded, per setting, and which tensors stay plain; None when none of them decoded anything.
+
+    The settings are asked of the decoded tensors (`ckpt.quant.*` weights keep the bits, group size, zero
+    points, strategy they decode with), so inspect names what `dequant` would do. GPTQ's sym flag is the one
+    setting no decoded tensor carries (its zero points are stored either way): it comes from config.json's
+    quantization_config when that says, else it is left out.
+
+        {"layers": [{"label": "GPTQ 4-bit, group 32, asym, act-order, v1 zero points", "tensors": n,
+                     "settings": {"format": "GPTQ", "bits": 4, "group_size": 32, ...}}, ...],
+         "unquantized": {"tensors": n, "matrices": [names of the plain tensors of 2+ dims]}}
+    """
+    if view is None:
+        return None
+    layers: dict[str, dict] = {}
+    plain: list[str] = []
+    for name, t in view.tensors.items():
+        s = _settings(t, config)
+        if s is None:
+            plain.append(name)
+            continue
+        label = _label(s)
+        entry = layers.setdefault(label, {"label": label, "tensors": 0, "settings": s})
+        entry["tensors"] += 1
+    if not layers:
+        return None
+    matrices = [n for n in plain if len(view.tensors[n].shape) >= 2]
+    return {"layers": list(layers.values()), "unquantized": {"tensors": len(plain), "matrices": matrices}}
+
+
+def _settings(t, config) -> dict | None:
+    from ckpt.quant import awq, compressed_tensors, gptq, hqq, modelopt, mxfp4
+
+    if isinstance(t, gptq.GptqWeight):
+        groups = t.groups(_cpu())
+        sequential = groups.numel() == 0 or bool((groups == _arange(t.in_features) // t.group_size).all())
+        qc = (config or {}).get("quantization_config") if isinstance(config, dict) else None
+        sym = qc.get("sym") if isinstance(qc, dict) and isinstance(qc.get("sym"), bool) else None
+        s = {"format": "GPTQ", "bits": t.bits, "group_size": -1 if t.group_size >= t.in_features else t.group_size,
+             "act_order": not sequential, "zero_points": "v1" if t.v1 else "v2"}
+        return s | ({"sym": sym} if sym is not None else {})
+    if isinstance(t, (awq.AwqGemmWeight, awq.AwqGemvWeight)):
+        return {"format": "AWQ", "bits": 4, "group_size": t.group, "sym": False,
+                "version": "GEMM" if isinstance(t, awq.AwqGemmWeight) else "GEMV"}
+    if isinstance(t, compressed_tensors.CtIntWeight):
+        s = {"format": "compressed-tensors", "type": f"int{t.bits}", "bits": t.bits,
+             "packing": "pack-quantized" if t.packed else "naive-quantized", "strategy": t.strategy,
+             "sym": t.zero is None}
+        return s | ({"group_size": t.group} if t.strategy == "group" else {})
+    if isinstance(t, compressed_tensors.CtNvfp4Weight):
+        return {"format": "compressed-tensors", "type": "nvfp4", "bits": 4, "group_size": 16,
+                "packing": "nvfp4-pack-quantized"}
+    if isinstance(t, modelopt.ModelOptNvfp4Weight):
+        return {"format": "ModelOpt", "type": "nvfp4", "bits": 4, "group_size": 16}
+    if isinstance(t, mxfp4.Mxfp4Experts):
+        return {"format": "gpt-oss", "type": "mxfp4", "bits": 4, "group_size": mxfp4.BLOCK}
+    if isinstance(t, hqq.HqqWeight):
+        return {"format": "HQQ", "bits": t.bits, "group_size": t.view[0] if t.axis == 0 else t.view[1],
+                "axis": t.axis}
+    return None
+
+
+def _label(s: dict) -> str:
+    """One line per setting combination: "GPTQ 4-bit, group 128, sym, act-order, v1 zero points"."""
+    fmt = s["format"]
+    if "type" in s:
+        head = f"{fmt} {s['type']}" + (f" {s['packing']}" if s.get("packing", "").endswith("-quantized")
+                                        and s["type"].startswith("int") else "")
+    else:
+        head = f"{fmt} {s['bits']}-bit" + (f" {s['version']}" if "version" in s else "")
+    parts = [head]
+    if s.get("strategy") and s["strategy"] != "group":
+        parts.append(f"{s['strategy']} strategy")
+    if "group_size" in s:
+        parts.append("one group per row (group_size -1)" if s["group_size"] == -1 else f"group {s['group_size']}")
+    if "axis" in s:
+        parts.append(f"axis {s['axis']}")
+    if "sym" in s:
+        parts.append("sym" if s["sym"] else "asym")
+    if s.get("act_order"):
+        parts.append("act-order (g_idx)")
+    if "zero_points" in s:
+        parts.append(f"{s['zero_points']} zero points")
+    return ", ".join(parts)
+
+
+def _cpu():
+    from ckpt.lazy import torch
+
+    return torch.device("cpu")
+
+
+def _arange(n: int):
+    from ckpt.lazy import torch
+
+    return torch.arange(n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 META_KEYS_SHOWN = 12
 META_VALUE_CHARS = 80
+UNQUANTIZED_SHOWN = 4  # plain matrices of a quantized model named in text (--json lists all)
 
 
 def human_count(n: int) -> str:
@@ -50,6 +51,14 @@ def render_text(report: dict, quiet: bool = False) -> str:
         row("format", f"{c['container']}, {c['kind']}")
         row("family", (c["family"] or "unknown") + (f"  [config: {c['config_class']}]" if c["config_class"] else ""))
         row("storage", ", ".join(c["encodings"]))
+        q = c["quantization"]
+        if q:
+            for i, layer in enumerate(q["layers"]):
+                row("quantized" if i == 0 else "", f"{column(layer['tensors'], 'tensor')}  {layer['label']}")
+            plain, mats = q["unquantized"]["tensors"], q["unquantized"]["matrices"]
+            shown = ", ".join(mats[:UNQUANTIZED_SHOWN]) + (", ..." if len(mats) > UNQUANTIZED_SHOWN else "")
+            row("unquantized", f"{column(plain, 'tensor')}  " + (f"{len(mats)} matri{'x' if len(mats) == 1 else 'ces'}: {shown}"
+                                                                 if mats else "no matrices"))
         if c["lora"]:
             lo = c["lora"]
             ranks = ", ".join(map(str, lo["ranks"])) or "?"

@@ -26,6 +26,11 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
                         "base_model": ss_base_model_version / modelspec.architecture | null,
                         "network_module": ss_network_module | null},
         "encodings": ["plain"] | ["fp8_e4m3fn (plain, no scales)", "optimum-quanto qint8", ...],
+        "quantization": null | {"layers": [{"label": "GPTQ 4-bit, group 128, sym, act-order (g_idx), v1 zero
+                                             points", "tensors": n, "settings": {"format", "bits", "group_size",
+                                             ... as the decoder reads them}}],
+                                "unquantized": {"tensors": n, "matrices": [plain tensors of 2+ dims]}}
+                        (GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ; encodings.quantized_layers),
         "tensors": n (stored tensors),
         "parameters": n (the plain model's: decoded shapes of quantized weights, their scales and other
                       companions 0; stored elements where ckpt cannot decode the layout),
@@ -52,7 +57,7 @@ from ckpt.dtypes import FP8, ST_FLOAT, ST_FP8, ST_ITEMSIZE, is_float, short_name
 from ckpt.errors import CkptError
 from ckpt import families
 from ckpt.inspect.detect import family_from_config, lora_modules, mostly_lora, split_parts
-from ckpt.inspect.encodings import detect_encodings
+from ckpt.inspect.encodings import detect_encodings, quantized_layers
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import PickleTensor
@@ -123,6 +128,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         view_error = str(e).replace("; nothing was written", "")
         warnings.append(f"cannot be decoded by ckpt: {view_error}")
     enc = detect_encodings(tensors, view, view_error, comp.config, metadata, sidecars)
+    quantization = quantized_layers(view, comp.config)
     gguf = {n: t for n, t in tensors.items() if isinstance(t, GGUFStored)}
     if gguf and view is not None and view.config is not None:  # a GGUF LLM: its HF names say the family
         shapes = {n: tuple(t.shape) for n, t in view.tensors.items()}
@@ -189,6 +195,7 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "parts": parts,
         "lora": lora,
         "encodings": enc.names,
+        "quantization": quantization,
         "tensors": len(tensors),
         "parameters": sum(d["parameters"] for d in dtypes.values()),
         "bytes": sum(d["bytes"] for d in dtypes.values()),
