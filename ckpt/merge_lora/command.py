@@ -27,8 +27,9 @@ from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.merge_lora import litgpt
 from ckpt.merge_lora.adapters import make_adapter
+from ckpt.merge_lora.adapters.experts import experts_patches
 from ckpt.merge_lora.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
-from ckpt.merge_lora.keymap import build_keymap, family_note
+from ckpt.merge_lora.keymap import ExpertBank, build_keymap, family_note
 from ckpt.merge_lora.loading import LoraFile, load_lora
 from ckpt.merge_lora.merged import Patch
 from ckpt.merge_lora.strategies import Patches, Strategy, choose
@@ -154,7 +155,8 @@ def match_loras(ckpt, views, files: list[LoraFile], ratios: list[float], report:
                 allow_unmatched: bool = False) -> Patches:
     """Every LoRA matched to the base's logical views: per component, view key -> its patches in order. The
     summary lines go to `report`; unmatched keys (unless allowed) and a LoRA that matches nothing are errors.
-    Also what `ckpt merge` uses for mergekit's `model: BASE+LORA`."""
+    Also what `ckpt merge` uses for mergekit's `model: BASE+LORA`. Patches on gpt-oss expert banks (PEFT
+    `target_parameters`) come with their `ExpertLoRA` (`experts_patches`), so every caller merges them alike."""
     keymaps = [_build_keymap({n: tuple(t.shape) for n, t in v.tensors.items()}, c.subdir)
                for c, v in zip(ckpt.components, views)]
     where = [c.subdir for c in ckpt.components]
@@ -179,7 +181,7 @@ def match_loras(ckpt, views, files: list[LoraFile], ratios: list[float], report:
     if not report.changed and not zero:
         raise MergeError(f"no LoRA module matched the base ({family_note(files[0].modules.values(), keymaps)})"
                          f"{swapped}; nothing to merge", report)
-    return patches
+    return experts_patches(patches, views)
 
 
 def _looks_like_lora(ckpt) -> bool:
@@ -213,7 +215,13 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches: Patches, r
         view = views[comp]
         if m.rows is not None:
             targets = [_narrow(t, m, view.tensors, f) for t in targets]
-        adapter = _fit(m, targets, view.tensors, f)
+        try:
+            adapter = _fit(m, targets, view.tensors, f)
+        except CkptError:
+            other = _other_bank(m, targets, view.tensors, f)
+            if other is None:
+                raise
+            targets, adapter = other, _fit(m, other, view.tensors, f)
         kind = adapter.family + ("+dora" if getattr(adapter, "dora", None) is not None else "")
         kinds.setdefault(kind, set()).add(m.name)
         matched.add(m.name)
@@ -350,6 +358,24 @@ def _fit(m, targets, tensors, f):
     if why:
         raise CkptError(f"{f.spec}: module {m.name!r} does not fit: {why}")
     return adapter
+
+
+def _other_bank(m, targets, tensors, f):
+    """gate_up_proj's target for an expert LoRA read as down_proj's that does not fit it, else None.
+
+    PEFT saves a `target_parameters` LoRA on `mlp.experts.gate_up_proj` alone under the name down_proj's takes when
+    both banks are targeted (`mlp.experts`; `ckpt.merge_lora.keymap.EXPERT_BANKS`). The two banks' [out, in] never
+    agree (gate_up_proj's out is twice down_proj's in), so factors that fit only gate_up_proj are its LoRA; with
+    a `.base_layer` module beside it (both banks targeted) the name is down_proj's and nothing is moved."""
+    if len(targets) != 1 or not isinstance(targets[0].transform, ExpertBank) or m.rows is not None:
+        return None
+    t = targets[0]
+    if not t.key.endswith(".down_proj") or any(n.startswith(m.name + ".base_layer") for n in f.modules):
+        return None
+    other = replace(t, key=t.key[: -len("down_proj")] + "gate_up_proj")
+    if other.key not in tensors or _why_not(make_adapter(_oriented(m, [other], tensors)), [other], tensors):
+        return None
+    return [other]
 
 
 def _check_bias(adapter, target, tensors, f) -> None:

@@ -11,8 +11,8 @@ what differs is what happens around it, and each strategy answers the same four 
 
 plus `finish`, what the strategy adds to the report once the output is written.
 
-Every strategy gives the patches matched to an expert bank by a PEFT `target_parameters` LoRA their expert adapter
-first (`ckpt.merge_lora.adapters.experts.experts_patches`).
+The patches matched to an expert bank by a PEFT `target_parameters` LoRA come with their expert adapter already
+(`match_loras` applies `ckpt.merge_lora.adapters.experts.experts_patches`, for merge-lora and `ckpt merge` alike).
 
 `Plain` casts every logical tensor to one dtype (--to, else the model's own; bf16 for a base decoded from an LLM
 quantization format: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ); `KeepFormat` writes the base's
@@ -35,7 +35,6 @@ from ckpt.io.checkpoint import WEIGHT_SUFFIXES
 from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.wrapper import Wrapper
 from ckpt.merge_lora import litgpt
-from ckpt.merge_lora.adapters.experts import experts_patches
 from ckpt.merge_lora.merged import Patch, Patched
 from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
@@ -119,7 +118,6 @@ class Plain(Strategy):
         return output_format(self.fmt, out, self.container)
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         target = TARGETS[self.to] if self.to else None
         dtype_note = None
         if target is None and self.dtype is not None and is_float(self.dtype):
@@ -182,7 +180,6 @@ class KeepFormat(Strategy):
         from ckpt.merge_lora.keep_format import plan_keep_format
         from ckpt.merge_lora.merged import MergedTensor
 
-        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         # the merge starts from the value a plain merge starts from (the library's own, in its compute dtype)
         changed = [{k: MergedTensor(v.tensors[k], ps) for k, ps in comp.items()}
                    for v, comp in zip(as_computed(views), patches)]
@@ -215,7 +212,6 @@ class GGUF(Strategy):
         return "gguf"
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        patches = experts_patches(patches, views)  # PEFT target_parameters LoRAs on expert banks
         from ckpt.convert.command import ConvertOptions
         from ckpt.merge_lora.merged import MergedTensor
 
