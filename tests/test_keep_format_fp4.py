@@ -216,3 +216,97 @@ def test_modelopt_nvfp4_rule_matches_modelopt_on_edge_values():
     assert same_bytes(s2.reshape(()), scale_2.to(torch.float32).reshape(()))
     assert same_bytes(s.to(torch.float8_e4m3fn), scale)
     assert same_bytes(fe.codes(fe.MODELOPT, w, s2, s), qt._quantized_data)
+
+
+# ---- gpt-oss MXFP4 expert banks ---------------------------------------------------------------------------
+
+
+def ct_mxfp4_bank(bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors 0.20's MXFP4 (MXFP4A16 scheme) on each expert of an fp32 bank [E, K, N], quantized along
+    K as gpt-oss stores it: group min/max -> `calculate_qparams` (`generate_mx_scales`), then
+    `MXFP4PackedCompressor.compress`; returned as gpt-oss's (`_blocks` [E, N, K / 32, 16], `_scales` [E, N, K / 32])."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP4A16
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4A16)
+    comp = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
+    blocks, scales = [], []
+    for w in bank:
+        w2 = w.T.contiguous()  # [N, K]
+        n, k = w2.shape
+        groups = w2.reshape(n, -1, 32)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        out = comp.compress({"weight": w2, "weight_scale": scale}, scheme)
+        blocks.append(out["weight_packed"].reshape(n, k // 32, 16))
+        scales.append(out["weight_scale"])
+    return torch.stack(blocks), torch.stack(scales)
+
+
+@pytest.fixture(scope="module")
+def gptoss_base(tmp_path_factory):
+    pytest.importorskip("transformers.integrations.mxfp4")
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (the oracle)")
+    pytest.importorskip("loguru")
+    from helpers import mxfp4_ref
+
+    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip(f"PEFT {peft.__version__} has no target_parameters (ParamWrapper LoRAs came in PEFT 0.17)")
+    root = tmp_path_factory.mktemp("gptoss_mxfp4")
+    mxfp4_ref.build(root / "q")
+    config = qm.plain_config(root / "q", transformers.GptOssConfig)
+    lora = peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    qm.peft_lora(root / "lora", config, transformers.GptOssForCausalLM, lora)
+    return root
+
+
+def test_gptoss_mxfp4_keep_format_equals_compressed_tensors_mx(gptoss_base, run_ckpt, tmp_path):
+    """The changed banks' blocks and scales are compressed-tensors' MXFP4 quantization of ckpt's fp32 merge; the
+    q_proj weights the LoRA also changes are plain bf16 in gpt-oss, written as the fp32 merge rounded once."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root = gptoss_base
+    base = load_dir(root / "q")
+    merged, kept, errors, text = keep_format(run_ckpt, root / "q", root / "lora", tmp_path)
+    stems = sorted(k for k in merged if k.endswith((".experts.gate_up_proj", ".experts.down_proj")))
+    assert len(stems) == 4  # two layers, both banks
+    want = {}
+    for stem in stems:
+        blocks, scales = ct_mxfp4_bank(merged[stem])
+        want[f"{stem}_blocks"], want[f"{stem}_scales"] = blocks, scales
+        assert not same_bytes(blocks, base[f"{stem}_blocks"]), stem
+        dec = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert errors[stem] == pytest.approx(rel_rms(dec, merged[stem]), rel=1e-9)
+        assert 0 < errors[stem] < 0.2
+    for k in merged:
+        if k.endswith("q_proj.weight"):
+            want[k] = merged[k].to(torch.bfloat16)
+            assert not same_bytes(want[k], base[k]), k
+    check(base, kept, want, text)
+
+
+def test_gptoss_mx_rule_matches_compressed_tensors_on_edge_values():
+    """`mx_exponents` / `mx_codes` against the package on blocks at the power-of-two rounding edge (amax 1.75 * 2^n
+    and just below), e2m1 ties, signed zeros, an all-zero block and a huge / tiny block."""
+    pytest.importorskip("compressed_tensors")
+    from ckpt.quant import fp4_encode as fe
+
+    g = torch.Generator().manual_seed(2)
+    bank = torch.randn(2, 128, 8, generator=g)  # [E, K, N]: K = 4 blocks of 32
+    x = bank.transpose(1, 2)  # [E, N, K] views
+    x[0, 0, :32] = 0.0
+    x[0, 1, :32] = torch.linspace(-1.75, 1.75, 32)
+    x[0, 2, :32] = torch.linspace(-1.7499, 1.7499, 32)
+    x[0, 3, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * torch.tensor([1.0, -1.0] * 16)
+    x[0, 4, :32] = -0.0
+    x[0, 5, :32] = 1e-30
+    x[0, 6, :32] = 3e30
+    x[1, 0, :32] = -1e-4
+    x[1, 0, 0] = 1.0
+    want_blocks, want_scales = ct_mxfp4_bank(bank)
+    xt = bank.transpose(1, 2).contiguous()
+    exps = fe.mx_exponents(xt)
+    assert same_bytes(exps, want_scales)
+    assert same_bytes(fe.mx_codes(xt, exps).reshape(want_blocks.shape), want_blocks)

@@ -15,7 +15,8 @@ PEFT's `merge_and_unload()` on an fp32 `LlamaForCausalLM` holding the library's 
   once (bit-equal to the `--to fp32` output cast to bf16), config.json `torch_dtype` bfloat16 and no
   `quantization_config`, loading strictly with `from_pretrained`; the run says so in a note.
 - `--keep-format` on a format whose encoder ckpt does not have yet: one line naming the format, exit 2, nothing
-  written (formats with an encoder are covered by the keep-format tests).
+  written (formats with an encoder, NVFP4 and gpt-oss MXFP4 included, are covered by the keep-format tests;
+  gpt-oss's output is checked here to keep its stored layout).
 - gpt-oss MXFP4 (a tiny `GptOssForCausalLM`, banks packed by helpers/mxfp4_ref, transformers'
   `convert_moe_packed_tensors` the oracle's dequantization): a PEFT LoRA with `target_parameters` on
   `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (PEFT's `lora.ParamWrapper`) lands on the expert banks as
@@ -260,10 +261,16 @@ def test_gptoss_gate_up_alone_is_refused_not_misplaced(gptoss, run_ckpt, tmp_pat
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def test_gptoss_keep_format_without_an_encoder_is_one_line_exit_2(gptoss, run_ckpt, tmp_path):
+def test_gptoss_keep_format_writes_the_mxfp4_layout_again(gptoss, run_ckpt, tmp_path):
+    """gpt-oss MXFP4 has a --keep-format encoder (its bytes are checked in tests/test_keep_format_fp4.py): the
+    output stores the base's keys, dtypes and shapes, and the run reports the requantization error."""
     root, _ = gptoss
-    _refused_without_encoder(run_ckpt, tmp_path, root, root / "lora", "gpt-oss MXFP4",
-                             "model.layers.0.mlp.experts.down_proj")
+    code, out, err = run_ckpt("merge-lora", root / "q", root / "lora", "--keep-format", "-o", tmp_path / "kf")
+    assert code == 0, err
+    base = load_file(root / "q" / "model.safetensors")
+    got = load_file(tmp_path / "kf" / "model.safetensors")
+    assert {k: (v.dtype, v.shape) for k, v in got.items()} == {k: (v.dtype, v.shape) for k, v in base.items()}
+    assert "requantization error" in out + err
 
 
 def test_gptoss_expert_lora_in_a_model_merge_is_refused_in_one_line(gptoss, run_ckpt, tmp_path):

@@ -144,3 +144,86 @@ class Nvfp4Encoding(Encoding):
         glob = ComputedTensor(pt.name, lambda: gs().reshape(shape), torch.float32, shape, home=value.home)
         return [rows(self.packed, True), rows(self.scale, False),
                 OutTensor(pt.name, torch.float32, shape, glob, lambda x, b: x)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# gpt-oss MXFP4 expert banks
+
+
+def mx_exponents(x: torch.Tensor) -> torch.Tensor:
+    """float32 [..., K] -> uint8 e8m0 codes [..., K / 32], compressed-tensors 0.20's `generate_mx_scales` on each
+    block's amax (`calculate_qparams` for an MXFP4 scheme): amax rounded to a power of two p (its float32 bits
+    plus 2^21, mantissa masked off: up from 1.75 * 2^n), code = clamp(round(127 + floor(log2 p) - 2), 0, 255)
+    (2 = floor(log2 6), e2m1's largest exponent); an all-zero block gets code 0."""
+    lo, hi = torch.aminmax(x.reshape(*x.shape[:-1], -1, 32), dim=-1)
+    amax = torch.maximum(hi.clamp(min=0.0), lo.clamp(max=0.0).abs())
+    p = ((amax.view(torch.int32) + (1 << 21)) & -(1 << 23)).view(torch.float32)
+    return torch.round(torch.clamp(127 + torch.floor(torch.log2(p)) - 2, 0, 255)).to(torch.uint8)
+
+
+def mx_codes(x: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """float32 [..., K] + e8m0 codes [..., K / 32] -> packed e2m1 bytes [..., K / 2], even element in the low
+    nibble: x / 2^(e - 127) (compressed-tensors' `maybe_convert_from_mx_exp` scale), rounded as `cast_to_fp4`."""
+    scale = 2.0 ** (exps.to(torch.int32) - 127).to(torch.float32)
+    y = x.reshape(*exps.shape, 32) / scale.unsqueeze(-1)
+    return e2m1_codes_low_first(y.reshape(x.shape))
+
+
+class Mxfp4BankEncoding(Encoding):
+    """A changed gpt-oss expert bank [E, K, N] stored as its base stores it: `P_blocks` [E, N, K / 32, 16] and
+    `P_scales` [E, N, K / 32], both recomputed from the merged value by the OCP MX rules as compressed-tensors
+    0.20 applies them (`generate_mx_scales` for the shared exponent, then `_quantize` and `pack_fp4_to_uint8`:
+    `mx_exponents`, `mx_codes`). That is the rule the issue names; it is not triton_kernels'
+    `downcast_to_mxfp_torch` (which rounds amax / 6 up to a power of two, the rule `tests/helpers/mxfp4_ref`
+    restates and gpt-oss's own release used): a block whose amax lies in [1.5, 1.75) * 2^n gets an exponent one
+    lower here (finer, saturating its amax to 6). Both are valid OCP MX scales; transformers decodes either.
+
+    Block-local: each band of experts is encoded on its own, no extra pass. The meter gets the fp32 merged
+    experts and ckpt's decode of the written blocks (`mxfp4.decode_blocks`, transformers' arithmetic)."""
+
+    label = "gpt-oss MXFP4"
+    note = ("gpt-oss MXFP4: changed expert banks re-encoded with e8m0 block exponents recomputed from the merged "
+            "values (OCP MX rule as compressed-tensors' generate_mx_scales applies it)")
+
+    def __init__(self, bank: Tensor, blocks: Tensor, scales: Tensor):
+        self.bank, self.blocks, self.scales = bank, blocks, scales
+        self.keys = (blocks.name, scales.name)
+
+    def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
+        from ckpt.quant.mxfp4 import decode_blocks
+
+        name = self.bank.name
+
+        def band(a: int, b: int, device, with_codes: bool) -> torch.Tensor:
+            x = read_rows(value, a, b, device).to(torch.float32).transpose(1, 2).contiguous()  # [e, N, K]
+            exps = mx_exponents(x)
+            if not with_codes:
+                return exps
+            report.count("nonfinite_quantized", name, int((~torch.isfinite(x)).sum()))
+            packed = mx_codes(x, exps).reshape(*exps.shape, 16)
+            meter.add(x, decode_blocks(packed, exps))
+            return packed
+
+        def rows(stored: Tensor, with_codes: bool) -> OutTensor:
+            class Experts(Tensor):
+                """Stored rows = experts: each band of experts encoded on its own."""
+
+                name, dtype, shape, home = stored.name, stored.dtype, tuple(stored.shape), value.home
+                row_align = None if value.row_align is None else 1
+
+                @property
+                def band_elems(self):
+                    from ckpt.io import output
+
+                    return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
+
+                @property
+                def source_bytes(self):
+                    return 0
+
+                def read(self, start, stop, device, scratch=None):
+                    return band(start, stop, device, with_codes)
+
+            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), Experts(), lambda x, b: x)
+
+        return [rows(self.blocks, True), rows(self.scales, False)]

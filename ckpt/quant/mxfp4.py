@@ -21,6 +21,10 @@ and 255 is 2^128 (inf), as `ldexp` makes them.
 Bands run along the experts (dim 0): an expert's decoded matrix is the transpose of its stored rows, so one
 expert is the smallest band that reads contiguous bytes.
 
+`merge-lora --keep-format`: a changed bank's `P_blocks` and `P_scales` are recomputed from the merged value,
+the shared exponents by the OCP MX rule as compressed-tensors 0.20's `generate_mx_scales` applies it
+(`ckpt.quant.fp4_encode.Mxfp4BankEncoding`, which says how that differs from triton_kernels' rounding).
+
 Config: the decoder runs when config.json names `mxfp4`; a folder whose config has no quantization_config at
 all is decoded too when its `*_blocks` keys are gpt-oss's own expert names (`.experts.gate_up_proj_blocks`,
 `.experts.down_proj_blocks`). The decoded shapes are checked against config.json's `num_local_experts`,
@@ -36,16 +40,11 @@ from ckpt.lazy import torch
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, model_dtype, quant_config, refuse
-from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.microscaling import unpack_e2m1
 
 BLOCK = 32  # values per e8m0 scale
 BIAS = 127
 GPT_OSS_NAMES = re.compile(r"\.experts\.(gate_up_proj|down_proj)_blocks$")
-
-_NO_ENCODER = NoEncoder("MXFP4", "gpt-oss MXFP4 is decoded only: ckpt has no MXFP4 encoder yet (merge without "
-                                 "--keep-format for a plain file)")
-
 
 def _swap_nibbles(b: torch.Tensor) -> torch.Tensor:
     """Bytes with their nibbles swapped: gpt-oss puts the even element in the low nibble, `unpack_e2m1`
@@ -65,7 +64,6 @@ def decode_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Mxfp4Experts(Wrapper):
     """An expert bank [E, K, N] decoded from `P_blocks` [E, N, K / 32, 16] (`base`) and `P_scales`."""
 
-    encoding = _NO_ENCODER
     row_align = 1
 
     def __init__(self, name: str, blocks: Tensor, scales: Tensor, natural):
@@ -84,6 +82,13 @@ class Mxfp4Experts(Wrapper):
         w = decode_blocks(blocks, scales)  # [e, N, G, 32]
         e, n = w.shape[:2]
         return w.reshape(e, n, -1).transpose(1, 2).contiguous()
+
+    @property
+    def encoding(self):
+        """--keep-format: blocks and e8m0 scales recomputed from the merged bank (`ckpt.quant.fp4_encode`)."""
+        from ckpt.quant.fp4_encode import Mxfp4BankEncoding
+
+        return Mxfp4BankEncoding(self, self.base, self.scales)
 
 
 def _expected_shape(config: dict | None, name: str) -> tuple[int, int, int] | None:
