@@ -1,4 +1,7 @@
-"""Benchmark `ckpt dequant` against the optimum-quanto way, on synthetic quanto checkpoints.
+"""Benchmark `ckpt dequant` against each format's own load-and-dequantize: optimum-quanto, or GPTQ (--format gptq).
+
+Default (`--format quanto`): against the optimum-quanto way, on synthetic quanto checkpoints; `--format gptq`: against
+the GPTQ oracle's load-and-dequantize, on a synthetic GPTQ 4-bit LLM (below).
 
 Cases: qint8 with bf16 scales, qint4 with fp16 scales (grouped by 128, float shifts). Each source is an
 optimum-quanto save folder (`model.safetensors` + `quanto_qmap.json`) of a Flux-like model (benchlib's
@@ -23,6 +26,17 @@ optimum-quanto re-packs bf16 qint4 weights for TinyGemm, whose bf16 shift round 
 quanto way would then not reproduce the stored values. The page cache is warmed by reading each source
 once before timing (dropping it needs root). `--quanto-way SRC DST --size-gb X` is the internal entry
 point of the baseline; `--generate` that of the generator. Only the standard library is imported here.
+
+`--format gptq` (case gptq-4bit): a Llama-shaped HF folder (config.json with `quantization_config`: gptq, bits 4,
+group_size 128, desc_act false, sym false, v1 zero points; fp16 embeddings, norms and lm_head; per linear `qweight`
+[in/8, out] and `qzeros` [in/128, out/8] int32 words drawn from a pool of random words, fp16 `scales`, `g_idx`), written
+header-first without ckpt code. Here `--size-gb` is the GPTQ checkpoint's own size (`--size-gb 4`: about
+Llama-2-7B-GPTQ, 33 layers of width 4096, vocab 32000; the fp16 output is ~3.5x that). Baseline "autogptq-way": the
+oracle's load-and-dequantize over the whole model, `safetensors.torch.load_file` of the checkpoint, then per layer
+AutoGPTQ 0.7.1's torch dequantization (`qlinear_cuda_old`: fields unpacked with its shifts, v1 zero points
+`(z + 1) & 15`, `scales[g] * (q - z[g])` in fp16; tests/test_dequant.py checks it against AutoGPTQ's `QuantLinear`
+itself), `save_file` of the whole state dict and fsync (it holds the source and the fp16 output at once: ~4.5x
+`--size-gb` of RAM). `--gptq-way SRC DST` is its internal entry point.
 """
 
 from __future__ import annotations
@@ -40,8 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 CASES = {"qint8-bf16": ("qint8", "bf16"), "qint4-fp16": ("qint4", "fp16")}
-ST = {"bf16": "BF16", "fp16": "F16", "I8": "I8", "U8": "U8"}
-SIZE = {"BF16": 2, "F16": 2, "I8": 1, "U8": 1}
+GPTQ_CASES = {"gptq-4bit": ("gptq4", "fp16")}
+FORMATS = {"quanto": CASES, "gptq": GPTQ_CASES}
+BASELINE = {"quanto": "quanto", "gptq": "autogptq-way"}
+ST = {"bf16": "BF16", "fp16": "F16", "I8": "I8", "U8": "U8", "I32": "I32"}
+SIZE = {"BF16": 2, "F16": 2, "I8": 1, "U8": 1, "I32": 4}
+GPTQ_GROUP = 128
+LLM_WIDTHS = (4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128)
 
 
 def log(msg: str) -> None:
@@ -74,10 +93,52 @@ def quanto_entries(model, qtype: str, dt: str) -> list[tuple[str, str, tuple[int
     return out
 
 
+def write_entries(path: str, entries, pools: dict, tdt: dict, special=None) -> None:
+    """A safetensors file of `entries` (name, safetensors dtype, shape, kind), header first, then each tensor's
+    bytes cut from its kind's pool (random codes, values; `special(name, kind, nbytes)` gives the bytes of kinds
+    whose values are structure, e.g. GPTQ's g_idx). Largest items first, as the libraries' savers order them."""
+    import torch
+
+    raw = {}
+    ordered = sorted(entries, key=lambda e: (-SIZE[e[1]], e[0]))
+    header, pos = {"__metadata__": {"format": "pt", "generator": "ckpt scripts/bench_dequant.py"}}, 0
+    for name, sdt, shape, kind in ordered:
+        n = 1
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": sdt, "shape": list(shape), "data_offsets": [pos, pos + n * SIZE[sdt]]}
+        pos += n * SIZE[sdt]
+    js = json.dumps(header, separators=(",", ":")).encode()
+    js += b" " * (-(8 + len(js)) % 8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(js)) + js)
+        for i, (name, sdt, shape, kind) in enumerate(ordered):
+            size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if kind not in pools:
+                f.write(special(name, kind, size))
+                continue
+            key = (kind, sdt)
+            if key not in raw:
+                v = pools[kind]
+                v = v if not v.is_floating_point() else v.to(tdt[sdt])
+                b = v.view(torch.uint8).numpy().tobytes()
+                raw[key] = memoryview(b + b)
+            pool = raw[key]
+            plen = len(pool) // 2
+            start = 0 if kind == "one" else (i * 104729 * SIZE[sdt]) % plen
+            while size:
+                take = min(size, plen)
+                f.write(pool[start:start + take])
+                start = (start + take) % plen
+                size -= take
+
+
 def write_source(folder: str, size_gb: float, qtype: str, dt: str) -> dict:
     import torch
 
-    tdt = {"BF16": torch.bfloat16, "F16": torch.float16}
+    if qtype == "gptq4":
+        return write_gptq_source(folder, size_gb)
     model = bl.model_specs(params_for(size_gb))
     entries = quanto_entries(model, qtype, dt)
     g = torch.Generator().manual_seed(0)
@@ -90,42 +151,122 @@ def write_source(folder: str, size_gb: float, qtype: str, dt: str) -> dict:
         "shift": base * 0.02,
         "one": torch.ones(1 << 22),
     }
-    raw = {}
-    ordered = sorted(entries, key=lambda e: (-SIZE[e[1]], e[0]))
-    header, pos = {"__metadata__": {"format": "pt", "generator": "ckpt scripts/bench_dequant.py"}}, 0
-    for name, sdt, shape, kind in ordered:
-        n = 1
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": sdt, "shape": list(shape), "data_offsets": [pos, pos + n * SIZE[sdt]]}
-        pos += n * SIZE[sdt]
-    js = json.dumps(header, separators=(",", ":")).encode()
-    js += b" " * (-(8 + len(js)) % 8)
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "model.safetensors")
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(js)) + js)
-        for i, (name, sdt, shape, kind) in enumerate(ordered):
-            key = (kind, sdt)
-            if key not in raw:
-                v = pools[kind]
-                v = v if kind == "codes" else v.to(tdt[sdt])
-                b = v.view(torch.uint8).numpy().tobytes()
-                raw[key] = memoryview(b + b)
-            pool = raw[key]
-            plen = len(pool) // 2
-            size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            start = 0 if kind == "one" else (i * 104729 * SIZE[sdt]) % plen
-            while size:
-                take = min(size, plen)
-                f.write(pool[start:start + take])
-                start = (start + take) % plen
-                size -= take
+    write_entries(path, entries, pools, {"BF16": torch.bfloat16, "F16": torch.float16})
     qmap = {s.name[: -len(".weight")]: {"weights": qtype, "activations": "none"} for s in model.specs if s.role == "linear"}
     Path(folder, "quanto_qmap.json").write_text(json.dumps(qmap, indent=1))
     big = model.largest
     return {"bytes": os.path.getsize(path), "tensors": len(entries), "params": model.params,
             "largest": big.name, "largest_shape": list(big.shape), "largest_numel": big.numel}
+
+
+# ------------------------------------------------------------------------- synthetic GPTQ source
+
+def llm_shape(nbytes: float) -> dict:
+    """A Llama-shaped model whose GPTQ 4-bit checkpoint is about `nbytes`: the widest hidden size (4096 at most,
+    head dim 128, MLP ~2.6875x as Llama-2's 11008 / 4096, rounded to the group size) that gives at least 4
+    layers, then as many layers as fit; vocab 32000 (4 x hidden below width 1024)."""
+    def shape(h):
+        inter = -(-h * 43 // 16 // GPTQ_GROUP) * GPTQ_GROUP
+        vocab = 32000 if h >= 1024 else 4 * h
+        linears = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
+                   "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                   "mlp.down_proj": (h, inter)}
+        per_layer = sum(n * k // 2 + k // GPTQ_GROUP * (n * 2 + n // 2) + k * 4 for n, k in linears.values()) + 4 * h
+        return {"hidden": h, "inter": inter, "vocab": vocab, "linears": linears, "layer_bytes": per_layer,
+                "fixed_bytes": 2 * vocab * h * 2 + 2 * h}
+
+    s = next((shape(h) for h in LLM_WIDTHS if 4 * shape(h)["layer_bytes"] + shape(h)["fixed_bytes"] <= nbytes),
+             shape(LLM_WIDTHS[-1]))
+    s["layers"] = max(1, round((nbytes - s["fixed_bytes"]) / s["layer_bytes"]))
+    return s
+
+
+def gptq_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, safetensors dtype, shape, kind) of an AutoGPTQ-saved Llama (4-bit, group 128, g_idx saved)."""
+    h, g = s["hidden"], GPTQ_GROUP
+    out = [("model.embed_tokens.weight", "F16", (s["vocab"], h), "plain"), ("lm_head.weight", "F16", (s["vocab"], h), "plain"),
+           ("model.norm.weight", "F16", (h,), "one")]
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", "F16", (h,), "one"), (p + "post_attention_layernorm.weight", "F16", (h,), "one")]
+        for lin, (n, k) in s["linears"].items():
+            out += [(p + lin + ".qweight", "I32", (k // 8, n), "words"), (p + lin + ".qzeros", "I32", (k // g, n // 8), "words"),
+                    (p + lin + ".scales", "F16", (k // g, n), "scale"), (p + lin + ".g_idx", "I32", (k,), "g_idx")]
+    return out
+
+
+def write_gptq_source(folder: str, size_gb: float) -> dict:
+    """The GPTQ checkpoint folder (model.safetensors + config.json); codes and zero points are random int32 words
+    (every 4-bit field any value), scales positive fp16, g_idx the in-order groups desc_act false saves."""
+    import torch
+
+    s = llm_shape(size_gb * 1e9)
+    entries = gptq_entries(s)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1 << 22, generator=g)
+    pools = {"words": torch.randint(0, 256, (1 << 24,), generator=g, dtype=torch.uint8),
+             "plain": base * 0.02, "scale": base.abs() * 0.002 + 1e-4, "one": torch.ones(1 << 22)}
+
+    def g_idx(name, kind, nbytes):
+        return (torch.arange(nbytes // 4, dtype=torch.int32) // GPTQ_GROUP).numpy().tobytes()
+
+    path = os.path.join(folder, "model.safetensors")
+    write_entries(path, entries, pools, {"F16": torch.float16}, g_idx)
+    h = s["hidden"]
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": s["inter"], "num_hidden_layers": s["layers"], "num_attention_heads": h // 128 or 1,
+              "num_key_value_heads": h // 128 or 1, "head_dim": min(128, h), "vocab_size": s["vocab"],
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+              "torch_dtype": "float16",
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False,
+                                      "sym": False, "checkpoint_format": "gptq"}}
+    Path(folder, "config.json").write_text(json.dumps(config, indent=1))
+    mats = [(n, sh) for n, sdt, sh, kind in entries if n.endswith(".weight") and len(sh) == 2]
+    mats += [(n[: -len(".qweight")] + ".weight", (sh[1], sh[0] * 8)) for n, _, sh, _ in entries if n.endswith(".qweight")]
+    name, shape = max(mats, key=lambda x: x[1][0] * x[1][1])
+    params = sum(a * b for _, (a, b) in mats) + sum(sh[0] for n, _, sh, _ in entries if len(sh) == 1 and n.endswith("weight"))
+    return {"bytes": os.path.getsize(path), "tensors": len(entries), "params": params, "layers": s["layers"],
+            "hidden": h, "vocab": s["vocab"], "largest": name, "largest_shape": list(shape),
+            "largest_numel": shape[0] * shape[1]}
+
+
+def gptq_way(src: str, dst: str) -> None:
+    """The oracle's load-and-dequantize, whole model: `load_file`, AutoGPTQ 0.7.1's torch dequantization of every
+    4-bit layer (qlinear_cuda_old.forward's: fields by its shifts, v1 zeros (z + 1) & 15, scales * (q - z) in the
+    scales' fp16), `save_file`, fsync."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    bits = json.loads(Path(src, "config.json").read_text())["quantization_config"]["bits"]
+    out = {}
+    for key in [k for k in sd if k.endswith(".qweight")]:
+        p = key[: -len(".qweight")]
+        out[p + ".weight"] = autogptq_torch_dequant(sd.pop(key), sd.pop(p + ".qzeros"), sd.pop(p + ".scales"),
+                                                    sd.pop(p + ".g_idx"), bits)
+    out.update(sd)
+    os.makedirs(dst, exist_ok=True)
+    path = os.path.join(dst, "model.safetensors")
+    save_file(out, path, metadata={"format": "pt"})
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def autogptq_torch_dequant(qweight, qzeros, scales, g_idx, bits: int):
+    """W [out, in] as AutoGPTQ 0.7.1's `qlinear_cuda_old` torch path computes it (2/4/8 bits)."""
+    import torch
+
+    wf = torch.arange(0, 32, bits, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    small = torch.int16 if bits == 8 else torch.int8
+    zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, 32 // bits), wf.view(1, 1, -1)).to(small)
+    zeros = torch.bitwise_and(zeros + 1, mask).reshape(scales.shape)
+    weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, 32 // bits, -1), wf.view(1, -1, 1)).to(small)
+    weight = torch.bitwise_and(weight, mask).reshape(-1, weight.shape[2])
+    g = g_idx.long()
+    return (scales[g] * (weight - zeros[g])).T.contiguous()
 
 
 # ------------------------------------------------------------------------------ the quanto way
@@ -185,17 +326,21 @@ def warm(path: Path) -> None:
 
 def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = "cpu",
              baseline: bl.Measurement | None = None) -> tuple[list[list], dict]:
-    qtype, dt = CASES[name]
+    fmt = "gptq" if name in GPTQ_CASES else "quanto"
+    qtype, dt = FORMATS[fmt][name]
+    other = BASELINE[fmt]
     src = work / f"{name}-src"
-    log(f"[{name}] generating {size_gb} GB (bf16-equivalent) quanto {qtype} source ...")
+    log(f"[{name}] generating {size_gb} GB " + ("GPTQ 4-bit source ..." if fmt == "gptq" else
+                                               f"(bf16-equivalent) quanto {qtype} source ..."))
     gen = bl.run_py(__file__, "--generate", src, "--size-gb", size_gb, "--qtype", qtype, "--dtype", dt)
     info = json.loads(gen.stdout.strip().splitlines()[-1])
     warm(src / "model.safetensors")
     rows, outs, verdict = [], {}, {}
-    for variant in ("ckpt", "quanto"):
+    for variant in ("ckpt", other):
         dst = work / f"{name}-{variant}"
         argv = (bl.ckpt_argv("dequant", src, "-o", dst, "--device", device, "-q") if variant == "ckpt" else
-                [sys.executable, __file__, "--quanto-way", src, dst, "--size-gb", size_gb])
+                [sys.executable, __file__, "--quanto-way", src, dst, "--size-gb", size_gb] if fmt == "quanto" else
+                [sys.executable, __file__, "--gptq-way", src, dst])
         log(f"[{name}] {variant} ...")
         m = bl.measure(argv)
         outs[variant] = dst / "model.safetensors"
@@ -208,12 +353,12 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = 
             rows.append([name, "-", bl.fmt_gb(out_bytes), "cp + sync", f"{cp.seconds:.1f}", bl.fmt_mb(cp.peak_rss),
                          bl.gbps(out_bytes, cp.seconds)])
             if baseline is not None:
-                src_item = 1 if qtype == "qint8" else 0.5
+                src_item = 1 if qtype == "qint8" else 0.5  # qint4 and GPTQ 4-bit: half a byte per value
                 lines, vals = bl.verdict_lines(name, m, cp, out_bytes, baseline, info["largest_numel"] * 2,
                                                int(bl.pipeline_bytes(src_item, 2)))
                 verdict = {"lines": lines, **vals}
-    same = bl.compare(outs["ckpt"], outs["quanto"]) if verify else {"equal": None}
-    for variant in ("ckpt", "quanto"):
+    same = bl.compare(outs["ckpt"], outs[other]) if verify else {"equal": None}
+    for variant in ("ckpt", other):
         shutil.rmtree(work / f"{name}-{variant}", ignore_errors=True)
     shutil.rmtree(src, ignore_errors=True)
     return rows, {"case": name, "source": info, "identical": same, "verdict": verdict}
@@ -221,13 +366,17 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-gb", type=float, default=0.3, help="model size in bf16 (default 0.3)")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    ap.add_argument("--format", choices=sorted(FORMATS), default="quanto",
+                    help="quanto (default; cases qint8-bf16, qint4-fp16) or gptq (case gptq-4bit)")
+    ap.add_argument("--size-gb", type=float, default=0.3,
+                    help="quanto: model size in bf16; gptq: the GPTQ checkpoint's size (default 0.3)")
+    ap.add_argument("--cases", help="comma-separated, from the --format's cases (default: all of them)")
     bl.add_run_args(ap, workdir_alias="--work")
     ap.add_argument("--no-verify", action="store_true", help="skip the bitwise comparison of the outputs")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--generate", metavar="FOLDER", help=argparse.SUPPRESS)
     ap.add_argument("--quanto-way", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    ap.add_argument("--gptq-way", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--qtype", default="qint8", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -237,10 +386,14 @@ def main(argv=None) -> int:
     if a.quanto_way:
         quanto_way(a.quanto_way[0], a.quanto_way[1], a.size_gb)
         return 0
-    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
+    if a.gptq_way:
+        gptq_way(a.gptq_way[0], a.gptq_way[1])
+        return 0
+    known = FORMATS[a.format]
+    cases = [c.strip() for c in (a.cases or ",".join(known)).split(",") if c.strip()]
+    unknown = [c for c in cases if c not in known]
     if unknown:
-        ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+        ap.error(f"unknown case(s) {unknown} for --format {a.format}; choose from {', '.join(known)}")
     floor = bl.launcher_floor()
     baseline = bl.import_baseline(a.device)
     if a.workdir:  # a folder that does not exist yet is made, as bench_convert/bench_merge do
