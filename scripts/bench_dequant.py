@@ -185,13 +185,15 @@ def llm_shape(nbytes: float) -> dict:
 def gptq_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(name, safetensors dtype, shape, kind) of an AutoGPTQ-saved Llama (4-bit, group 128, g_idx saved)."""
     h, g = s["hidden"], GPTQ_GROUP
-    out = [("model.embed_tokens.weight", "F16", (s["vocab"], h), "plain"), ("lm_head.weight", "F16", (s["vocab"], h), "plain"),
-           ("model.norm.weight", "F16", (h,), "one")]
+    out = [("model.embed_tokens.weight", "F16", (s["vocab"], h), "plain"),
+           ("lm_head.weight", "F16", (s["vocab"], h), "plain"), ("model.norm.weight", "F16", (h,), "one")]
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", "F16", (h,), "one"), (p + "post_attention_layernorm.weight", "F16", (h,), "one")]
+        out += [(p + "input_layernorm.weight", "F16", (h,), "one"),
+                (p + "post_attention_layernorm.weight", "F16", (h,), "one")]
         for lin, (n, k) in s["linears"].items():
-            out += [(p + lin + ".qweight", "I32", (k // 8, n), "words"), (p + lin + ".qzeros", "I32", (k // g, n // 8), "words"),
+            out += [(p + lin + ".qweight", "I32", (k // 8, n), "words"),
+                    (p + lin + ".qzeros", "I32", (k // g, n // 8), "words"),
                     (p + lin + ".scales", "F16", (k // g, n), "scale"), (p + lin + ".g_idx", "I32", (k,), "g_idx")]
     return out
 
@@ -223,9 +225,11 @@ def write_gptq_source(folder: str, size_gb: float) -> dict:
                                       "sym": False, "checkpoint_format": "gptq"}}
     Path(folder, "config.json").write_text(json.dumps(config, indent=1))
     mats = [(n, sh) for n, sdt, sh, kind in entries if n.endswith(".weight") and len(sh) == 2]
-    mats += [(n[: -len(".qweight")] + ".weight", (sh[1], sh[0] * 8)) for n, _, sh, _ in entries if n.endswith(".qweight")]
+    mats += [(n[: -len(".qweight")] + ".weight", (sh[1], sh[0] * 8))
+             for n, _, sh, _ in entries if n.endswith(".qweight")]
     name, shape = max(mats, key=lambda x: x[1][0] * x[1][1])
-    params = sum(a * b for _, (a, b) in mats) + sum(sh[0] for n, _, sh, _ in entries if len(sh) == 1 and n.endswith("weight"))
+    norms = sum(sh[0] for n, _, sh, _ in entries if len(sh) == 1 and n.endswith("weight"))
+    params = sum(a * b for _, (a, b) in mats) + norms
     return {"bytes": os.path.getsize(path), "tensors": len(entries), "params": params, "layers": s["layers"],
             "hidden": h, "vocab": s["vocab"], "largest": name, "largest_shape": list(shape),
             "largest_numel": shape[0] * shape[1]}
@@ -235,7 +239,6 @@ def gptq_way(src: str, dst: str) -> None:
     """The oracle's load-and-dequantize, whole model: `load_file`, AutoGPTQ 0.7.1's torch dequantization of every
     4-bit layer (qlinear_cuda_old.forward's: fields by its shifts, v1 zeros (z + 1) & 15, scales * (q - z) in the
     scales' fp16), `save_file`, fsync."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     sd = load_file(os.path.join(src, "model.safetensors"))

@@ -64,12 +64,11 @@ def _check(run_ckpt, folder, expected_layers: list[tuple[str, int, dict]], quant
                                                        for lb, n, _ in expected_layers)
     mats = _stored_matrices(folder, quantized)
     assert sorted(q["unquantized"]["matrices"]) == sorted(mats)
-    plain = comp["tensors"] - sum(n for _, n, _ in expected_layers)
     (row,) = _rows(lines, "unquantized")
     assert row.startswith(f"{q['unquantized']['tensors']} tensors {len(mats)} matrices: ")
     assert all(name in row for name in q["unquantized"]["matrices"][:4])
     assert "lm_head.weight" in mats and "model.embed_tokens.weight" in mats
-    return {"plain": plain, **q}
+    return q
 
 
 def _under(layers):
@@ -87,8 +86,9 @@ def test_gptq(tmp_path, run_ckpt, bits, group, desc_act, sym, fmt):
         k = 128 if lin == "mlp.down_proj" else 64
         one = qc["group_size"] == -1 or qc["group_size"] >= k
         act = qc["desc_act"] and not one
-        label = (f"GPTQ {qc['bits']}-bit, " + ("one group per row (group_size -1)" if one else f"group {qc['group_size']}")
-                 + f", {'sym' if qc['sym'] else 'asym'}" + (", act-order (g_idx)" if act else "") + f", {zeros} zero points")
+        grouping = "one group per row (group_size -1)" if one else f"group {qc['group_size']}"
+        label = (f"GPTQ {qc['bits']}-bit, {grouping}, {'sym' if qc['sym'] else 'asym'}"
+                 + (", act-order (g_idx)" if act else "") + f", {zeros} zero points")
         settings = {"format": "GPTQ", "bits": qc["bits"], "group_size": -1 if one else qc["group_size"],
                     "sym": qc["sym"], "act_order": act, "zero_points": zeros}
         expected.setdefault(label, [label, 0, settings])[1] += 1
@@ -169,7 +169,7 @@ def test_compressed_tensors_mixed_groups_and_ignore(tmp_path, run_ckpt):
     assert sorted(_rows(lines, "quantized")) == sorted(f"{n} tensor{'s' * (n != 1)} {lb}"
                                                        for lb, n, _ in expected.values())
     quantized = {f"{m}.weight" for m in schemes}
-    plain = [k for k in comp["quantization"]["unquantized"]["matrices"]]
+    plain = comp["quantization"]["unquantized"]["matrices"]
     # the ignored Linears stay plain: lm_head, layer 1's o_proj (by regex), layer 0's down_proj (by name)
     for name in ("lm_head.weight", "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         assert name in plain and name not in quantized

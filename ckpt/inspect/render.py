@@ -57,8 +57,8 @@ def render_text(report: dict, quiet: bool = False) -> str:
                 row("quantized" if i == 0 else "", f"{column(layer['tensors'], 'tensor')}  {layer['label']}")
             plain, mats = q["unquantized"]["tensors"], q["unquantized"]["matrices"]
             shown = ", ".join(mats[:UNQUANTIZED_SHOWN]) + (", ..." if len(mats) > UNQUANTIZED_SHOWN else "")
-            row("unquantized", f"{column(plain, 'tensor')}  " + (f"{len(mats)} matri{'x' if len(mats) == 1 else 'ces'}: {shown}"
-                                                                 if mats else "no matrices"))
+            what = f"{len(mats)} matri{'x' if len(mats) == 1 else 'ces'}: {shown}" if mats else "no matrices"
+            row("unquantized", f"{column(plain, 'tensor')}  {what}")
         if c["lora"]:
             lo = c["lora"]
             ranks = ", ".join(map(str, lo["ranks"])) or "?"
