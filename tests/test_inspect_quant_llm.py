@@ -119,7 +119,7 @@ def test_modelopt_nvfp4(tmp_path, run_ckpt):
     modelopt_t.build(tmp_path / "q")
     quant = json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())["quantization"]
     assert quant["quant_algo"] == "NVFP4"
-    label = f"ModelOpt nvfp4, group {quant['group_size']}"
+    label = f"ModelOpt NVFP4, group {quant['group_size']}"
     settings = {"format": "ModelOpt", "type": "nvfp4", "bits": 4, "group_size": quant["group_size"]}
     q = _check(run_ckpt, tmp_path / "q", [(label, len(modelopt_t.LINEARS), settings)],
                _under(modelopt_t.LINEARS))
@@ -130,7 +130,7 @@ def test_gpt_oss_mxfp4(tmp_path, run_ckpt):
     packs, cfg = mxfp4_ref.build(tmp_path / "q")
     assert _qc(tmp_path / "q")["quant_method"] == "mxfp4"
     settings = {"format": "gpt-oss", "type": "mxfp4", "bits": 4, "group_size": 32}  # OCP MX: e8m0 per 32
-    q = _check(run_ckpt, tmp_path / "q", [("gpt-oss mxfp4, group 32", len(packs), settings)],
+    q = _check(run_ckpt, tmp_path / "q", [("gpt-oss MXFP4, group 32", len(packs), settings)],
                lambda k: k.endswith(("_blocks", "_scales")))
     assert f"{LAYER}mlp.router.weight" in q["unquantized"]["matrices"]  # modules_to_not_convert
     assert f"{LAYER}self_attn.q_proj.weight" in q["unquantized"]["matrices"]

@@ -163,11 +163,12 @@ def _settings(t, config) -> dict | None:
 
 
 def _label(s: dict) -> str:
-    """One line per setting combination: "GPTQ 4-bit, group 128, sym, act-order, v1 zero points"."""
+    """One line per setting combination: "GPTQ 4-bit, group 128, sym, act-order (g_idx), v1 zero points"; the
+    head is the decoder's own name of the format (`View.formats`)."""
     fmt = s["format"]
-    if "type" in s:
-        head = f"{fmt} {s['type']}" + (f" {s['packing']}" if s.get("packing", "").endswith("-quantized")
-                                        and s["type"].startswith("int") else "")
+    if "type" in s:  # as the decoders name them: "ModelOpt NVFP4", "gpt-oss MXFP4", "compressed-tensors nvfp4"
+        typ = s["type"].upper() if fmt in ("ModelOpt", "gpt-oss") else s["type"]
+        head = f"{fmt} {typ}" + (f" {s['packing']}" if typ.startswith("int") else "")
     else:
         head = f"{fmt} {s['bits']}-bit" + (f" {s['version']}" if "version" in s else "")
     parts = [head]
