@@ -31,8 +31,9 @@ class View:
 
 def _decoders():
     from ckpt.quant import awq, bnb, comfy_quant, compressed_tensors, fp8, gguf, gptq, hqq, modelopt, mxfp4, quanto
+    from ckpt.quant import torchao
 
-    return list(gguf.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) \
+    return list(gguf.DECODERS) + list(torchao.DECODERS) + list(comfy_quant.DECODERS) + list(bnb.DECODERS) \
         + list(compressed_tensors.DECODERS) + list(modelopt.DECODERS) + list(fp8.DECODERS) \
         + list(quanto.DECODERS) + list(gptq.DECODERS) + list(awq.DECODERS) \
         + list(mxfp4.DECODERS) + list(hqq.DECODERS) \

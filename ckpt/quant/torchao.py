@@ -1,0 +1,262 @@
+"""torchao weight-only checkpoints (transformers' `TorchAoConfig` saves) decoded back to plain weights.
+
+transformers 5.x saves a torchao-quantized model to safetensors through torchao's
+`flatten_tensor_state_dict` (torchao.prototype.safetensors): each tensor subclass `X.weight` is stored as its
+plain data tensors `X._weight_<name>` (name in the subclass's `tensor_data_names`: `qdata`, `scale`,
+`zero_point`, ...), and `__metadata__` holds, per parameter, a JSON object `{"_type": <class>, "_data":
+{block_size, dtype, ...}, "_tensor_data_names": [...]}` (plain tensors: `{"_type": "Tensor"}`) plus
+`tensor_names`, the list of every parameter. The metadata is what says which keys belong together and what
+they mean, so it is what this decoder reads (transformers' `unflatten_tensor_state_dict` does the same).
+
+Decoded, as torchao 0.18's own `dequantize()` computes them (same operations, same dtypes, so bit for bit):
+- `Int8Tensor` (`Int8WeightOnlyConfig`, per row / tensor / group; also the weight of
+  `Int8DynamicActivationInt8WeightConfig`) and `IntxUnpackedToInt8Tensor` (`IntxWeightOnlyConfig`, int1..int8
+  codes stored one per int8, the weight of `Int8DynamicActivationIntxWeightConfig`): `dequantize_affine`:
+  `((q.to(dt) - zero_point.to(dt)) * scale).to(dt)`, dt the stored `dtype`, the scale/zero point one per
+  `block_size` block (the subtraction is skipped without a zero point; the product is in the promoted dtype,
+  fp32 for fp32 scales, then rounded once);
+- `Float8Tensor` (`Float8WeightOnlyConfig`, also the weight of `Float8DynamicActivationFloat8WeightConfig`):
+  `(q.to(fp32) * scale).to(dt)`.
+Activation settings (`act_quant_kwargs`, `activation_quantization`, static `act_quant_scale` /
+`act_quant_zero_point`) only configure inference and are dropped with the reason; an `act_pre_scale`
+(AWQ / SmoothQuant smoothing, which the weight alone does not include) is refused rather than dropped.
+
+Refused, in one line naming the layout: `Int4TilePackedTo4dTensor` (tinygemm's tiled int4 packing, whose
+only unpacking is a CUDA kernel), `Int4Tensor` (the mslk "plain" int4 packing: torchao has no dequantize
+for it and its quantizer runs only in mslk's CUDA kernels, so there is no reference to be exact against),
+`Int4PlainInt32Tensor` (XPU/NPU kernel packings), `MXTensor` / `NVFP4Tensor` (not decoded yet), any other
+class; flattened torchao keys with no metadata describing them; config.json naming torchao with no
+torchao metadata in the safetensors (pickled tensor subclasses in a .bin are refused by the pickle reader).
+
+Bands: rows [a, b) along dim 0 read the matching rows of qdata and the scale/zero-point rows of the blocks
+covering them; the broadcast is element-wise, so a band equals the same rows of the whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ckpt.lazy import torch
+
+from ckpt.errors import CkptError
+from ckpt.io.tensors import Tensor
+from ckpt.io.wrapper import Wrapper
+from ckpt.quant.common import DecodeContext, Decoded, companion, float_scale, quant_config, refuse
+from ckpt.quant.encoding import NoEncoder
+
+AFFINE = ("Int8Tensor", "IntxUnpackedToInt8Tensor")
+DECODED = (*AFFINE, "Float8Tensor")
+REFUSED = {
+    "Int4TilePackedTo4dTensor": "tinygemm's tiled int4 packing (Int4WeightOnlyConfig tile_packed_to_4d), which "
+                                "only a CUDA kernel unpacks",
+    "Int4Tensor": "the mslk int4 packing (Int4WeightOnlyConfig plain): torchao has no dequantize for it and its "
+                  "quantizer runs only in mslk's CUDA kernels, so there is no reference to decode it against",
+    "Int4PlainInt32Tensor": "an XPU/NPU int4 kernel packing (Int4WeightOnlyConfig plain_int32)",
+    "Int4PreshuffledTensor": "mslk's preshuffled int4 packing (CUDA only)",
+    "MXTensor": "an MX (microscaling) tensor, which ckpt does not decode from torchao yet",
+    "NVFP4Tensor": "an NVFP4 tensor, which ckpt does not decode from torchao yet",
+}
+FLOATS = {"float32", "float16", "bfloat16"}
+INFERENCE_DATA = {"act_quant_scale": "torchao static activation scale (inference only)",
+                  "act_quant_zero_point": "torchao static activation zero point (inference only)"}
+# a flattened subclass datum: X._weight_qdata, X._gate_up_proj_scale, ...
+FLAT_KEY = re.compile(r"(^|\.)_[A-Za-z]\w*?_(qdata|scale|zero_point|scale_and_zero|per_tensor_scale|act_pre_scale|"
+                      r"act_quant_scale|act_quant_zero_point|group_scale|group_zero|row_scale)$")
+
+_NO_ENCODER = NoEncoder("torchao", "torchao is decoded only: ckpt has no torchao encoder (merge without "
+                                   "--keep-format for a plain file)")
+
+
+class TorchaoWeight(Wrapper):
+    """One decoded torchao tensor: `base` is the stored codes (`qdata`), `scale` / `zero` one value per block
+    of `block` elements."""
+
+    encoding = _NO_ENCODER
+
+    def __init__(self, name, kind, qdata: Tensor, scale: Tensor, zero: Tensor | None, block, dtype):
+        self.name, self.kind, self.base, self.scale, self.zero = name, kind, qdata, scale, zero
+        self.shape, self.home, self.block = tuple(qdata.shape), qdata.home, tuple(block)
+        self.dtype = self.natural = dtype
+        self.row_align = qdata.row_align
+        self.qkey = qdata.name
+
+    @property
+    def source_bytes(self):
+        return self.base.source_bytes + self.scale.source_bytes + (self.zero.source_bytes if self.zero else 0)
+
+    def _blocks(self, t: Tensor, start, stop, device) -> torch.Tensor:
+        """The per-block values `t` repeated over rows [start, stop) of the element grid."""
+        if t.numel == 1:
+            return t.read_all(device).reshape([1] * len(self.shape))
+        b0 = self.block[0]
+        a, b = start // b0, -(-stop // b0)
+        v = t.read(a, b, device) if t.row_align is not None else t.read_all(device)[a:b]
+        v = v.repeat_interleave(b0, dim=0)[start - a * b0: stop - a * b0]
+        for d in range(1, len(self.shape)):
+            if self.block[d] != 1:
+                v = v.repeat_interleave(self.block[d], dim=d)
+        return v
+
+    def read(self, start, stop, device, scratch=None):
+        q = self.base.read(start, stop, device)
+        scale = self._blocks(self.scale, start, stop, device)
+        if self.kind == "Float8Tensor":  # torchao _dequantize_affine_float8
+            return (q.to(torch.float32) * scale).to(self.dtype)
+        w = q.to(self.dtype, copy=True)  # torchao _dequantize_affine_no_dtype_check
+        if self.zero is not None:
+            w = w - self._blocks(self.zero, start, stop, device).to(self.dtype)
+        return (w * scale).to(self.dtype)
+
+
+def _entries(ctx: DecodeContext) -> dict[str, dict] | None:
+    """{parameter name: its torchao metadata object} for every tensor subclass `tensor_names` lists; None
+    when the metadata is not torchao's."""
+    names = ctx.metadata.get("tensor_names")
+    if names is None:
+        return None
+    where = ctx.component.files[0].path if ctx.component.files else ctx.component.where
+    try:
+        names = json.loads(names)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    out = {}
+    for n in names:
+        raw = ctx.metadata.get(n)
+        try:
+            meta = json.loads(raw) if isinstance(raw, str) else None
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or not isinstance(meta.get("_type"), str):
+            raise CkptError(f"{where}: torchao metadata for {n!r} is missing or not a JSON object with a _type "
+                            "(torchao's flatten_tensor_state_dict writes one per tensor_names entry); nothing "
+                            "was written")
+        if meta["_type"] != "Tensor":
+            out[n] = meta
+    return out
+
+
+def _dtype_of(value, what, ctx, key):
+    if isinstance(value, dict) and value.get("_type") == "torch.dtype" and isinstance(value.get("_data"), str):
+        return value["_data"]
+    raise refuse(ctx, key, f"torchao {what} is {value!r}; expected a torch.dtype object")
+
+
+def _layer(ctx: DecodeContext, name: str, meta: dict, consumed: dict) -> TorchaoWeight:
+    kind = meta["_type"]
+    module, _, param = name.rpartition(".")
+    prefix = f"{module}._{param}_" if module else f"_{param}_"
+    qkey = prefix + "qdata"
+    if kind in REFUSED or kind not in DECODED:
+        why = REFUSED.get(kind, "a torchao tensor subclass ckpt does not know")
+        raise refuse(ctx, qkey if qkey in ctx.remaining else name,
+                     f"torchao {name!r} ({qkey!r}, ...) is stored as {kind}: {why}; ckpt cannot decode it")
+    data = meta.get("_data")
+    names = meta.get("_tensor_data_names")
+    if not isinstance(data, dict) or not isinstance(names, list):
+        raise refuse(ctx, qkey, f"torchao metadata for {name!r} has no _data object or _tensor_data_names list")
+    stray = [k for k in ctx.remaining if k.startswith(prefix) and k[len(prefix):] not in names]
+    if stray:
+        raise refuse(ctx, stray[0], f"torchao {stray[0]!r} is not among the tensor data of {name!r} ({names}) "
+                                    "its metadata lists")
+    if name in ctx.remaining:
+        raise refuse(ctx, name, f"torchao {name!r} is stored both plain and as {kind} data ({qkey!r})")
+    if "act_pre_scale" in names:
+        raise refuse(ctx, prefix + "act_pre_scale",
+                     f"torchao {name!r} has an act_pre_scale {prefix + 'act_pre_scale'!r} (AWQ/SmoothQuant smoothing applied to the input), "
+                     "which its dequantized weight does not include; ckpt does not fold it in")
+    unknown = [n for n in names if n not in ("qdata", "scale", "zero_point", *INFERENCE_DATA)]
+    if unknown or (kind == "Float8Tensor" and "zero_point" in names):
+        raise refuse(ctx, prefix + (unknown or ["zero_point"])[0],
+                     f"torchao {name!r} ({kind}, {qkey!r}, ...) lists tensor data {names}, which ckpt does not decode")
+    dtype = _dtype_of(data.get("dtype"), f"dtype of {name!r}", ctx, qkey)
+    if dtype not in FLOATS:
+        raise refuse(ctx, qkey, f"torchao dtype of {name!r} is {dtype!r}; expected one of {sorted(FLOATS)}")
+    dt = getattr(torch, dtype)
+    if kind == "Float8Tensor":
+        q = companion(ctx, qkey, f"torchao float8 codes of {name!r}",
+                      dtypes=(torch.float8_e4m3fn, torch.float8_e5m2))
+    else:
+        q = companion(ctx, qkey, f"torchao int8 codes of {name!r}", dtypes=(torch.int8,))
+    shape = tuple(q.shape)
+    if kind == "IntxUnpackedToInt8Tensor":
+        target = _dtype_of(data.get("target_dtype"), f"target_dtype of {name!r}", ctx, qkey)
+        if target not in {f"int{b}" for b in range(1, 9)}:
+            raise refuse(ctx, qkey, f"torchao target_dtype of {name!r} is {target!r}; expected int1..int8")
+    block = data.get("block_size")
+    skey = prefix + "scale"
+    if block is None and kind == "Float8Tensor":  # torchao infers the blocks from the scale's shape
+        s = companion(ctx, skey, f"torchao scale of {name!r}", dtypes=float_scale)
+        if s.numel == 1:
+            block = list(shape)
+        elif len(s.shape) == len(shape) and all(d and n % d == 0 for n, d in zip(shape, s.shape)):
+            block = [n // d for n, d in zip(shape, s.shape)]
+        else:
+            raise refuse(ctx, skey, f"torchao scale {skey!r} has shape {list(s.shape)}, which fits no block "
+                                    f"layout of {name!r} {list(shape)}")
+    if (not isinstance(block, list) or len(block) != len(shape) or not shape
+            or not all(isinstance(b, int) and b > 0 and n % b == 0 for n, b in zip(shape, block))):
+        raise refuse(ctx, qkey, f"torchao block_size of {name!r} is {block!r}, which does not tile its codes "
+                                f"{qkey!r} {list(shape)}")
+    blocks = tuple(n // b for n, b in zip(shape, block))
+    total = 1
+    for n in blocks:
+        total *= n
+    s = ctx.remaining.get(skey)
+    if s is not None and len(s.shape) != len(shape) and s.numel == total == 1:
+        scale = companion(ctx, skey, f"torchao scale of {name!r}", dtypes=float_scale, numel=1)
+    else:
+        scale = companion(ctx, skey, f"torchao scale of {name!r}", dtypes=float_scale, shape=blocks)
+    zero = None
+    if "zero_point" in names:
+        zdt = (torch.int8,) if kind == "Int8Tensor" else (torch.int8, torch.float32, torch.float16, torch.bfloat16)
+        zero = companion(ctx, prefix + "zero_point", f"torchao zero point of {name!r}", dtypes=zdt,
+                         shape=tuple(scale.shape))
+        consumed[prefix + "zero_point"] = f"torchao zero points of {name}"
+    for n, why in INFERENCE_DATA.items():
+        if n in names:
+            companion(ctx, prefix + n, f"torchao {n} of {name!r}")
+            consumed[prefix + n] = why
+    consumed[qkey] = f"torchao {kind} codes of {name}"
+    consumed[skey] = f"torchao scales of {name}"
+    return TorchaoWeight(name, kind, q, scale, zero, block, dt)
+
+
+def decode(ctx: DecodeContext) -> Decoded | None:
+    """Every tensor subclass the safetensors metadata lists becomes its plain parameter, its data keys
+    consumed, each checked before anything is written."""
+    entries = _entries(ctx)
+    flat = sorted((k for k in ctx.remaining if FLAT_KEY.search(k)), key=lambda k: not k.endswith("_qdata"))
+    named = str(quant_config(ctx).get("quant_method", "")).lower() == "torchao"
+    if not entries:
+        if flat and (entries is not None or named or not any(k.endswith(".qweight") for k in ctx.remaining)):
+            raise refuse(ctx, flat[0], f"{flat[0]!r} looks like flattened torchao tensor data, but no torchao "
+                                       "__metadata__ entry (tensor_names) describes it")
+        if named and entries is None:
+            where = ctx.component.files[0].path if ctx.component.files else ctx.component.where
+            raise CkptError(f"{where}: config.json quantization_config names torchao, but the weights carry no "
+                            "torchao safetensors metadata (tensor_names); torchao tensor subclasses stored "
+                            "another way (pickled) cannot be decoded; nothing was written")
+        if not named:
+            return None
+    tensors, consumed, anchors = {}, {}, {}
+    for name, meta in entries.items():
+        t = _layer(ctx, name, meta, consumed)
+        tensors[name] = t
+        anchors[t.qkey] = name
+    left = sorted((k for k in ctx.remaining if FLAT_KEY.search(k) and k not in consumed),
+                  key=lambda k: not k.endswith("_qdata"))  # the codes named first: they say which tensor
+    if left:
+        raise refuse(ctx, left[0], f"{left[0]!r} looks like flattened torchao tensor data, but no torchao "
+                                   "__metadata__ entry (tensor_names) describes it")
+    kinds = sorted({t.kind for t in tensors.values()})
+    n = len(tensors)
+    notes = [f"torchao: decoded {n} tensor{'s' if n != 1 else ''} ({', '.join(kinds)})"] if n else []
+    drop = {"tensor_names", *json.loads(ctx.metadata["tensor_names"])}
+    return Decoded("torchao", tensors, consumed, drop_metadata=drop, notes=notes, anchors=anchors,
+                   dequantized=bool(n) or named)
+
+
+DECODERS = [decode]
