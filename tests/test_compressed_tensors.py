@@ -32,12 +32,8 @@ def bits_equal(a, b):
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
-def int_args(bits, strategy, group=None, symmetric=True):
-    return QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=symmetric)
-
-
-def linear(args, targets=("Linear",)):
-    return QuantizationScheme(targets=list(targets), weights=args)
+int_args, linear = ct_ref.int_args, ct_ref.linear
+MIXED, MIXED_IGNORE = ct_ref.mixed()
 
 
 CASES = {
@@ -85,14 +81,6 @@ def test_fp32_scales_decode_in_fp32(tmp_path, run_ckpt):
     expected = ct_ref.oracle(tmp_path / "q", schemes)
     assert all(v.dtype == torch.float32 for v in expected.values())
     _check(_dequant(run_ckpt, tmp_path / "q", tmp_path / "plain"), expected, None)
-
-
-MIXED = {  # exact names beat regexes beat class targets; a later group takes over a target an earlier one lists
-    "attn_int8": linear(int_args(8, "channel"), targets=["re:.*self_attn\\.(q|k)_proj$", "model.layers.1.mlp.up_proj"]),
-    "mlp_nvfp4": QuantizationScheme(targets=["re:.*mlp\\.(gate|up)_proj$"], **NVFP4A16),
-    "rest_int4": linear(int_args(4, "group", 32, False), targets=["Linear"]),
-}
-MIXED_IGNORE = ["lm_head", "re:model\\.layers\\.1\\.self_attn\\.o_proj$", "model.layers.0.mlp.down_proj"]
 
 
 def test_mixed_groups_and_ignore_list(tmp_path, run_ckpt):

@@ -10,10 +10,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-import test_awq as awq_t
-import test_gptq as gptq_t
-import test_hqq as hqq_t
-import test_modelopt_nvfp4 as modelopt_t
+from helpers import awq_base as awq_t, gptq_base as gptq_t, hqq_base as hqq_t, modelopt_base as modelopt_t
 from helpers import ct_ref, mxfp4_ref
 
 LAYER = "model.layers.0."
@@ -147,7 +144,7 @@ def _ct_label(args) -> tuple[str, dict]:
 
 
 def test_compressed_tensors_mixed_groups_and_ignore(tmp_path, run_ckpt):
-    from test_compressed_tensors import MIXED, MIXED_IGNORE
+    MIXED, MIXED_IGNORE = ct_ref.mixed()
 
     schemes = ct_ref.build(tmp_path / "q", MIXED, ignore=MIXED_IGNORE)
     qc = _qc(tmp_path / "q")

@@ -3,7 +3,7 @@ fp4_encode.py`) and gpt-oss MXFP4 expert banks (`ckpt/quant/mxfp4.py`).
 
 Each base is built by its decoder test's builder with the format's own library (compressed-tensors 0.20's
 compressors via `helpers.ct_ref.build` with the NVFP4A16 scheme and min-max calibration; ModelOpt 0.47's
-`NVFP4QTensor.quantize` via `test_modelopt_nvfp4.build`; gpt-oss banks via `helpers.mxfp4_ref.build`), and a PEFT
+`NVFP4QTensor.quantize` via `helpers.modelopt_base.build`; gpt-oss banks via `helpers.mxfp4_ref.build`), and a PEFT
 LoRA made with `save_pretrained` (`helpers.quant_llm_merge.peft_lora`; gpt-oss's on the expert banks through
 `target_parameters`). The value each changed tensor is re-encoded from is ckpt's own fp32 merge (`merge-lora --to
 fp32`, checked against PEFT in tests/test_merge_quant_llm.py). Oracle: the library's own quantizer run here on that
@@ -168,11 +168,11 @@ def test_ct_nvfp4_rule_matches_the_package_on_edge_values():
 
 @pytest.fixture(scope="module")
 def mo_base(tmp_path_factory):
-    import test_modelopt_nvfp4
+    from helpers import modelopt_base
 
-    test_modelopt_nvfp4._nvfp4()
+    modelopt_base._nvfp4()
     root = tmp_path_factory.mktemp("modelopt_nvfp4")
-    test_modelopt_nvfp4.build(root / "q")
+    modelopt_base.build(root / "q")
     config = qm.plain_config(root / "q", transformers.LlamaConfig)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
     qm.peft_lora(root / "lora", config, transformers.LlamaForCausalLM, lora)
@@ -180,9 +180,9 @@ def mo_base(tmp_path_factory):
 
 
 def test_modelopt_nvfp4_keep_format_equals_modelopt(mo_base, run_ckpt, tmp_path):
-    import test_modelopt_nvfp4
+    from helpers import modelopt_base
 
-    Q = test_modelopt_nvfp4._nvfp4()
+    Q = modelopt_base._nvfp4()
     root = mo_base
     base = load_dir(root / "q")
     merged, kept, errors, text = keep_format(run_ckpt, root / "q", root / "lora", tmp_path)
@@ -204,11 +204,11 @@ def test_modelopt_nvfp4_keep_format_equals_modelopt(mo_base, run_ckpt, tmp_path)
 def test_modelopt_nvfp4_rule_matches_modelopt_on_edge_values():
     """The encoder's arithmetic against `NVFP4QTensor.quantize` on the same edge values (ModelOpt: an all-zero
     block's scale 1.0, an underflowing one clamped to 2^-9, -0.0 without a sign bit)."""
-    import test_modelopt_nvfp4
+    from helpers import modelopt_base
 
     from ckpt.quant import fp4_encode as fe
 
-    Q = test_modelopt_nvfp4._nvfp4()
+    Q = modelopt_base._nvfp4()
     w = edge_weight()
     qt, scale, scale_2 = Q.quantize(w.clone(), 16)
     s2 = fe.global_scale(fe.MODELOPT, w.abs().amax())

@@ -94,7 +94,8 @@ class ExpertBank:
         if not self.prepared:  # a path that merges patches without `experts_patches`: refuse, never misapply
             from ckpt.errors import CkptError
 
-            raise CkptError("a PEFT target_parameters LoRA on an expert bank merges only through `ckpt merge-lora`")
+            raise CkptError("a PEFT target_parameters LoRA on an expert bank reached a merge that does not prepare it "
+                            "(ckpt.merge_lora.command.match_loras does); nothing was written")
         return x  # the bank as stored: `ExpertLoRA.apply` works on it directly
 
     @property

@@ -185,13 +185,14 @@ class Mxfp4BankEncoding(Encoding):
     note = ("gpt-oss MXFP4: changed expert banks re-encoded with e8m0 block exponents recomputed from the merged "
             "values (OCP MX rule as compressed-tensors' generate_mx_scales applies it)")
 
-    def __init__(self, bank: Tensor, blocks: Tensor, scales: Tensor):
-        self.bank, self.blocks, self.scales = bank, blocks, scales
+    def __init__(self, bank: Tensor, blocks: Tensor, scales: Tensor, decode_blocks):
+        """`decode_blocks(blocks, exps) -> float32`: the decoder's own arithmetic (`mxfp4.decode_blocks`, passed in
+        by the decoder so that this module does not import it back)."""
+        self.bank, self.blocks, self.scales, self.decode_blocks = bank, blocks, scales, decode_blocks
         self.keys = (blocks.name, scales.name)
 
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
-        from ckpt.quant.mxfp4 import decode_blocks
-
+        decode_blocks = self.decode_blocks
         name = self.bank.name
 
         def band(a: int, b: int, device, with_codes: bool) -> torch.Tensor:

@@ -88,7 +88,7 @@ class Mxfp4Experts(Wrapper):
         """--keep-format: blocks and e8m0 scales recomputed from the merged bank (`ckpt.quant.fp4_encode`)."""
         from ckpt.quant.fp4_encode import Mxfp4BankEncoding
 
-        return Mxfp4BankEncoding(self, self.base, self.scales)
+        return Mxfp4BankEncoding(self, self.base, self.scales, decode_blocks)
 
 
 def _expected_shape(config: dict | None, name: str) -> tuple[int, int, int] | None:

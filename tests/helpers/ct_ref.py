@@ -106,3 +106,29 @@ def edit(folder, tensors=None, drop=(), qc=None):
         cfg = json.loads((folder / "config.json").read_text())
         cfg["quantization_config"].update(qc)
         (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def int_args(bits, strategy, group=None, symmetric=True):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=symmetric)
+
+
+def linear(args, targets=("Linear",)):
+    from compressed_tensors.quantization import QuantizationScheme
+
+    return QuantizationScheme(targets=list(targets), weights=args)
+
+
+def mixed() -> tuple[dict, list[str]]:
+    """A mixed-precision config and its ignore list: exact names beat regexes beat class targets; a later group
+    takes over a target an earlier one lists."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+
+    schemes = {
+        "attn_int8": linear(int_args(8, "channel"), targets=["re:.*self_attn\\.(q|k)_proj$", "model.layers.1.mlp.up_proj"]),
+        "mlp_nvfp4": QuantizationScheme(targets=["re:.*mlp\\.(gate|up)_proj$"], **NVFP4A16),
+        "rest_int4": linear(int_args(4, "group", 32, False), targets=["Linear"]),
+    }
+    return schemes, ["lm_head", "re:model\\.layers\\.1\\.self_attn\\.o_proj$", "model.layers.0.mlp.down_proj"]

@@ -11,13 +11,14 @@ expert e's delta is (PEFT `ParamWrapper.get_delta_weight`, parameters stored [E,
 
 The key map (`ckpt.merge_lora.keymap`) claims the module names for the banks with an `ExpertBank` transform on
 the Target: to the shape checks it presents the bank as the [out, in] a LoRA of these factors has, and it marks
-the patch so that `experts_patches` gives it an `ExpertLoRA`, which adds each expert's delta to the whole bank (every
-merge-lora strategy calls it; a path that does not, `ckpt merge`'s BASE+LORA, is refused by the unprepared
-transform instead of applying the factors as a plain LoRA).
+the patch so that `experts_patches` gives it an `ExpertLoRA`, which adds each expert's delta to the whole bank
+(`match_loras` calls it, so merge-lora and `ckpt merge`'s BASE+LORA share it; a path that does not is refused by
+the unprepared transform instead of applying the factors as a plain LoRA).
 
 Names are resolved without the LoRA's shapes, so the nesting is read as PEFT writes it when both banks are
 targeted (or down_proj alone): `experts` is down_proj's, `experts.base_layer` gate_up_proj's. A LoRA on gate_up_proj
-alone is saved as `experts` too; it does not fit down_proj and is refused in one line ("does not fit").
+alone is saved as `experts` too: its factors do not fit down_proj, and fit gate_up_proj only, so it lands there
+(`command._other_bank`).
 """
 
 from __future__ import annotations
