@@ -34,6 +34,9 @@ CONFIGS = {
     "intx int8 per axis": ("IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))", "bfloat16"),
     "float8 per row": ("Float8WeightOnlyConfig()", "bfloat16"),
     "float8 per row fp16": ("Float8WeightOnlyConfig()", "float16"),
+    "mixed per module": ('FqnToConfig({"re:.*mlp.*": Float8WeightOnlyConfig(), "model.layers.1.self_attn.q_proj": '
+                         'IntxWeightOnlyConfig(weight_dtype=torch.int3, granularity=PerGroup(16)), '
+                         '"_default": Int8WeightOnlyConfig()})', "bfloat16"),
 }
 L = "model.layers.0.self_attn.q_proj"
 
@@ -66,6 +69,8 @@ def bits_equal(a, b):
 def test_dequant_equals_torchao_bit_for_bit(made, tmp_path, run_ckpt, case):
     folder, ref, kinds = made(case)
     assert len(ref) == 14  # every Linear of both decoder layers; embeddings and lm_head stay plain
+    if case == "mixed per module":  # FqnToConfig: three subclasses in one file, decoded per tensor
+        assert sorted(set(kinds.values())) == ["Float8Tensor", "Int8Tensor", "IntxUnpackedToInt8Tensor"]
     with safe_open(folder / "q" / "model.safetensors", "pt") as f:
         stored, meta = set(f.keys()), f.metadata()
     assert f"{L}._weight_qdata" in stored and f"{L}.weight" not in stored and "tensor_names" in meta

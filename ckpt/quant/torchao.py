@@ -57,6 +57,7 @@ REFUSED = {
     "MXTensor": "an MX (microscaling) tensor, which ckpt does not decode from torchao yet",
     "NVFP4Tensor": "an NVFP4 tensor, which ckpt does not decode from torchao yet",
 }
+ACTIVATION_SETTINGS = ("act_quant_kwargs", "activation_quantization")  # metadata only: how inputs are quantized
 FLOATS = {"float32", "float16", "bfloat16"}
 INFERENCE_DATA = {"act_quant_scale": "torchao static activation scale (inference only)",
                   "act_quant_zero_point": "torchao static activation zero point (inference only)"}
@@ -254,6 +255,10 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     kinds = sorted({t.kind for t in tensors.values()})
     n = len(tensors)
     notes = [f"torchao: decoded {n} tensor{'s' if n != 1 else ''} ({', '.join(kinds)})"] if n else []
+    acts = [k for k, m in entries.items() if any((m.get("_data") or {}).get(a) for a in ACTIVATION_SETTINGS)]
+    if acts:
+        notes.append(f"torchao: activation quantization settings of {len(acts)} tensor{'s' if len(acts) != 1 else ''} "
+                     "dropped (they only configure inference kernels)")
     drop = {"tensor_names", *json.loads(ctx.metadata["tensor_names"])}
     return Decoded("torchao", tensors, consumed, drop_metadata=drop, notes=notes, anchors=anchors,
                    dequantized=bool(n) or named)
