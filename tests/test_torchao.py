@@ -239,3 +239,14 @@ def test_pickled_tensor_subclasses_are_refused(tmp_path, run_ckpt):
     torchao_ref.build(tmp_path / "b", "Int8WeightOnlyConfig()", safetensors=False)
     assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "b" / "q"),
                    f"{tmp_path / 'b' / 'q' / 'pytorch_model.bin'}: ", "torchao.quantization.Int8Tensor")
+
+
+def test_config_naming_torchao_without_its_metadata_is_refused(made, tmp_path, run_ckpt):
+    """config.json says torchao but the safetensors carry no torchao metadata: which tensors were quantized,
+    and how, is not written anywhere, so nothing is guessed (and the config is not silently kept)."""
+    folder, _, _ = made("int8 per row")
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text((folder / "q" / "config.json").read_text())
+    save_file(load_file(folder / "plain" / "model.safetensors"), tmp_path / "q" / "model.safetensors")
+    assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "q"), f"{tmp_path / 'q' / 'model.safetensors'}: ",
+                   "config.json quantization_config names torchao, but the weights carry no torchao")
