@@ -135,4 +135,5 @@ def quantize_q5_1(rows: torch.Tensor) -> torch.Tensor:
 ENCODERS = {
     "Q8_0": quantize_q8_0,
     "Q4_0": quantize_q4_0,
+    "Q5_0": quantize_q5_0,
 }
