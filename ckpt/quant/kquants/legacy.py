@@ -136,4 +136,5 @@ ENCODERS = {
     "Q8_0": quantize_q8_0,
     "Q4_0": quantize_q4_0,
     "Q5_0": quantize_q5_0,
+    "Q4_1": quantize_q4_1,
 }
