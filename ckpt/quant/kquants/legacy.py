@@ -137,4 +137,5 @@ ENCODERS = {
     "Q4_0": quantize_q4_0,
     "Q5_0": quantize_q5_0,
     "Q4_1": quantize_q4_1,
+    "Q5_1": quantize_q5_1,
 }
