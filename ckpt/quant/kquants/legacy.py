@@ -9,7 +9,10 @@ is done explicitly here (a torch cast of NaN is undefined and differs on CUDA). 
 x86 writes it: Q4_0/Q5_0 keep the block's first NaN (sign, quieted payload: take_along_axis keeps its bits); numpy's
 max/min reductions (Q8_0, Q4_1, Q5_1) return its default NaN 0x7FC00000, and max - min of two equal infinities
 x86's 0xFFC00000. Left undefined: a NaN in a block's last element under max/min (numpy's SIMD tail then returns
-that NaN's own bits), numpy builds whose casts or reductions differ from x86's.
+that NaN's own bits), and Q4_1/Q5_1 blocks whose min (or max) is a zero present with both signs: which zero
+numpy's SIMD min/max returns depends on the zeros' lanes (and the CPU's vector width), so the sign bit of such a
+zero fp16 min (or scale) may differ from numpy's; the decoded values are the same. Also numpy builds whose casts
+or reductions differ from x86's.
 """
 
 from __future__ import annotations
