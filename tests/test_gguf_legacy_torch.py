@@ -95,14 +95,15 @@ def test_bytes_equal_gguf(t, case):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_nan_inf_bytes_equal_gguf(t):
-    # numpy's output is deterministic here (x86 casts, no NaN in a block's last element)
+    # numpy's output is deterministic here (x86 casts; the NaNs that are not the default NaN sit in a block's first
+    # 17 elements, which numpy's SIMD max/min loop sees with AVX-512: it then returns its default NaN)
     check(nonfinite()["nan_inf"], t)
 
 
 @pytest.mark.parametrize("t", TYPES)
 def test_nan_in_last_element_encodes(t):
-    # undefined, not compared: numpy's max/min keeps the bits of a NaN in a block's last element (its SIMD tail)
-    # and returns its default NaN elsewhere, so Q8_0/Q4_1/Q5_1's NaN scale follows the position
+    # undefined, not compared: numpy's max/min keeps the bits of a NaN its scalar tail sees (a block's last
+    # elements) and returns its default NaN elsewhere, so Q8_0/Q4_1/Q5_1's NaN scale follows the position
     x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
     x[:, 31] = -np.nan
     x[1, 63] = np.array(0x7FC12345, dtype=np.uint32).view(np.float32)

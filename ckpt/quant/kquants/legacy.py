@@ -7,12 +7,13 @@ taking the first maximal element, the fp16 scale rounded to nearest even. numpy'
 are x86's: truncation to int32 (NaN, +-Inf and values out of int32 range give 0x80000000) then the low byte; that
 is done explicitly here (a torch cast of NaN is undefined and differs on CUDA). A NaN scale is written as numpy on
 x86 writes it: Q4_0/Q5_0 keep the block's first NaN (sign, quieted payload: take_along_axis keeps its bits); numpy's
-max/min reductions (Q8_0, Q4_1, Q5_1) return its default NaN 0x7FC00000, and max - min of two equal infinities
-x86's 0xFFC00000. Left undefined: a NaN in a block's last element under max/min (numpy's SIMD tail then returns
-that NaN's own bits), and Q4_1/Q5_1 blocks whose min (or max) is a zero present with both signs: which zero
-numpy's SIMD min/max returns depends on the zeros' lanes (and the CPU's vector width), so the sign bit of such a
-zero fp16 min (or scale) may differ from numpy's; the decoded values are the same. Also numpy builds whose casts
-or reductions differ from x86's.
+max/min reductions (Q8_0, Q4_1, Q5_1) return its default NaN 0x7FC00000 for a NaN its vector loop sees, and
+max - min of two equal infinities x86's 0xFFC00000. Left undefined, numpy's own result depending on its SIMD
+build: a NaN that numpy's reduction leaves to its scalar tail (with AVX-512, a block's elements 17..31) and is not
+the default NaN (numpy then keeps its sign and payload); Q4_1/Q5_1 blocks whose min (or max) is a zero present
+with both signs (which zero numpy's SIMD min/max returns depends on the lanes and the vector width: the sign bit of
+that zero fp16 min or scale may differ, the decoded values are the same); numpy builds whose casts differ from
+x86's. ckpt's `encode` replaces NaN/Inf before it calls these encoders (as for the K-quants).
 """
 
 from __future__ import annotations
@@ -62,7 +63,20 @@ def _inv(d: torch.Tensor) -> torch.Tensor:
 
 
 def _signed_absmax(b: torch.Tensor) -> torch.Tensor:
-    """take_along_axis(b, abs(b).argmax(-1)): the first element of largest magnitude (the first NaN if any)."""
+    """take_along_axis(b, abs(b).argmax(-1)): the first element of largest magnitude (the first NaN if any). From
+    the max and min where one has the larger magnitude; by position in the blocks where they tie (zeros of
+    either sign, +x and -x) or hold a NaN."""
+    mx = b.amax(1, keepdim=True)
+    mn = b.amin(1, keepdim=True)
+    out = torch.where(mx > -mn, mx, mn)
+    tie = ~((mx > -mn) | (-mn > mx))  # also NaN
+    if bool(tie.any()):
+        i = tie.view(-1).nonzero().squeeze(1)
+        out[i] = _first_absmax(b[i])
+    return out
+
+
+def _first_absmax(b: torch.Tensor) -> torch.Tensor:
     m = b.abs()
     mx = m.amax(1, keepdim=True)
     ar = torch.arange(b.shape[1], device=b.device)
@@ -84,17 +98,27 @@ def _qh(q: torch.Tensor) -> torch.Tensor:
 def _q8_0_blocks(b: torch.Tensor) -> torch.Tensor:
     d = div(b.abs().amax(1, keepdim=True), 127.0)
     v = b * _inv(d)
-    a = v.abs()
-    fl = a.floor()
-    r = torch.sign(v) * (fl + (2 * (a - fl)).floor())  # np_roundf
-    out = torch.cat([_f16(d, QNAN), _np_byte(r)], dim=1)
-    return out.to(torch.uint8)
+    # np_roundf (round half away from zero) as trunc(v) + trunc(2 * (v - trunc(v))): the same value for every v
+    # (the fraction and its double are exact), NaN for NaN and +-Inf, as np_roundf gives
+    t = v.trunc()
+    r = t.add_(torch.trunc((v - t).mul_(2)))
+    out = torch.empty((b.shape[0], 34), dtype=torch.uint8, device=b.device)
+    out[:, :2] = _f16(d, QNAN)
+    # |r| <= 127 (id = 1 / (amax / 127) rounded, or Inf, which makes every v NaN or +-Inf) or NaN, which numpy's
+    # x86 cast makes 0 (INT_MIN's low byte)
+    out[:, 2:] = torch.nan_to_num_(r, 0.0, 0.0, 0.0).to(torch.int8).view(torch.uint8)
+    return out
 
 
 def _x_0_blocks(b: torch.Tensor, nmax: float, half: float, top: int) -> torch.Tensor:
     d = div(_signed_absmax(b), nmax)
     q = _np_byte(torch.trunc(b * _inv(d) + half)).clamp_(max=top)
-    parts = [_f16(d, _nan_half(_first_nan_bits(b)))]
+    nan_h = torch.full_like(d, 0, dtype=torch.int32)
+    nan = torch.isnan(d)
+    if bool(nan.any()):  # the block's first NaN, kept by take_along_axis and the division
+        i = nan.view(-1).nonzero().squeeze(1)
+        nan_h[i] = _nan_half(_first_nan_bits(b[i]))
+    parts = [_f16(d, nan_h)]
     if top == 31:
         parts.append(_qh(q))
     parts.append(_pack4(q))
