@@ -2,8 +2,7 @@
 
 Values are `gguf.quants.dequantize` / `gguf.quants.quantize` of llama.cpp's own Python package, so every
 type it knows decodes (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants, the IQ-quants, TQ, MXFP4,
-NVFP4), bit for bit as gguf does, and every type it can encode is written exactly as gguf writes it (the legacy
-types by ckpt's torch port of its quantizers, `ckpt.quant.kquants.legacy`; NaN/Inf are cleaned first, see `encode`).
+NVFP4), bit for bit as gguf does, and every type it can encode is written exactly as gguf writes it.
 Dequantized values are float32 and rounded once to the output dtype by the caller's cast.
 
 Bands: GGUF blocks run along the innermost dimension and a row's length is a multiple of the block
@@ -174,8 +173,8 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def kquant_encoder(ggml_type: int):
-    """ckpt's own torch encoder of a type (`ckpt.quant.kquants`: Q2_K..Q6_K, IQ4_NL, IQ4_XS, which the gguf package
-    cannot write, and the legacy Q4_0/1, Q5_0/1, Q8_0, byte-identical to gguf's numpy quantizers), or None."""
+    """ckpt's own encoder of a type the gguf package cannot write (`ckpt.quant.kquants`: Q2_K..Q6_K, IQ4_NL,
+    IQ4_XS), or None."""
     from ckpt.quant.kquants import encoders
 
     return encoders().get(type_name(ggml_type))
@@ -272,8 +271,8 @@ class GGUFEncoding(Encoding):
 
 
 def can_encode(ggml_type: int) -> bool:
-    """Whether this type can be written: by ckpt's own encoders (legacy types, K-quants, IQ4) or gguf's Python
-    package (plain types, the rest it can quantize). The other IQ types: no."""
+    """Whether this type can be written: by gguf's Python package (plain and legacy types), or by ckpt's own
+    encoders (K-quants, IQ4). The other IQ types: no."""
     if ggml_type in plain_types() or kquant_encoder(ggml_type) is not None:
         return True
     quants = _gguf().quants

@@ -2,7 +2,6 @@
 reference quantizers (`quantize_row_*_ref` in `ggml/src/ggml-quants.c`, what `llama-quantize` runs without an
 importance matrix) write, vectorized over blocks with torch so they run on every core and on CUDA. The `gguf`
 package has no encoder for these types (it only dequantizes them).
-The legacy types (`Q8_0`, `Q4_0/1`, `Q5_0/1`) live here too (`legacy.py`), byte-identical to `gguf.quants.quantize`.
 
 One module per family of types declares `ENCODERS = {"Q4_K": fn, ...}`; `fn(rows)` takes an fp32 tensor of shape
 [rows, n] (n a multiple of the block size) and returns the encoded blocks as a uint8 tensor [rows, n / block *
