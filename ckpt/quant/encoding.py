@@ -142,13 +142,25 @@ def encoding_of(t: Tensor) -> Encoding | None:
 
 class Derived(Tensor):
     """A stored key computed from rows of a new value: `fn(rows a..b of value, a, b)` gives the stored rows
-    [a, b) (per-row scales, shifts; whatever is row-local). Bands follow the value's own alignment."""
+    [a, b) (per-row scales, shifts, packed codes; whatever is row-local). Bands follow the value's own alignment;
+    with `band_by_value` a band holds as many rows as the writer's band of the value does (a packed key's rows
+    are a few bytes, the fp32 value's are not, so the stored key's own size would make value bands too big)."""
 
-    def __init__(self, name: str, value: Tensor, dtype: torch.dtype, shape, fn, rows_of=None):
+    def __init__(self, name: str, value: Tensor, dtype: torch.dtype, shape, fn, rows_of=None,
+                 band_by_value: bool = False):
         self.name, self.value, self.dtype, self.shape, self.fn = name, value, dtype, tuple(shape), fn
         self.home = value.home
         self.rows_of = rows_of or (lambda a, b: (a, b))  # stored rows [a, b) -> value rows needed
         self.row_align = 1 if value.row_align is not None and self.shape else None
+        self.band_by_value = band_by_value
+
+    @property
+    def band_elems(self):
+        if not self.band_by_value:
+            return None
+        from ckpt.io import output
+
+        return max(1, output.BAND_ELEMS // max(1, self.value.row_numel)) * self.row_numel
 
     @property
     def source_bytes(self):

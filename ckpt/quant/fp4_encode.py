@@ -32,9 +32,9 @@ from __future__ import annotations
 from ckpt.lazy import torch
 
 from ckpt.io.plan import OutTensor
-from ckpt.io.tensors import ComputedTensor, Tensor, read_rows
+from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.quant import microscaling as mx
-from ckpt.quant.encoding import Encoding, ErrorMeter, Lazy
+from ckpt.quant.encoding import Derived, Encoding, ErrorMeter, Lazy
 from ckpt.report import Report
 
 CT, MODELOPT = "compressed-tensors", "modelopt"
@@ -104,9 +104,9 @@ class Nvfp4Encoding(Encoding):
         flavor, name = self.flavor, self.w.name
         gs = Lazy(lambda: global_scale(flavor, finite_amax(value)))
 
-        def band(a: int, b: int, device, with_codes: bool):
-            x = read_rows(value, a, b, device).to(torch.float32)
-            g = gs().to(device)
+        def band(x: torch.Tensor, with_codes: bool):
+            x = x.to(torch.float32)
+            g = gs().to(x.device)
             s = block_scales(flavor, x, g)
             if not with_codes:
                 return s
@@ -116,27 +116,10 @@ class Nvfp4Encoding(Encoding):
             return c
 
         def rows(stored: Tensor, with_codes: bool) -> OutTensor:
-            class Rows(Tensor):
-                """Stored rows = output rows: each band of the value encoded on its own."""
-
-                name, dtype, shape, home = stored.name, stored.dtype, tuple(stored.shape), value.home
-                row_align = None if value.row_align is None else 1
-
-                @property
-                def band_elems(self):
-                    from ckpt.io import output
-
-                    return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
-
-                @property
-                def source_bytes(self):
-                    return 0
-
-                def read(self, start, stop, device, scratch=None):
-                    out = band(start, stop, device, with_codes)
-                    return out if with_codes else out.to(torch.float8_e4m3fn)
-
-            src = Rows()
+            """Stored rows = output rows: each band of the value encoded on its own."""
+            fn = ((lambda x, a, b: band(x, True)) if with_codes
+                  else (lambda x, a, b: band(x, False).to(torch.float8_e4m3fn)))
+            src = Derived(stored.name, value, stored.dtype, stored.shape, fn, band_by_value=True)
             return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src, lambda x, b: x)
 
         pt = self.per_tensor
@@ -195,8 +178,8 @@ class Mxfp4BankEncoding(Encoding):
         decode_blocks = self.decode_blocks
         name = self.bank.name
 
-        def band(a: int, b: int, device, with_codes: bool) -> torch.Tensor:
-            x = read_rows(value, a, b, device).to(torch.float32).transpose(1, 2).contiguous()  # [e, N, K]
+        def band(x: torch.Tensor, with_codes: bool) -> torch.Tensor:
+            x = x.to(torch.float32).transpose(1, 2).contiguous()  # [e, N, K]
             exps = mx_exponents(x)
             if not with_codes:
                 return exps
@@ -206,25 +189,9 @@ class Mxfp4BankEncoding(Encoding):
             return packed
 
         def rows(stored: Tensor, with_codes: bool) -> OutTensor:
-            class Experts(Tensor):
-                """Stored rows = experts: each band of experts encoded on its own."""
-
-                name, dtype, shape, home = stored.name, stored.dtype, tuple(stored.shape), value.home
-                row_align = None if value.row_align is None else 1
-
-                @property
-                def band_elems(self):
-                    from ckpt.io import output
-
-                    return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
-
-                @property
-                def source_bytes(self):
-                    return 0
-
-                def read(self, start, stop, device, scratch=None):
-                    return band(start, stop, device, with_codes)
-
-            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), Experts(), lambda x, b: x)
+            """Stored rows = experts: each band of experts encoded on its own."""
+            src = Derived(stored.name, value, stored.dtype, stored.shape, lambda x, a, b: band(x, with_codes),
+                          band_by_value=True)
+            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src, lambda x, b: x)
 
         return [rows(self.blocks, True), rows(self.scales, False)]

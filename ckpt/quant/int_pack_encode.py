@@ -43,7 +43,7 @@ from ckpt.lazy import torch
 
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import Tensor, read_rows, row_bands
-from ckpt.quant.encoding import Encoding, ErrorMeter
+from ckpt.quant.encoding import Derived, Encoding, ErrorMeter
 from ckpt.report import Report
 
 # the per-tensor count of values clamped to the grid's ends (a Report count kind; the warning line reads it)
@@ -102,31 +102,16 @@ class IntGridEncoding(Encoding):
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
         enc = self
 
-        def band(start: int, stop: int, device) -> torch.Tensor:
-            x = read_rows(value, start, stop, device).to(torch.float32)
+        def band(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+            """Output rows [start, stop) of the value (`x`, as read) -> their stored codes."""
+            x = x.to(torch.float32)
             report.count("nonfinite_quantized", enc.w.name, int((~torch.isfinite(x)).sum()))
-            scale, zero = enc.w.grid(start, stop, device)
+            scale, zero = enc.w.grid(start, stop, x.device)
             codes, n_out = requantize(x, scale, zero, enc.lo, enc.hi)
             report.count(CLAMPED, enc.w.name, n_out)
             q = codes if zero is None else codes - zero
             meter.add(x, (q.to(torch.float32) * scale).to(enc.w.natural_dtype))  # what the format's loader gives
             return enc.store(codes)
-
-        class Rows(Tensor):
-            """Stored rows = output rows: each band encoded on its own."""
-
-            name, dtype, shape, home = enc.stored.name, enc.stored.dtype, tuple(enc.stored.shape), value.home
-            row_align = None if value.row_align is None else 1
-
-            @property
-            def band_elems(self):
-                """Bands as many rows as the writer's band of the fp32 value holds (not of the packed words)."""
-                from ckpt.io import output
-
-                return max(1, output.BAND_ELEMS // max(1, value.row_numel)) * self.row_numel
-
-            def read(self, start, stop, device, scratch=None):
-                return band(start, stop, device)
 
         class Columns(Tensor):
             """Stored columns = output rows: the whole packed tensor, filled band by band of output rows."""
@@ -141,8 +126,10 @@ class IntGridEncoding(Encoding):
                 out = torch.empty(self.shape, dtype=self.dtype, device=device)
                 align = None if value.row_align is None else math.lcm(per, value.row_align)
                 for a, b in row_bands(value.rows, value.row_numel, align, output.BAND_ELEMS):
-                    out[:, a // per: -(-b // per)] = band(a, b, device)
+                    out[:, a // per: -(-b // per)] = band(read_rows(value, a, b, device), a, b)
                 return out
 
-        src = Rows() if self.per_column is None else Columns()
+        # stored rows = output rows: each band encoded on its own, banded as the fp32 value (not the packed words)
+        src = (Derived(self.stored.name, value, self.stored.dtype, self.stored.shape, band, band_by_value=True)
+               if self.per_column is None else Columns())
         return [OutTensor(self.stored.name, self.stored.dtype, tuple(self.stored.shape), src, lambda x, b: x)]
