@@ -22,8 +22,8 @@ import json
 
 import pytest
 import torch
-from helpers.refusals import assert_refused
-from safetensors.torch import load_file, save_file
+from helpers.refusals import assert_refused, edit_saved
+from safetensors.torch import load_file
 from helpers.awq_base import build
 
 
@@ -101,18 +101,6 @@ def test_old_autoawq_quant_config_json(tmp_path, run_ckpt):
 L = "model.layers.0.self_attn.q_proj"
 
 
-def _edit(folder, tensors=None, drop=(), qc=None):
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"].update(qc)
-        (folder / "config.json").write_text(json.dumps(cfg))
-
-
 BAD = {
     "scales shape": (dict(tensors={f"{L}.scales": torch.ones(3, 64, dtype=torch.float16)}), f"{L}.scales"),
     "qzeros shape": (dict(tensors={f"{L}.qzeros": torch.zeros(2, 4, dtype=torch.int32)}), f"{L}.qzeros"),
@@ -132,6 +120,6 @@ BAD = {
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
     edit, needle = BAD[case]
     build(tmp_path / "q", "gemm", 32)
-    _edit(tmp_path / "q", **edit)
+    edit_saved(tmp_path / "q", **edit)
     for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
         assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers.refusals import assert_refused
+from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (the oracle)")
@@ -191,7 +191,7 @@ def _bad(folder, case):
             "targets": ["Linear"], "format": "naive-quantized",
             "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}}}),
     }
-    ct_ref.edit(folder, **edits[case])
+    edit_saved(folder, **edits[case])
 
 
 BAD = {
@@ -214,7 +214,7 @@ def test_pre_020_packing_refused_by_name(tmp_path, run_ckpt, capsys):
     packs densely. A 3-bit weight_packed only the old width fits is refused by name, not misread."""
     ct_ref.build(tmp_path / "q", {"g": linear(int_args(3, "channel"))}, ignore=["lm_head"])
     n, k = 64, 64
-    ct_ref.edit(tmp_path / "q", tensors={f"{L}.weight_packed": torch.zeros(n, -(-k // 10), dtype=torch.int32)})
+    edit_saved(tmp_path / "q", tensors={f"{L}.weight_packed": torch.zeros(n, -(-k // 10), dtype=torch.int32)})
     capsys.readouterr()
     assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "q", "-o", tmp_path / "out", "-q"), "",
                    "the packing of compressed-tensors before 0.20")

@@ -22,8 +22,8 @@ import json
 import pytest
 import torch
 from helpers import gptq_ref
-from helpers.refusals import assert_refused
-from safetensors.torch import load_file, save_file
+from helpers.refusals import assert_refused, edit_saved
+from safetensors.torch import load_file
 from helpers.gptq_base import build
 
 
@@ -175,7 +175,7 @@ def test_gptqmodel_dynamic_per_module_bits(tmp_path, run_ckpt):
 def test_sequential_groups_without_g_idx(tmp_path, run_ckpt):
     """GPTQ-for-LLaMa-era files without `g_idx` (no act-order): inputs grouped in order by group_size."""
     expected, _ = build(tmp_path / "q", 4, 32, False, False)
-    _edit(tmp_path / "q", drop=[k for k in load_file(tmp_path / "q" / "model.safetensors") if k.endswith(".g_idx")])
+    edit_saved(tmp_path / "q", drop=[k for k in load_file(tmp_path / "q" / "model.safetensors") if k.endswith(".g_idx")])
     code, out, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain")
     assert code == 0, err
     assert "have no g_idx" in out + err
@@ -187,18 +187,6 @@ def test_sequential_groups_without_g_idx(tmp_path, run_ckpt):
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------
 
 L = "model.layers.0.self_attn.q_proj"
-
-
-def _edit(folder, tensors=None, drop=(), qc=None):
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"].update(qc)
-        (folder / "config.json").write_text(json.dumps(cfg))
 
 
 BAD = {
@@ -224,6 +212,6 @@ BAD = {
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
     edit, needle = BAD[case]
     build(tmp_path / "q", 4, 32, False, False)
-    _edit(tmp_path / "q", **edit)
+    edit_saved(tmp_path / "q", **edit)
     for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
         assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)

@@ -14,8 +14,6 @@ the call `decompress_module` makes when transformers loads with `run_compressed=
 
 from __future__ import annotations
 
-import json
-
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -93,19 +91,6 @@ def oracle(folder, schemes) -> dict[str, torch.Tensor]:
                                                             else scheme.format)
         out[f"{name}.weight"] = compressor.decompress(local, scheme)["weight"]
     return out
-
-
-def edit(folder, tensors=None, drop=(), qc=None):
-    """Change the saved folder: replace/add tensors, drop keys, update quantization_config entries."""
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"].update(qc)
-        (folder / "config.json").write_text(json.dumps(cfg))
 
 
 def int_args(bits, strategy, group=None, symmetric=True):

@@ -3,6 +3,8 @@ and the folder's listing unchanged (nothing written, nothing removed)."""
 
 from __future__ import annotations
 
+import json
+
 
 def assert_refused(run_ckpt, tmp_path, args, culprit, problem):
     before = sorted(p.name for p in tmp_path.rglob("*"))
@@ -11,3 +13,19 @@ def assert_refused(run_ckpt, tmp_path, args, culprit, problem):
     assert err.count("\n") == 1 and err.startswith(f"error: {culprit}"), err
     assert problem in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def edit_saved(folder, tensors=None, drop=(), qc=None):
+    """Break a saved quantized folder for a bad-input case: replace/add tensors in model.safetensors, drop keys,
+    update config.json's quantization_config entries."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    for k in drop:
+        del sd[k]
+    sd.update(tensors or {})
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    if qc:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["quantization_config"].update(qc)
+        (folder / "config.json").write_text(json.dumps(cfg))
