@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from helpers import quant_llm_merge as qm  # noqa: E402
-from helpers.keep_format import rel_rms, reported  # noqa: E402
+from helpers.keep_format import recording_value, rel_rms, reported  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -318,22 +318,13 @@ def test_encoded_band_by_band_and_bands_equal_the_whole(request, monkeypatch, fm
     whole, and every stored key written equals what one whole band gives; the measured error too."""
     import ckpt.io.output as output
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.io.tensors import Tensor, read_rows
+    from ckpt.io.tensors import read_rows
     from ckpt.quant import logical_view
     from ckpt.quant.encoding import ErrorMeter
     from ckpt.report import Report
 
     root = request.getfixturevalue({"ct": "ct_base", "modelopt": "mo_base", "gptoss": "gptoss_base"}[fmt])
     key = "model.layers.0.mlp.experts.down_proj" if fmt == "gptoss" else "model.layers.0.mlp.down_proj.weight"
-
-    class Value(Tensor):
-        def __init__(self, x, home):
-            self.x, self.home, self.name, self.dtype, self.shape = x, home, "v", torch.float32, tuple(x.shape)
-            self.reads = []
-
-        def read(self, start, stop, device, scratch=None):
-            self.reads.append((start, stop))
-            return self.x[start:stop].to(device)
 
     cpu = torch.device("cpu")
     with open_checkpoint(str(root / "q")) as ck:
@@ -343,7 +334,7 @@ def test_encoded_band_by_band_and_bands_equal_the_whole(request, monkeypatch, fm
         outs, errs = {}, {}
         for band_elems in (10**9, 1000):
             monkeypatch.setattr(output, "BAND_ELEMS", band_elems)
-            v = Value(x, t.home)
+            v = recording_value(x, t.home)
             meter = ErrorMeter("v", "x")
             got = {}
             for o in t.encoding.encode(v, Report(), meter):

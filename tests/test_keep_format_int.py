@@ -23,18 +23,16 @@ so the value re-encoded is `plain_merge`'s exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-import types
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import gptq_ref
-from helpers.keep_format import plain_merge, rel_rms, reported
+from helpers.awq_base import _awq as awq_oracle
+from helpers.keep_format import plain_merge, recording_value, rel_rms, reported
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -247,22 +245,9 @@ def test_gptq_zero_delta_gives_back_the_base_bytes(tmp_path, run_ckpt):
 
 # ---- AWQ ------------------------------------------------------------------------------------------------
 
-def _awq():
-    if not hasattr(sys.modules.get("awq"), "__path__"):
-        spec = importlib.util.find_spec("awq")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("autoawq is not installed (pip install --no-deps autoawq)")
-        pkg = types.ModuleType("awq")
-        pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
-        sys.modules["awq"] = pkg
-    from awq.modules.linear.gemm import WQLinear_GEMM
-    from awq.modules.linear.gemv import WQLinear_GEMV
-
-    return WQLinear_GEMM, WQLinear_GEMV
-
 
 def awq_base(folder, version, group=32, seed=1):
-    GEMM, GEMV = _awq()
+    GEMM, GEMV, _ = awq_oracle()
     cfg, model = _tiny()
     gen = torch.Generator().manual_seed(seed)
     sd, grids = dict(model.state_dict()), {}
@@ -290,7 +275,7 @@ def awq_base(folder, version, group=32, seed=1):
 
 
 def awq_pack(version, lin, scales, zeros, group):
-    GEMM, GEMV = _awq()
+    GEMM, GEMV, _ = awq_oracle()
     if version == "gemm":
         return GEMM.from_linear(lin, 4, group, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
     return GEMV.from_linear(lin, 4, group, scales=scales, zeros=zeros)
@@ -389,7 +374,7 @@ def test_codes_are_encoded_band_by_band_and_bands_equal_the_whole(tmp_path, monk
     the codes written equal those of one whole band."""
     import ckpt.io.output as output
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.io.tensors import Tensor, read_rows
+    from ckpt.io.tensors import read_rows
     from ckpt.quant import logical_view
     from ckpt.quant.encoding import ErrorMeter
     from ckpt.report import Report
@@ -408,15 +393,6 @@ def test_codes_are_encoded_band_by_band_and_bands_equal_the_whole(tmp_path, monk
         args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
         ct_ref.build(tmp_path / "q", {"g": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"])
 
-    class Value(Tensor):
-        def __init__(self, x, home):
-            self.x, self.home, self.name, self.dtype, self.shape = x, home, "v", torch.float32, tuple(x.shape)
-            self.reads = []
-
-        def read(self, start, stop, device, scratch=None):
-            self.reads.append((start, stop))
-            return self.x[start:stop].to(device)
-
     cpu = torch.device("cpu")
     with open_checkpoint(str(tmp_path / "q")) as ck:
         t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.down_proj.weight"]
@@ -424,7 +400,7 @@ def test_codes_are_encoded_band_by_band_and_bands_equal_the_whole(tmp_path, monk
         outs = {}
         for band_elems in (10**9, 1000):
             monkeypatch.setattr(output, "BAND_ELEMS", band_elems)
-            v = Value(x, t.home)
+            v = recording_value(x, t.home)
             (o,) = t.encoding.encode(v, Report(), ErrorMeter("v", "x"))
             src = o.source
             parts = [read_rows(src, a, b, cpu) for a, b in output.bands(src)]

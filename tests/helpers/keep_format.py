@@ -41,3 +41,19 @@ def rel_rms(decoded: torch.Tensor, merged: torch.Tensor) -> float:
 def reported(path) -> dict[str, float]:
     rep = json.loads(path.read_text())
     return {k: v["rel_rms"] for k, v in rep["requantization"]["tensors"].items()}
+
+
+def recording_value(x: torch.Tensor, home: str):
+    """A merged value `x` as an encoder reads it, recording the row bands [start, stop) read (`.reads`)."""
+    from ckpt.io.tensors import Tensor
+
+    class Value(Tensor):
+        def __init__(self):
+            self.x, self.home, self.name, self.dtype, self.shape = x, home, "v", torch.float32, tuple(x.shape)
+            self.reads = []
+
+        def read(self, start, stop, device, scratch=None):
+            self.reads.append((start, stop))
+            return self.x[start:stop].to(device)
+
+    return Value()
