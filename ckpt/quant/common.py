@@ -144,6 +144,20 @@ def method_config(ctx: DecodeContext, method: str, side_file: str, label: str, o
     return (cfg, str(p)) if ours(cfg) else None
 
 
+def nvfp4_parts(ctx: DecodeContext, packed_key: str, scale_key: str, global_key: str, what: str, global_label: str):
+    """The three stored parts of an NVFP4 weight (compressed-tensors and ModelOpt store the same ones under other
+    names): uint8 packed e2m1 codes [out, in / 2] in whole blocks of 16 inputs, e4m3 block scales [out, in / 16]
+    and one float32 per-tensor scale; anything else is refused naming the key."""
+    packed = companion(ctx, packed_key, f"{what} packed weight", dtypes=(torch.uint8,))
+    if len(packed.shape) != 2 or packed.shape[1] * 2 % 16:
+        raise refuse(ctx, packed_key, f"{what}: {packed_key.rsplit('.', 1)[-1]} is {list(packed.shape)}; expected "
+                                      "2-D [out, in / 2] with whole blocks of 16 inputs")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    scale = companion(ctx, scale_key, f"{what} block scales", dtypes=(torch.float8_e4m3fn,), shape=(n, k // 16))
+    glob = companion(ctx, global_key, f"{what} {global_label}", dtypes=(torch.float32,), numel=1)
+    return packed, scale, glob
+
+
 def model_dtype(ctx: DecodeContext) -> torch.dtype:
     """The model's dtype before quantization: config.json `torch_dtype`/`dtype`, else bf16."""
     return config_dtype(ctx.config) or torch.bfloat16

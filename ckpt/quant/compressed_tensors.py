@@ -62,8 +62,8 @@ from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
-from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, quant_config,
-                               refuse, st_name)
+from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, nvfp4_parts,
+                               quant_config, refuse, st_name)
 
 METHOD = "compressed-tensors"
 PACK, NAIVE, INT, NVFP4, FLOAT = ("pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
@@ -423,13 +423,7 @@ def _nvfp4_layer(ctx, layer, s: Scheme):
         raise refuse(ctx, pk, f"{what}: group {s.name!r} ({s.type} {s.bits}-bit, group {s.group}, "
                               f"{'symmetric' if s.symmetric else 'asymmetric'}) is not NVFP4 (symmetric float "
                               "4-bit, groups of 16)")
-    packed = companion(ctx, pk, f"{what} packed weight", dtypes=(torch.uint8,))
-    if len(packed.shape) != 2 or packed.shape[1] * 2 % 16:
-        raise refuse(ctx, pk, f"{what}: weight_packed is {list(packed.shape)}; expected 2-D [out, in / 2] with "
-                              "whole blocks of 16 inputs")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    scale = companion(ctx, sk, f"{what} block scales", dtypes=(torch.float8_e4m3fn,), shape=(n, k // 16))
-    glob = companion(ctx, gk, f"{what} global scale", dtypes=(torch.float32,), numel=1)
+    packed, scale, glob = nvfp4_parts(ctx, pk, sk, gk, what, "global scale")
     consumed = {pk: f"packed e2m1 codes of {layer}.weight", sk: f"e4m3 block scales of {layer}.weight",
                 gk: f"global scale of {layer}.weight (448 * 6 / amax)"}
     if f"{layer}.weight_zero_point" in ctx.remaining:

@@ -34,7 +34,7 @@ from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
-from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, method_config, model_dtype,
+from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, method_config, model_dtype, nvfp4_parts,
                                refuse)
 
 SIDE_CONFIG = "hf_quant_config.json"
@@ -116,13 +116,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         if f"{layer}.pre_quant_scale" in ctx.remaining:
             raise refuse(ctx, f"{layer}.pre_quant_scale", f"{what} has an AWQ pre_quant_scale (NVFP4_AWQ), which "
                                                           "ckpt does not decode")
-        packed = companion(ctx, wk, f"{what} packed weight", dtypes=(torch.uint8,))
-        if len(packed.shape) != 2 or packed.shape[1] * 2 % 16:
-            raise refuse(ctx, wk, f"{what}: weight is {list(packed.shape)}; expected 2-D [out, in / 2] with whole "
-                                  "blocks of 16 inputs")
-        n, k = packed.shape[0], packed.shape[1] * 2
-        scale = companion(ctx, sk, f"{what} block scales", dtypes=(torch.float8_e4m3fn,), shape=(n, k // 16))
-        scale_2 = companion(ctx, gk, f"{what} per-tensor scale", dtypes=(torch.float32,), numel=1)
+        packed, scale, scale_2 = nvfp4_parts(ctx, wk, sk, gk, what, "per-tensor scale")
         tensors[wk] = ModelOptNvfp4Weight(wk, packed, scale, scale_2, natural)
         consumed[sk] = f"e4m3 block scales of {wk}"
         consumed[gk] = f"per-tensor scale of {wk} (amax / (448 * 6))"
