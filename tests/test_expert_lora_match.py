@@ -24,25 +24,8 @@ TOL = dict(rtol=1e-5, atol=1e-6)  # PEFT scales the product before adding it, ck
 def gptoss(tmp_path_factory):
     """(root, {bank: transformers' dequantized bank}): a gpt-oss MXFP4 folder `q` and three PEFT LoRAs: `lora` (both
     banks + q_proj), `down` (down_proj alone, rslora), `gate_up` (gate_up_proj alone)."""
-    pytest.importorskip("transformers.integrations.mxfp4")
-    from helpers import mxfp4_ref
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
-        pytest.skip(f"PEFT {peft.__version__} has no target_parameters (ParamWrapper LoRAs came in PEFT 0.17)")
     root = tmp_path_factory.mktemp("gptoss")
-    packs, _ = mxfp4_ref.build(root / "q")
-    dequantized = {stem: convert_moe_packed_tensors(blocks, scales) for stem, (blocks, scales) in packs.items()}
-    config = qm.plain_config(root / "q", transformers.GptOssConfig)
-    loras = {"lora": (peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"],
-                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), 3),
-             "down": (peft.LoraConfig(r=3, lora_alpha=6, target_modules=[], target_parameters=["mlp.experts.down_proj"],
-                                      use_rslora=True), 5),
-             "gate_up": (peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                                         target_parameters=["mlp.experts.gate_up_proj"]), 6)}
-    for name, (cfg, seed) in loras.items():
-        qm.peft_lora(root / name, config, transformers.GptOssForCausalLM, cfg, seed=seed)
-    return root, dequantized
+    return root, qm.gptoss_with_loras(root)
 
 
 def _merge_lora(run_ckpt, base, lora, out):

@@ -194,25 +194,8 @@ def _refused_without_encoder(run_ckpt, tmp_path, root, lora, name, key):
 def gptoss(tmp_path_factory):
     """A gpt-oss MXFP4 folder (helpers.mxfp4_ref), transformers' own dequantization of its banks, and a PEFT LoRA
     on both expert banks (target_parameters) and the attention's q_proj (target_modules)."""
-    pytest.importorskip("transformers.integrations.mxfp4")
-    from helpers import mxfp4_ref
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
-        pytest.skip(f"PEFT {peft.__version__} has no target_parameters (ParamWrapper LoRAs came in PEFT 0.17)")
     root = tmp_path_factory.mktemp("gptoss")
-    packs, _ = mxfp4_ref.build(root / "q")
-    dequantized = {stem: convert_moe_packed_tensors(blocks, scales) for stem, (blocks, scales) in packs.items()}
-    config = qm.plain_config(root / "q", transformers.GptOssConfig)
-    both = peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"],
-                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    qm.peft_lora(root / "lora", config, transformers.GptOssForCausalLM, both)
-    down = peft.LoraConfig(r=3, lora_alpha=6, target_modules=[], target_parameters=["mlp.experts.down_proj"],
-                           use_rslora=True)
-    qm.peft_lora(root / "down", config, transformers.GptOssForCausalLM, down, seed=5)
-    gate_up = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
-    qm.peft_lora(root / "gate_up", config, transformers.GptOssForCausalLM, gate_up, seed=6)
-    return root, dequantized
+    return root, qm.gptoss_with_loras(root)
 
 
 @pytest.mark.parametrize("lora", ["lora", "down"])

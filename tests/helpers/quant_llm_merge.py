@@ -57,3 +57,31 @@ def peft_merged(base: Path, dequantized: dict[str, torch.Tensor], adapter: Path,
     pm = peft.PeftModel.from_pretrained(model, adapter)
     merged = pm.merge_and_unload()
     return {k: v.detach().clone() for k, v in merged.state_dict().items()}
+
+
+def gptoss_with_loras(root: Path) -> dict:
+    """A gpt-oss MXFP4 folder `root/q` (helpers.mxfp4_ref) and three PEFT target_parameters LoRAs beside it: `lora`
+    (both expert banks + q_proj), `down` (down_proj alone, rslora), `gate_up` (gate_up_proj alone). Returns
+    transformers' own dequantization of the banks {bank: tensor}; skips where transformers or PEFT cannot."""
+    import peft
+    import pytest
+    import transformers
+
+    pytest.importorskip("transformers.integrations.mxfp4")
+    from helpers import mxfp4_ref
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip(f"PEFT {peft.__version__} has no target_parameters (ParamWrapper LoRAs came in PEFT 0.17)")
+    packs, _ = mxfp4_ref.build(root / "q")
+    dequantized = {stem: convert_moe_packed_tensors(blocks, scales) for stem, (blocks, scales) in packs.items()}
+    config = plain_config(root / "q", transformers.GptOssConfig)
+    loras = {"lora": (peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"],
+                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), 3),
+             "down": (peft.LoraConfig(r=3, lora_alpha=6, target_modules=[], target_parameters=["mlp.experts.down_proj"],
+                                      use_rslora=True), 5),
+             "gate_up": (peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
+                                         target_parameters=["mlp.experts.gate_up_proj"]), 6)}
+    for name, (cfg, seed) in loras.items():
+        peft_lora(root / name, config, transformers.GptOssForCausalLM, cfg, seed=seed)
+    return dequantized
