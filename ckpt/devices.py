@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-import torch
-
 from ckpt.errors import CkptError
+from ckpt.lazy import torch
 
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"  # makes cuBLAS use TF32 whatever the flags say
 
@@ -28,7 +27,7 @@ def resolve_device(name: str, heavy: bool = True) -> torch.device:
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise CkptError("--device cuda: no CUDA device is available (this torch build: "
-                            f"{torch.__version__}); use --device cpu")
+                            f"{torch.version.__version__}); use --device cpu")
         if os.environ.get(TF32_OVERRIDE, "0") not in ("", "0"):
             raise CkptError(f"--device cuda: {TF32_OVERRIDE} is set, which makes every fp32 matmul use TF32 "
                             "(about 3 significant digits); unset it or use --device cpu")

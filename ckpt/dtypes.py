@@ -109,8 +109,25 @@ def st_short_name(name: str) -> str:
     return ST_SHORT.get(name) or name.lower()
 
 
-def nbytes(dtype: torch.dtype, shape) -> int:
-    n = dtype.itemsize
+def st_name(dtype) -> str:
+    """The safetensors name of `dtype`: a torch dtype, or already its name (a plan that only copies stored
+    bytes names dtypes so, because it never imports torch)."""
+    return dtype if isinstance(dtype, str) else TORCH_TO_ST[dtype]
+
+
+def as_torch(dtype) -> torch.dtype:
+    """`dtype` as a torch dtype (from its safetensors name where a plan gave that)."""
+    return ST_TO_TORCH[dtype] if isinstance(dtype, str) else dtype
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of a torch dtype or a safetensors name."""
+    return ST_ITEMSIZE[dtype] if isinstance(dtype, str) else dtype.itemsize
+
+
+def nbytes(dtype, shape) -> int:
+    """Bytes of a tensor of `shape` in `dtype` (a torch dtype or its safetensors name)."""
+    n = itemsize(dtype)
     for d in shape:
         n *= d
     return n

@@ -33,6 +33,8 @@ class Report:
     counts: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
     # warnings that are no per-tensor count (an assumed alpha, modules that change nothing), each said once
     warned: list[str] = field(default_factory=list)
+    # output tensors whose bytes the kernel copied from the input unread (ckpt.io.byte_copy), and their bytes
+    byte_copied: dict[str, int] = field(default_factory=lambda: {"tensors": 0, "bytes": 0})
 
     def count(self, kind: str, name: str, n: int) -> None:
         n = int(n)

@@ -11,32 +11,43 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from ckpt.cast import Caster
-from ckpt.dtypes import is_float
+from ckpt.dtypes import ST_FLOAT, is_float
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state, targets
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.previous_output import is_previous_output, planned_relpaths
 from ckpt.io.tensors import Tensor
+from ckpt.lazy import torch
 from ckpt.progress import progress_bar
 from ckpt.report import Report, plural
 
 
-def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype], *, clamp: bool = False,
+def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | None], *, clamp: bool = False,
                  source_of: Callable[[Tensor], Tensor] = lambda t: t):
-    """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)`, rounded once by a
-    Caster (which counts overflow and NaN/Inf); non-floating tensors pass through unchanged.
-    `source_of(t)` may wrap the tensor first (merge-lora's MergedTensor)."""
-    casters: dict[torch.dtype, Caster] = {}
+    """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)` (None: the dtype it had
+    before any storage encoding, `natural_dtype`), rounded once by a Caster (which counts overflow and
+    NaN/Inf); non-floating tensors pass through unchanged. `source_of(t)` may wrap the tensor first
+    (merge-lora's MergedTensor).
+
+    A tensor that keeps the dtype it is stored in, read from stored bytes without computing anything
+    (`Tensor.byte_ranges`: a stored, renamed or sliced tensor, one a merge leaves alone), is written with no
+    cast: its bytes are copied by the kernel (`ckpt.io.byte_copy`), never read, so its NaN/Inf values are
+    not counted (`ckpt inspect --scan` counts them). Deciding that asks only the header's dtype names: a
+    plan that copies every tensor needs no torch."""
+    casters: dict = {}
 
     def make(t: Tensor) -> list[OutTensor]:
         src = source_of(t)
-        if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, tuple(t.shape), src, lambda x, b: x, stateless=True)]
         dst = dtype_of(t)
+        stored = src.byte_ranges() is not None and src.dtype_name == t.dtype_name
+        if stored and (t.dtype_name not in ST_FLOAT or dst is None or dst == t.dtype):
+            return [OutTensor(t.name, t.dtype_name, tuple(t.shape), src)]
+        if not is_float(t.dtype):
+            return [OutTensor(t.name, t.dtype, tuple(t.shape), src)]
+        dst = dst or t.natural_dtype
+        from ckpt.cast import Caster
+
         c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))
         return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
 
@@ -173,6 +184,7 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
         report.note("the split GGUF input is written as one GGUF file (convert --to gguf-* --max-shard-size "
                     "writes parts)")
     need = preflight(plan, out_path, inputs=inputs, overwrite=overwrite, dry_run=dry_run)
+    note_byte_copies(plan, report, dry_run)
     if not plan.single_file and out_path.suffix in WEIGHT_SUFFIXES and not out_path.is_dir():
         raise CkptError(f"-o {out_path} names a file, but the output is a folder of {plural(len(plan.files), 'weight file')} "
                         "and their configs: name a folder")
@@ -187,6 +199,18 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     with progress_bar(plan.nbytes, desc, quiet) as bar:
         execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
     return parts[0]  # a split GGUF: its first part, the file llama.cpp loads
+
+
+def note_byte_copies(plan: Plan, report: Report, dry_run: bool = False) -> None:
+    """Say how many output tensors are stored bytes the kernel copies unread (`ckpt.io.byte_copy`), also in
+    `--report` (`byte_copied`)."""
+    from ckpt.io import output
+
+    n, size = plan.byte_copies() if output.BYTE_COPY else (0, 0)
+    report.byte_copied = {"tensors": n, "bytes": size}
+    if n:
+        report.note(f"{plural(n, 'tensor')} ({human_size(size)}) {'would be' if dry_run else 'was' if n == 1 else 'were'} copied byte for "
+                    "byte from the input by the kernel, unread (values unchanged; NaN/Inf in them not counted)")
 
 
 def _other_splits(parts: list[Path]) -> list[str]:

@@ -140,3 +140,30 @@ def test_bad_header_is_one_line_before_torch(tmp_path):
     assert err.splitlines() == [f"error: {bad}: header is not valid JSON (Expecting value: line 1 column 1 (char 0))"]
     verdict, err = run_fresh("inspect", bad)
     assert verdict == {"code": 2, "torch": False, "numpy": False}, err
+
+
+def test_layout_conversion_imports_no_torch(tmp_path, run_ckpt):
+    """A layout conversion changes no byte (every tensor is a stored range, `ckpt.io.byte_copy`): both ways,
+    with the single-file prefix, it runs without torch and writes what an in-process run writes."""
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+    from safetensors.torch import save_file
+
+    from families_util import original_from_pairs, state_dict
+    from ckpt.families import get
+
+    torch.manual_seed(0)
+    model = diffusers.Flux2Transformer2DModel(
+        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
+        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
+    original = original_from_pairs(get("flux2"), state_dict(model.to(torch.bfloat16)))
+    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "f2.safetensors")
+    steps = [("f2.safetensors", "diffusers", "dif"), ("ref/dif", "original", "back.safetensors")]
+    for src, layout, out in steps:
+        verdict, err = run_fresh("convert", tmp_path / src, "--layout", layout, "-o", tmp_path / "fresh" / out)
+        assert verdict == {"code": 0, "torch": False, "numpy": False}, err
+        code, _, err = run_ckpt("convert", tmp_path / src, "--layout", layout, "-o", tmp_path / "ref" / out, "-q")
+        assert code == 0, err
+    for p in sorted((tmp_path / "ref").rglob("*")):
+        if p.is_file():
+            assert (tmp_path / "fresh" / p.relative_to(tmp_path / "ref")).read_bytes() == p.read_bytes(), p

@@ -7,6 +7,7 @@ The shape (`ckpt_report: 1`; keys are stable, absent facts are null or empty):
      "nothing-to-do" | "error", "exit_code": 0, "error": null | "the error line",
      "inputs": [...], "output": "path" | null,
      "notes": [...], "warnings": [...], "counts": {"overflow": {"tensor": n}, ...},
+     "byte_copied": {"tensors": n, "bytes": n} (copied by the kernel, unread: ckpt.io.byte_copy),
      ...command-specific keys}
 
 Command-specific keys: merge-lora `summary` (the lines it prints), `matched` {lora: modules},
@@ -145,6 +146,7 @@ def finish(exit_code: int, error: str | None = None, report=None) -> None:
         "notes": list(getattr(report, "notes", [])),
         "warnings": report.warnings() if report is not None else [],
         "counts": {k: dict(v) for k, v in getattr(report, "counts", {}).items()},
+        "byte_copied": dict(getattr(report, "byte_copied", None) or {"tensors": 0, "bytes": 0}),
     }
     if report is not None and hasattr(report, "facts"):
         data.update(report.facts())

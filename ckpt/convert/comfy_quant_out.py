@@ -89,7 +89,7 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views,
                 return encode(spec, t, report) + [config_tensor(layer, spec, t.home)]
             misfits.append(t.name)
         if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, tuple(t.shape), t, lambda x, b: x)]
+            return [OutTensor(t.name, t.dtype, tuple(t.shape), t)]
         dst = t.natural_dtype
         c = casters.setdefault(dst, Caster(dst, report))
         return [OutTensor(t.name, dst, tuple(t.shape), t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]

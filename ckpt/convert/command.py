@@ -63,13 +63,15 @@ def _output_format(opts: ConvertOptions, out) -> str:
 def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None) -> tuple[Path, Report]:
     """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written)."""
     report = report or Report()
-    device = resolve_device(opts.device, heavy=False)  # refuses --device cuda without one before reading
+    # refuses --device cuda without one before reading; the CPU is None until a tensor is computed (a plan of
+    # byte copies never imports torch)
+    device = resolve_device(opts.device, heavy=False) if opts.device.startswith("cuda") else None
     fmt = _output_format(opts, out)
     with open_checkpoint(src) as ckpt:
         plan, views = plan_convert(ckpt, opts, report, fmt)
         target = targets.resolve(opts.to, opts.scaled)
-        if opts.device == "auto":  # a GPU only where there is math: decoding or encoding quantized weights
-            device = resolve_device("auto", heavy=target.heavy(opts, views))
+        if opts.device == "auto" and target.heavy(opts, views):  # a GPU only where there is math: decoding or
+            device = resolve_device("auto")  # encoding quantized weights
         suffix = "-".join(x for x in (opts.layout, target.suffix) if x)
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=target.ext or file_ext(fmt))
         desc = "convert -> " + " ".join(x for x in (opts.layout, target.label) if x)

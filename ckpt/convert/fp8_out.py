@@ -79,7 +79,7 @@ def scaled_fp8_outputs(report: Report, keep: list[str]):
         nonlocal marker_done
         if not _scalable(t, keep):
             if not is_float(t.dtype):
-                return [OutTensor(t.name, t.dtype, t.shape, t, lambda x, b: x)]
+                return [OutTensor(t.name, t.dtype, t.shape, t)]
             dst = t.natural_dtype
             c = Caster(dst, report)
             return [OutTensor(t.name, dst, t.shape, t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
@@ -94,7 +94,7 @@ def scaled_fp8_outputs(report: Report, keep: list[str]):
             marker_done = True
             mname = (COMFY_PREFIX if t.name.startswith(COMFY_PREFIX) else "") + "scaled_fp8"
             marker = ComputedTensor(mname, lambda: torch.empty(0, dtype=FP8_DTYPE), FP8_DTYPE, (0,), home=t.home)
-            outs.append(OutTensor(mname, FP8_DTYPE, (0,), marker, lambda x, b: x))
+            outs.append(OutTensor(mname, FP8_DTYPE, (0,), marker))
         return outs
 
     return make

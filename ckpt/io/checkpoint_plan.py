@@ -12,7 +12,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Callable
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt import __version__
 from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES

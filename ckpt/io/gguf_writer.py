@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ckpt.dtypes import as_torch
 from ckpt.io.gguf import SCALAR_FORMATS
 from ckpt.io.writer import Entry, RegionWriter
 
@@ -87,7 +88,7 @@ def ggml_type(e: Entry) -> int:
     from ckpt.io.gguf import plain_types
 
     for t, dtype in plain_types().items():
-        if dtype == e.dtype:
+        if dtype == as_torch(e.dtype):
             return int(t)
     raise ValueError(f"{e.name}: GGUF has no type for {e.dtype}")
 

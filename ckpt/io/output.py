@@ -15,22 +15,27 @@ import errno
 import json
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
-from ckpt.io.write_stages import WriteStages
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set
 from ckpt.io.side_files import check_not_input, unwritable
-from ckpt.io.tensors import Tensor, row_bands
+from ckpt.io.tensors import Tensor, row_bands, sub_ranges
 from ckpt.io.writer import SafetensorsWriter
+from ckpt.lazy import torch
+
+if TYPE_CHECKING:
+    from ckpt.io.write_stages import WriteStages
 from ckpt.report import listed, plural
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
 BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB at fp32; ckpt.io.write_stages.DEPTH sets in flight)
+# Tensors whose output bytes are stored byte ranges (`OutTensor.copy_ranges`) are copied by the kernel
+# (`ckpt.io.byte_copy`); False reads and writes them like any other tensor (tests compare the two: same bytes).
+BYTE_COPY = True
 
 
 def _exists(out: Path) -> bool:
@@ -110,7 +115,9 @@ def bands(t: Tensor, band_elems: int | None = None):
 
 
 def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False,
-            device: torch.device = torch.device("cpu"), progress=None) -> None:
+            device: torch.device | None = None, progress=None) -> None:
+    """Write `plan` to `out` atomically. `device` None is the CPU (named only where a tensor is computed: a
+    plan of byte copies never imports torch)."""
     out = Path(out)
     preflight(plan, out, inputs=inputs, overwrite=overwrite)
     if hasattr(plan, "part_paths"):
@@ -187,17 +194,43 @@ def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None
     w = _open_writer(path, f, fd)
     pipe = None
     try:
-        pipe = WriteStages(w, device, progress, busy_stage=busy_stage)
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
-        for t in sorted(f.tensors, key=lambda t: w.regions[t.name][0]):
-            _stream_tensor(t, pipe, device)
-        pipe.finish()
+        order = sorted(f.tensors, key=lambda t: w.regions[t.name][0])
+        copies = {t.name: r for t in order if BYTE_COPY and w.can_copy and (r := t.copy_ranges()) is not None}
+        if len(copies) == len(order):  # nothing is computed: no stages, no torch
+            for t in order:
+                for chunk in copy_chunks(copies[t.name]):
+                    w.copy(t.name, chunk)
+                    if progress is not None:
+                        progress.update(sum(r.length for r in chunk))
+        else:
+            from ckpt.io.write_stages import WriteStages
+
+            device = torch.device("cpu") if device is None else device
+            pipe = WriteStages(w, device, progress, busy_stage=busy_stage)
+            for t in order:
+                if t.name in copies:
+                    for chunk in copy_chunks(copies[t.name]):
+                        pipe.copy(t.name, chunk)
+                else:
+                    _stream_tensor(t, pipe, device)
+            pipe.finish()
         w.close()
     except BaseException:
         if pipe is not None:
             pipe.abort()
         w.abort()
         raise
+
+
+def copy_chunks(ranges):
+    """`ranges` in pieces of at most `ckpt.io.byte_copy.CHUNK` bytes: the progress bar moves and an interrupt
+    is seen between them."""
+    from ckpt.io.byte_copy import CHUNK
+
+    total = sum(r.length for r in ranges)
+    for a in range(0, total, CHUNK):
+        yield sub_ranges(ranges, a, min(total, a + CHUNK))
 
 
 def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:
@@ -208,6 +241,6 @@ def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:
         slot = pipe.band()
         with pipe.reading():
             x = src.read(a, b, device, slot)
-            if not t.stateless:
+            if t.cast is not None and not t.stateless:
                 x = t.cast(x, slot)
-        pipe.submit(slot, t.name, t.dtype, x, t.cast if t.stateless else None)
+        pipe.submit(slot, t.name, t.torch_dtype, x, t.cast if t.stateless else None)

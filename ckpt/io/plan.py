@@ -14,24 +14,29 @@ from typing import Callable
 
 from ckpt.lazy import torch
 
+from ckpt.dtypes import as_torch, st_name
 from ckpt.errors import CkptError
-from ckpt.io.tensors import Tensor
+from ckpt.io.tensors import ByteRange, Tensor
 from ckpt.io.writer import Entry, file_size
 
 
 @dataclass
 class OutTensor:
-    """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`.
+    """One output tensor: `source` read band by band, each band passed through `cast(band, buffers)`; no
+    cast: the source's bytes are written as they are read.
 
     `stateless`: the cast depends on its band alone (it reads no tensor and keeps nothing across bands,
     like `ckpt.cast.Caster`), so the write stages may run it on its compute thread while later bands are
-    read (ckpt.io.write_stages); any other cast runs on the reading thread, in band order."""
+    read (ckpt.io.write_stages); any other cast runs on the reading thread, in band order.
+
+    `dtype` may be a safetensors name ("BF16") instead of a torch dtype: a plan that only copies stored
+    bytes (a layout conversion, a rename) is made and written without importing torch."""
 
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     shape: tuple[int, ...]
     source: Tensor
-    cast: Callable[[torch.Tensor, object], torch.Tensor]
+    cast: Callable[[torch.Tensor, object], torch.Tensor] | None = None
     gguf_type: int | None = None  # GGUF block type: `cast` makes uint8 blocks (ckpt.quant.gguf.encode)
     stateless: bool = False
 
@@ -39,8 +44,26 @@ class OutTensor:
     def entry(self) -> Entry:
         return Entry(self.name, self.dtype, self.shape, self.gguf_type)
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return as_torch(self.dtype)
+
+    def copy_ranges(self) -> list[ByteRange] | None:
+        """The stored byte ranges that are exactly this tensor's output bytes (no cast, the source's dtype,
+        every byte accounted for), or None: the write stage then copies them with the kernel
+        (`ckpt.io.byte_copy`) instead of reading them."""
+        if self.cast is not None:
+            return None
+        ranges = self.source.byte_ranges()
+        if ranges is None or self.source.dtype_name != st_name(self.dtype):
+            return None
+        return ranges if sum(r.length for r in ranges) == self.entry.nbytes else None
+
 
 FORMATS = ("safetensors", "torch")  # torch: the zip `torch.save` writes (ckpt.io.torchzip)
+# Formats whose writer takes byte copies: a torch zip records each tensor's CRC32, which needs its bytes in
+# Python anyway, so its tensors are read and written as before.
+COPY_FORMATS = ("safetensors", "gguf")
 # gguf (ckpt.io.gguf_writer) is chosen by `convert --to gguf-*`, not by --format.
 
 
@@ -85,6 +108,16 @@ class Plan:
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    def byte_copies(self) -> tuple[int, int]:
+        """(tensors, bytes) the write stage copies with the kernel instead of reading them."""
+        n = size = 0
+        for f in self.files:
+            if f.format in COPY_FORMATS:
+                for t in f.tensors:
+                    if t.copy_ranges() is not None:
+                        n, size = n + 1, size + t.entry.nbytes
+        return n, size
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -10,13 +10,55 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.lazy import torch
 
-from ckpt.dtypes import TORCH_TO_ST
+from ckpt.dtypes import ST_ITEMSIZE, TORCH_TO_ST
 from ckpt.io.buffers import Buffers
 from ckpt.io.header import TensorInfo, read_into
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """`length` bytes at absolute offset `start` of the stored file `path`, opened through `handles` (the
+    checkpoint's open files). A tensor whose bytes, as `read` returns them, are such ranges can be written
+    by the kernel without entering Python (`ckpt.io.byte_copy`)."""
+
+    handles: "FileHandles"
+    path: Path
+    start: int
+    length: int
+
+    def fd(self) -> int:
+        return self.handles.fd(self.path)
+
+
+def joined(ranges) -> list[ByteRange]:
+    """`ranges` with neighbours that continue each other in one file made one range (fewer syscalls), and
+    empty ones left out."""
+    out: list[ByteRange] = []
+    for r in ranges:
+        if not r.length:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last.path == r.path and last.handles is r.handles and last.start + last.length == r.start:
+            out[-1] = ByteRange(last.handles, last.path, last.start, last.length + r.length)
+        else:
+            out.append(r)
+    return out
+
+
+def sub_ranges(ranges: list[ByteRange], a: int, b: int) -> list[ByteRange]:
+    """Bytes [a, b) of the concatenation of `ranges`."""
+    out, at = [], 0
+    for r in ranges:
+        lo, hi = max(a, at), min(b, at + r.length)
+        if lo < hi:
+            out.append(ByteRange(r.handles, r.path, r.start + lo - at, hi - lo))
+        at += r.length
+    return out
 
 
 class Tensor:
@@ -54,7 +96,8 @@ class Tensor:
     @property
     def source_bytes(self) -> int:
         """Bytes this tensor reads from storage (progress accounting)."""
-        return self.numel * self.dtype.itemsize
+        size = ST_ITEMSIZE.get(self.dtype_name)
+        return self.numel * (size if size is not None else self.dtype.itemsize)
 
     def read(self, start: int, stop: int, device: torch.device, scratch: Buffers | None = None):
         """Rows [start, stop) on `device` (whole value for 0-d tensors).
@@ -68,6 +111,13 @@ class Tensor:
 
     def read_all(self, device: torch.device) -> torch.Tensor:
         return self.read(0, self.rows, device)
+
+    def byte_ranges(self) -> list[ByteRange] | None:
+        """The stored byte ranges whose concatenation is this tensor's bytes exactly as `read` returns them
+        (in `dtype`, row after row), or None where reading computes anything (decoding, merging, a
+        transpose). A renamed tensor, a row slice of a fused one and pieces stacked back are ranges: the
+        write stage copies those with the kernel (`ckpt.io.byte_copy`) instead of reading them."""
+        return None
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r}, {self.dtype}, {list(self.shape)})"
@@ -119,6 +169,9 @@ class RawTensor(Tensor):
     @property
     def dtype_name(self) -> str:
         return self.info.st_dtype
+
+    def byte_ranges(self):
+        return [ByteRange(self.handles, self.info.path, self.info.start, self.info.nbytes)]
 
     def read(self, start, stop, device, scratch=None):
         row_bytes = self.info.nbytes // self.rows if self.rows else 0
@@ -256,13 +309,26 @@ class RowSlice(Tensor):
         if not base.shape or not 0 <= start <= stop <= base.rows:
             raise ValueError(f"{base.name}: rows {start}:{stop} outside {list(base.shape)}")
         self.base, self.start = base, start
-        self.name, self.dtype, self.home = name or f"{base.name}[{start}:{stop}]", base.dtype, base.home
+        self.name, self.home = name or f"{base.name}[{start}:{stop}]", base.home
         self.shape = (stop - start, *base.shape[1:])
         self.row_align = None if base.row_align is None else 1
+
+    dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
 
     @property
     def natural_dtype(self) -> torch.dtype:
         return self.base.natural_dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return self.base.dtype_name
+
+    def byte_ranges(self):
+        ranges = self.base.byte_ranges()
+        if ranges is None:
+            return None
+        row = sum(r.length for r in ranges) // self.base.rows
+        return sub_ranges(ranges, self.start * row, (self.start + self.rows) * row)
 
     def read(self, start, stop, device, scratch=None):
         return read_rows(self.base, self.start + start, self.start + stop, device, scratch)
@@ -276,17 +342,23 @@ class RowConcat(Tensor):
     def __init__(self, name: str, parts: list[Tensor], home: str = ""):
         first = parts[0]
         for p in parts:
-            if p.dtype != first.dtype or tuple(p.shape[1:]) != tuple(first.shape[1:]) or not p.shape:
-                raise ValueError(f"{name}: pieces {first.name} {first.dtype} {list(first.shape)} and {p.name} "
-                                 f"{p.dtype} {list(p.shape)} cannot be stacked")
+            if p.dtype_name != first.dtype_name or tuple(p.shape[1:]) != tuple(first.shape[1:]) or not p.shape:
+                raise ValueError(f"{name}: pieces {first.name} {first.dtype_name} {list(first.shape)} and {p.name} "
+                                 f"{p.dtype_name} {list(p.shape)} cannot be stacked")
         self.name, self.parts, self.home = name, list(parts), home or first.home
-        self.dtype = first.dtype
         self.shape = (sum(p.rows for p in parts), *first.shape[1:])
         self.row_align = None if any(p.row_align is None for p in parts) else 1
+
+    dtype = property(lambda self: self.parts[0].dtype)  # asked when needed: planning needs no torch
+    dtype_name = property(lambda self: self.parts[0].dtype_name)
 
     @property
     def natural_dtype(self) -> torch.dtype:
         return self.parts[0].natural_dtype
+
+    def byte_ranges(self):
+        pieces = [p.byte_ranges() for p in self.parts]
+        return None if any(r is None for r in pieces) else joined(r for rs in pieces for r in rs)
 
     def read(self, start, stop, device, scratch=None):
         shape = (stop - start, *self.shape[1:])
@@ -311,12 +383,18 @@ class Reshaped(Tensor):
         shape = tuple(shape)
         if math.prod(shape) != base.numel or (shape and base.shape and shape[0] != base.shape[0]):
             raise ValueError(f"{base.name}: cannot view {list(base.shape)} as {list(shape)}")
-        self.base, self.name, self.dtype, self.shape = base, name or base.name, base.dtype, shape
+        self.base, self.name, self.shape = base, name or base.name, shape
         self.home, self.row_align = base.home, base.row_align
+
+    dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
+    dtype_name = property(lambda self: self.base.dtype_name)
 
     @property
     def natural_dtype(self) -> torch.dtype:
         return self.base.natural_dtype
+
+    def byte_ranges(self):
+        return self.base.byte_ranges()
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(start, stop, device, scratch).reshape((stop - start, *self.shape[1:]))
@@ -331,8 +409,11 @@ class Transposed(Tensor):
     def __init__(self, base: Tensor, name: str | None = None):
         if len(base.shape) != 2:
             raise ValueError(f"{base.name}: only 2-D tensors are transposed, not {list(base.shape)}")
-        self.base, self.name, self.dtype = base, name or base.name, base.dtype
+        self.base, self.name = base, name or base.name
         self.shape, self.home = (base.shape[1], base.shape[0]), base.home
+
+    dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
+    dtype_name = property(lambda self: self.base.dtype_name)
 
     @property
     def natural_dtype(self) -> torch.dtype:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt.dtypes import as_torch
 from ckpt.io.writer import Entry, RegionWriter, close_fd, pwrite_all
 
 ALIGN = 64
@@ -62,13 +63,14 @@ class _Tensor:
         for d in reversed(size):  # torch's contiguous strides: a 0 dim counts as 1
             stride.insert(0, n)
             n *= max(d, 1)
-        legacy = torch.storage._dtype_to_storage_type_map().get(e.dtype)
+        dtype = as_torch(e.dtype)
+        legacy = torch.storage._dtype_to_storage_type_map().get(dtype)
         if legacy is not None:
-            numel = e.nbytes // e.dtype.itemsize
+            numel = e.nbytes // dtype.itemsize
             st = _Storage(("storage", getattr(torch, legacy), self.key, "cpu", numel))
             return torch._utils._rebuild_tensor_v2, (st, 0, size, tuple(stride), False, OrderedDict())
         st = _Storage(("storage", torch.UntypedStorage, self.key, "cpu", e.nbytes))
-        return torch._utils._rebuild_tensor_v3, (st, 0, size, tuple(stride), False, OrderedDict(), e.dtype)
+        return torch._utils._rebuild_tensor_v3, (st, 0, size, tuple(stride), False, OrderedDict(), dtype)
 
 
 class _Pickler(pickle.Pickler):
@@ -161,6 +163,8 @@ def file_size(entries: list[Entry], archive_name: str = "archive") -> int:
 
 
 class TorchZipWriter(RegionWriter):
+    can_copy = False  # each record's CRC32 is computed from its bytes: they are read and written as before
+
     def __init__(self, path, entries: list[Entry], archive_name: str, fd: int | None = None):
         try:
             self.layout = lay = layout(entries, archive_name)

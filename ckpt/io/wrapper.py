@@ -41,3 +41,6 @@ class Renamed(Wrapper):
 
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
+
+    def byte_ranges(self):
+        return self.base.byte_ranges()

@@ -13,6 +13,11 @@ Three stages, each on its own long-lived thread for the whole output file (never
 - write: band i, pwrite at its planned offset (in order, so the torch zip's running CRC holds), then the
   progress bar.
 
+A tensor whose output bytes are stored byte ranges of an input (`OutTensor.copy_ranges`) goes through the
+same queues as copy jobs (`copy()`): no slot, no data, nothing to compute; the writer copies the ranges with
+the kernel (`ckpt.io.byte_copy`) in order with the bands around them. (A file of copies alone never starts
+the stages: `ckpt.io.output` copies it on the calling thread, without torch.)
+
 At most `depth` bands are in flight: a slot (its scratch buffers) returns to the reader only after its
 band is written. Memory is therefore `depth` x the buffers of one band, whatever the model size. The
 stages pass the GIL back and forth only between torch kernels and syscalls, which release it.
@@ -66,13 +71,14 @@ class Slot(Buffers):
 
 
 class _Band:
-    __slots__ = ("slot", "name", "dtype", "cast", "data", "nbytes", "ready", "done", "host")
+    __slots__ = ("slot", "name", "dtype", "cast", "data", "nbytes", "ready", "done", "host", "ranges")
 
     def __init__(self, slot, name, dtype, cast, data):
         self.slot, self.name, self.dtype, self.cast, self.data = slot, name, dtype, cast, data
         self.nbytes = 0
         self.ready = self.done = None  # CUDA events: read finished / device->host copy finished
         self.host: list = []  # (callback, pinned host tensor) of deferred values
+        self.ranges = None  # a byte copy (`WriteStages.copy`): stored ranges the writer copies, no data
 
 
 class WriteStages:
@@ -128,6 +134,15 @@ class WriteStages:
             b.ready = self.gpu.mark_read()
         self.to_compute.put(b)
 
+    def copy(self, name: str, ranges) -> None:
+        """Stored byte `ranges` of tensor `name` for the writer to copy with the kernel (`ckpt.io.byte_copy`),
+        in order with the bands around them. A copy holds no buffer, so it takes no slot."""
+        if self.error is not None:
+            self._raise()
+        b = _Band(None, name, None, None, None)
+        b.ranges, b.nbytes = ranges, sum(r.length for r in ranges)
+        self.to_compute.put(b)
+
     def finish(self) -> None:
         """Wait until every submitted band is written; raise what a stage raised."""
         self._stop()
@@ -170,9 +185,10 @@ class WriteStages:
             self.error = e
 
     def _recycle(self, b: _Band) -> None:
-        b.data = b.cast = None
+        b.data = b.cast = b.ranges = None
         b.host = []
-        self.free.put(b.slot)
+        if b.slot is not None:
+            self.free.put(b.slot)
 
     def _compute_loop(self) -> None:
         while True:
@@ -182,6 +198,9 @@ class WriteStages:
                 return
             if self.error is not None or self.stopping:
                 self._recycle(b)
+                continue
+            if b.ranges is not None:  # a byte copy: nothing to compute
+                self.to_write.put(b)
                 continue
             try:
                 with self.gpu.computing(b) if self.gpu else contextlib.nullcontext():
@@ -208,7 +227,10 @@ class WriteStages:
                 if self.error is None and not self.stopping:
                     if b.done is not None:
                         b.done.synchronize()  # the one wait per band on CUDA
-                    self.writer.write(b.name, b.data)
+                    if b.ranges is not None:
+                        self.writer.copy(b.name, b.ranges)
+                    else:
+                        self.writer.write(b.name, b.data)
                     for fn, host in b.host:
                         fn(host)
                     if self.progress is not None:

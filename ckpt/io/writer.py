@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 from ckpt.lazy import torch
 
-from ckpt.dtypes import TORCH_TO_ST, nbytes
+from ckpt.dtypes import itemsize, nbytes, st_name
 from ckpt.report import plural
 
 
 @dataclass(frozen=True)
 class Entry:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # or its safetensors name ("BF16"): a plan of byte copies never imports torch
     shape: tuple[int, ...]
     gguf_type: int | None = None  # GGUF only: the GGML block type the uint8 data holds (e.g. Q8_0)
 
@@ -44,7 +44,7 @@ _RANK = {name: i for i, name in enumerate(_ST_ORDER)}
 
 
 def _order(e: Entry):
-    return (-e.dtype.itemsize, _RANK.get(TORCH_TO_ST[e.dtype], len(_RANK)), e.name)
+    return (-itemsize(e.dtype), _RANK.get(st_name(e.dtype), len(_RANK)), e.name)
 
 
 def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -55,7 +55,7 @@ def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes
         header["__metadata__"] = dict(metadata)
     pos, rel = 0, {}
     for e in ordered:
-        header[e.name] = {"dtype": TORCH_TO_ST[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        header[e.name] = {"dtype": st_name(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
         rel[e.name] = (pos, pos + e.nbytes)
         pos += e.nbytes
     js = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -115,6 +115,8 @@ class RegionWriter:
     in order with pwrite (so tensors may come in any order) and every region must end up full."""
 
     fd = -1
+    copier = None
+    can_copy = True  # takes byte copies of stored ranges (`copy`); a torch zip, which checksums its bytes, does not
 
     def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]], fd: int | None = None) -> None:
         """`fd`: the file, already created (ckpt.io.publish creates output files exclusively); the writer
@@ -142,6 +144,27 @@ class RegionWriter:
         self._wrote(name, b)
         self.written[name] += len(b)
         self.unflushed += len(b)
+        if self.unflushed >= WRITE_BEHIND:
+            self.unflushed = 0
+            start_writeback(self.fd)
+
+    def copy(self, name: str, ranges) -> None:
+        """Append the stored byte `ranges` (`ckpt.io.tensors.ByteRange`) to tensor `name`'s region, copied by
+        the kernel (`ckpt.io.byte_copy`): the bytes never enter Python."""
+        start, end = self.regions[name]
+        pos = start + self.written[name]
+        total = sum(r.length for r in ranges)
+        if pos + total > end:
+            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
+        if self.copier is None:
+            from ckpt.io.byte_copy import Copier
+
+            self.copier = Copier(self.fd)
+        for r in ranges:
+            self.copier.copy(r.fd(), r.start, r.length, pos, r.path)
+            pos += r.length
+        self.written[name] += total
+        self.unflushed += total
         if self.unflushed >= WRITE_BEHIND:
             self.unflushed = 0
             start_writeback(self.fd)

@@ -197,7 +197,7 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
             c = casters.setdefault(dt, Caster(dt, report))
             outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, n=key, c=c: c(x, n, b), stateless=True))
         elif dt == t.dtype:
-            outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b: x))
+            outs.append(OutTensor(key, dt, tuple(t.shape), t))
         else:
             outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, d=dt: x.to(d), stateless=True))
 

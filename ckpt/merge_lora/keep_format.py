@@ -56,7 +56,7 @@ def as_stored(t: Tensor) -> OutTensor:
         from ckpt.quant.gguf import stored_output
 
         return stored_output(t)
-    return OutTensor(t.name, t.dtype, tuple(t.shape), t, lambda x, b: x)
+    return OutTensor(t.name, t.dtype, tuple(t.shape), t)
 
 
 class _AtHome(Tensor):
@@ -88,6 +88,8 @@ def _conform(o: OutTensor, stored: Tensor, label: str) -> OutTensor:
         return replace(o, source=src)
     if o.dtype.itemsize == want.dtype.itemsize and math.prod(o.shape) == math.prod(want.shape):
         cast, dt = o.cast, want.dtype
+        if cast is None:
+            return OutTensor(o.name, dt, tuple(want.shape), src, lambda x, b: x.view(dt))
         return OutTensor(o.name, dt, tuple(want.shape), src, lambda x, b: cast(x, b).view(dt))
     raise CkptError(f"--keep-format: {o.name!r} is stored as {want.dtype} {list(want.shape)}, but the {label} encoder "
                     f"writes {o.dtype} {list(o.shape)}; this layout cannot be re-encoded; nothing was written")

@@ -362,7 +362,7 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
     fmt = spec.format
 
     def scalar(key, fn):
-        return OutTensor(key, torch.float32, (), ComputedTensor(key, fn, torch.float32, (), home=t.home), lambda x, b: x)
+        return OutTensor(key, torch.float32, (), ComputedTensor(key, fn, torch.float32, (), home=t.home))
 
     def codes(dtype, out_cols, fn, decode):
         """The weight's OutTensor: each band converted to fp32 and encoded by `fn` in row chunks
@@ -401,7 +401,7 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
             srows = _Derived(f"{layer}.weight_scale", t, torch.float32, (rows, 1), row_scales)
             return [codes(torch.int8, cols, lambda x: _int8_round(x / row_scales(x)),
                           lambda x, c: c.to(torch.float32) * row_scales(x)),
-                    OutTensor(srows.name, torch.float32, (rows, 1), srows, lambda x, b: x)]
+                    OutTensor(srows.name, torch.float32, (rows, 1), srows)]
         scale = Lazy(lambda: _int8_scale(finite_amax(t)))
         return [codes(torch.int8, cols, lambda x: _int8_round(x / scale().to(x.device)),
                       lambda x, c: c.to(torch.float32) * scale().to(x.device)),
@@ -422,13 +422,13 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
             return mx.nvfp4_block_scales(x.to(torch.float32), gscale().to(x.device)).view(torch.uint8)
 
         bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e4m3fn, grid, fp4_scales, blocked=True)
-        return [codes(torch.uint8, cols // 2, fp4, fp4_decoded), OutTensor(bs.name, torch.float8_e4m3fn, grid, bs, lambda x, b: x),
+        return [codes(torch.uint8, cols // 2, fp4, fp4_decoded), OutTensor(bs.name, torch.float8_e4m3fn, grid, bs),
                 scalar(f"{layer}.weight_scale_2", gscale)]
     bs = _Derived(f"{layer}.weight_scale", t, torch.float8_e8m0fnu, grid,
                   lambda x: mx.mxfp8_block_scales(x.to(torch.float32))[0], blocked=True)
     return [codes(torch.float8_e4m3fn, cols, mx.mxfp8_codes,
                   lambda x, c: mx.mxfp8_decode(c, mx.mxfp8_block_scales(x)[0])),
-            OutTensor(bs.name, torch.float8_e8m0fnu, grid, bs, lambda x, b: x)]
+            OutTensor(bs.name, torch.float8_e8m0fnu, grid, bs)]
 
 
 def config_tensor(layer: str, spec: QuantSpec, home: str) -> OutTensor:
@@ -436,7 +436,7 @@ def config_tensor(layer: str, spec: QuantSpec, home: str) -> OutTensor:
     data = json.dumps(spec.config).encode("utf-8")
     key = f"{layer}.comfy_quant"
     src = ComputedTensor(key, lambda: torch.tensor(list(data), dtype=torch.uint8), torch.uint8, (len(data),), home=home)
-    return OutTensor(key, torch.uint8, (len(data),), src, lambda x, b: x)
+    return OutTensor(key, torch.uint8, (len(data),), src)
 
 
 def _nonzero(s: torch.Tensor) -> torch.Tensor:

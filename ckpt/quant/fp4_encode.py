@@ -120,13 +120,13 @@ class Nvfp4Encoding(Encoding):
             fn = ((lambda x, a, b: band(x, True)) if with_codes
                   else (lambda x, a, b: band(x, False).to(torch.float8_e4m3fn)))
             src = Derived(stored.name, value, stored.dtype, stored.shape, fn, band_by_value=True)
-            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src, lambda x, b: x)
+            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src)
 
         pt = self.per_tensor
         shape = tuple(pt.shape)
         glob = ComputedTensor(pt.name, lambda: gs().reshape(shape), torch.float32, shape, home=value.home)
         return [rows(self.packed, True), rows(self.scale, False),
-                OutTensor(pt.name, torch.float32, shape, glob, lambda x, b: x)]
+                OutTensor(pt.name, torch.float32, shape, glob)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,6 +192,6 @@ class Mxfp4BankEncoding(Encoding):
             """Stored rows = experts: each band of experts encoded on its own."""
             src = Derived(stored.name, value, stored.dtype, stored.shape, lambda x, a, b: band(x, with_codes),
                           band_by_value=True)
-            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src, lambda x, b: x)
+            return OutTensor(stored.name, stored.dtype, tuple(stored.shape), src)
 
         return [rows(self.blocks, True), rows(self.scales, False)]

@@ -33,7 +33,7 @@ KOHYA_MIN_SCALE = 1e-8  # musubi-tuner's numerical floor for every scale
 
 def _scalar_out(key: str, dtype, shape, fn, home: str) -> OutTensor:
     src = ComputedTensor(key, lambda: fn().to(dtype).reshape(shape), dtype, shape, home=home)
-    return OutTensor(key, dtype, tuple(shape), src, lambda x, b: x)
+    return OutTensor(key, dtype, tuple(shape), src)
 
 
 class ComfyScaledFP8Encoding(Encoding):
@@ -152,7 +152,7 @@ class KohyaFP8Encoding(Encoding):
         else:
             src = Derived(self.skey, value, sdt, sshape,
                           lambda x, a, b: row_scales(x.to(torch.float32)).to(sdt).reshape((b - a, *sshape[1:])))
-            outs.append(OutTensor(self.skey, sdt, sshape, src, lambda x, b: x))
+            outs.append(OutTensor(self.skey, sdt, sshape, src))
         if self.tkey is not None:
             outs.append(_scalar_out(self.tkey, self.tscale.dtype, tuple(self.tscale.shape),
                                     lambda: tensor_scale(), value.home))

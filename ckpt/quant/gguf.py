@@ -186,9 +186,9 @@ def stored_output(stored: GGUFStored, name: str | None = None):
     from ckpt.io.plan import OutTensor
 
     if stored.quantized:
-        return OutTensor(name or stored.name, torch.uint8, stored.stored_shape, stored, lambda x, b: x,
+        return OutTensor(name or stored.name, torch.uint8, stored.stored_shape, stored,
                          gguf_type=stored.ggml_type)
-    return OutTensor(name or stored.name, stored.dtype, stored.stored_shape, stored, lambda x, b: x)
+    return OutTensor(name or stored.name, stored.dtype, stored.stored_shape, stored)
 
 
 WRITABLE_FALLBACKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # general-purpose types gguf can write

@@ -132,4 +132,4 @@ class IntGridEncoding(Encoding):
         # stored rows = output rows: each band encoded on its own, banded as the fp32 value (not the packed words)
         src = (Derived(self.stored.name, value, self.stored.dtype, self.stored.shape, band, band_by_value=True)
                if self.per_column is None else Columns())
-        return [OutTensor(self.stored.name, self.stored.dtype, tuple(self.stored.shape), src, lambda x, b: x)]
+        return [OutTensor(self.stored.name, self.stored.dtype, tuple(self.stored.shape), src)]

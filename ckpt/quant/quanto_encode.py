@@ -91,7 +91,7 @@ class QuantoBytesEncoding(Encoding):
         else:
             ssrc = ComputedTensor(w.scale.name, lambda: whole_scale().reshape(sshape), sdt, sshape, home=value.home)
         return [OutTensor(w.data.name, ddt, tuple(w.data.shape), value, enc),
-                OutTensor(w.scale.name, sdt, sshape, ssrc, lambda x, b: x)]
+                OutTensor(w.scale.name, sdt, sshape, ssrc)]
 
 
 class QuantoBitsEncoding(Encoding):
@@ -189,9 +189,9 @@ class QuantoBitsEncoding(Encoding):
                 return part.reshape((stop - start, *self.shape[1:])).to(device)
 
         zdt = w.shift.dtype if int_shift else sdt
-        return [OutTensor(w.packed.name, torch.uint8, tuple(w.packed.shape), Packed(), lambda x, b: x),
-                OutTensor(w.scale.name, sdt, sshape, StoredCompanion(w.scale.name, sdt, sshape, 0), lambda x, b: x),
-                OutTensor(w.shift.name, zdt, zshape, StoredCompanion(w.shift.name, zdt, zshape, 1), lambda x, b: x)]
+        return [OutTensor(w.packed.name, torch.uint8, tuple(w.packed.shape), Packed()),
+                OutTensor(w.scale.name, sdt, sshape, StoredCompanion(w.scale.name, sdt, sshape, 0)),
+                OutTensor(w.shift.name, zdt, zshape, StoredCompanion(w.shift.name, zdt, zshape, 1))]
 
     def why_not(self) -> str | None:
         w = self.w

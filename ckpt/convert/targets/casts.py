@@ -30,7 +30,7 @@ class Cast(Target):
 
         def out_dtype(t):
             keep = target is None or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
-            return t.natural_dtype if keep else target
+            return None if keep else target  # None: its natural dtype (stored bytes kept so are copied)
 
         return cast_outputs(report, out_dtype, clamp=opts.clamp), None
 

@@ -1,0 +1,269 @@
+"""The byte-copy write path (`ckpt.io.byte_copy`): output tensors whose bytes are stored byte ranges of an input
+(a renamed tensor, a row slice of a fused one, pieces stacked back, a tensor a merge leaves alone, a GGUF tensor
+kept in its type) are copied by the kernel instead of being read and written.
+
+Oracle: the read/write path itself (`ckpt.io.output.BYTE_COPY = False`, every tensor read band by band as before):
+each command below writes the same bytes both ways, and says how many tensors were copied (`byte_copied` in
+`--report`), which must be exactly the ones that change no byte. The fallbacks (`sendfile`, then pread/pwrite)
+give the same bytes; a source that ends early is an input error, not a short output.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers.keep_format import kohya_lora
+
+import ckpt.io.output as output
+from ckpt.errors import CkptError
+
+
+def _files(path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def both_ways(run_ckpt, monkeypatch, tmp_path, *args, out_name="out.safetensors"):
+    """Run `ckpt ARGS -o OUT --report R` with the byte-copy path and with the read/write path; assert the same
+    files, byte for byte; return the copy run's report."""
+    results = []
+    for copy in (True, False):
+        monkeypatch.setattr(output, "BYTE_COPY", copy)
+        (tmp_path / str(copy)).mkdir(exist_ok=True)  # the same file name both ways: a torch zip records it
+        out, rep = tmp_path / str(copy) / out_name, tmp_path / str(copy) / "r.json"
+        code, _, err = run_ckpt(*args, "-o", out, "--report", rep)
+        assert code == 0, err
+        results.append((_files(out), json.loads(rep.read_text())))
+    (copied, report), (read, read_report) = results
+    assert copied.keys() == read.keys() and all(copied[k] == read[k] for k in copied)
+    assert read_report["byte_copied"] == {"tensors": 0, "bytes": 0}
+    return report
+
+
+def _copied(report) -> int:
+    return report["byte_copied"]["tensors"]
+
+
+def test_layout_conversion_copies_every_tensor(tmp_path, run_ckpt, monkeypatch):
+    diffusers = pytest.importorskip("diffusers")
+    from families_util import original_from_pairs, state_dict
+    from ckpt.families import get
+
+    torch.manual_seed(0)
+    model = diffusers.Flux2Transformer2DModel(  # head size 128: the one Flux.2's config.json is derived for
+        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
+        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
+    sd = state_dict(model.to(torch.bfloat16))
+    original = original_from_pairs(get("flux2"), sd)
+    save_file(original, tmp_path / "f2.safetensors")
+    monkeypatch.setattr(output, "BAND_ELEMS", 64)  # the read path goes band by band through fused tensors
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "f2.safetensors", "--layout", "diffusers",
+                    out_name="dif")
+    got = load_file(tmp_path / "True" / "dif" / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert _copied(rep) == len(sd)
+    assert rep["byte_copied"]["bytes"] == sum(v.numel() * v.element_size() for v in sd.values())
+    assert any("copied byte for byte from the input by the kernel" in n for n in rep["notes"])
+    # and back: the original tensors again (fused ones stacked from their pieces), every tensor copied
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "True" / "dif", "--layout", "original")
+    back = load_file(tmp_path / "True" / "out.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    assert _copied(rep) == len(original)
+
+
+def _mixed(path):
+    g = torch.Generator().manual_seed(0)
+    sd = {"blocks.0.a.weight": torch.randn(48, 32, generator=g), "blocks.0.b.weight": torch.randn(40, 48, generator=g),
+          "blocks.0.a.bias": torch.randn(48, generator=g).bfloat16(), "norm.weight": torch.randn(32, generator=g),
+          "norm.bias": torch.randn(32, generator=g).bfloat16(), "step": torch.tensor([7], dtype=torch.int64)}
+    sd["blocks.0.a.bias"][3] = float("nan")  # copied unread: the NaN is neither counted nor changed
+    save_file(sd, path)
+    return sd
+
+
+def test_convert_copies_what_keeps_its_dtype(tmp_path, run_ckpt, monkeypatch):
+    sd = _mixed(tmp_path / "m.safetensors")
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "m.safetensors", "--to", "bf16",
+                    "--keep", "norm.*")
+    # bf16 tensors (already the target), the int step and the fp32 norm.weight kept by --keep: copied
+    assert _copied(rep) == 4
+    got = load_file(tmp_path / "True" / "out.safetensors")
+    assert got["norm.weight"].dtype == torch.float32 and torch.equal(got["norm.weight"], sd["norm.weight"])
+    assert got["blocks.0.a.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["blocks.0.a.bias"].view(torch.int16), sd["blocks.0.a.bias"].view(torch.int16))
+
+
+def test_torch_zip_output_is_read_and_written(tmp_path, run_ckpt, monkeypatch):
+    """A torch zip records each tensor's CRC32, computed from its bytes: nothing is copied unread."""
+    _mixed(tmp_path / "m.safetensors")
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "m.safetensors", "--to", "bf16",
+                    "--format", "torch", out_name="out.pth")
+    assert _copied(rep) == 0
+    loaded = torch.load(tmp_path / "True" / "out.pth", weights_only=True)
+    assert loaded["step"].tolist() == [7]
+
+
+def test_merge_lora_copies_the_tensors_it_leaves_alone(tmp_path, run_ckpt, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    shapes = {f"blocks.{i}.{m}": (32, 32) for i in range(3) for m in ("q", "k", "v", "mlp")}
+    sd = {f"{k}.weight": torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
+    sd |= {f"blocks.{i}.norm.weight": torch.randn(32, generator=g).bfloat16() for i in range(3)}
+    save_file(sd, tmp_path / "base.safetensors")
+    attention = {k: s for k, s in shapes.items() if k.endswith((".q", ".v"))}
+    lora = kohya_lora(tmp_path / "l.safetensors", attention)
+    monkeypatch.setattr(output, "BAND_ELEMS", 256)
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "merge-lora", tmp_path / "base.safetensors", lora)
+    assert _copied(rep) == len(sd) - len(attention)
+    got = load_file(tmp_path / "True" / "out.safetensors")
+    assert all(torch.equal(got[k], sd[k]) for k in sd if k[: -len(".weight")] not in attention)
+    assert not torch.equal(got["blocks.0.q.weight"], sd["blocks.0.q.weight"])
+
+
+def _scaled_fp8(path):
+    """ComfyUI's legacy scaled fp8: fp8 weights with a scale each, bf16 biases, the `scaled_fp8` marker."""
+    g = torch.Generator().manual_seed(2)
+    sd = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    for name in ("blocks.0.a", "blocks.0.b"):
+        sd[f"{name}.weight"] = (torch.randn(32, 32, generator=g) * 20).to(torch.float8_e4m3fn)
+        sd[f"{name}.scale_weight"] = torch.tensor(0.01)
+        sd[f"{name}.bias"] = torch.randn(32, generator=g).bfloat16()
+    save_file(sd, path)
+    return sd
+
+
+def test_dequant_copies_the_unquantized_tensors(tmp_path, run_ckpt, monkeypatch):
+    _scaled_fp8(tmp_path / "q.safetensors")
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "dequant", tmp_path / "q.safetensors", "--to", "bf16")
+    assert _copied(rep) == 2  # the two bf16 biases
+
+
+def test_keep_format_merge_copies_the_stored_keys_it_keeps(tmp_path, run_ckpt, monkeypatch):
+    sd = _scaled_fp8(tmp_path / "q.safetensors")
+    lora = kohya_lora(tmp_path / "l.safetensors", {"blocks.0.a": (32, 32)})
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "merge-lora", tmp_path / "q.safetensors", lora, "--keep-format")
+    got = load_file(tmp_path / "True" / "out.safetensors")
+    kept = [k for k in sd if not k.startswith("blocks.0.a.weight") and k != "blocks.0.a.scale_weight"]
+    assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), sd[k].reshape(-1).view(torch.uint8)) for k in kept)
+    assert _copied(rep) == len(kept)  # the marker too (a range of no bytes)
+    assert not torch.equal(got["blocks.0.a.weight"].view(torch.uint8), sd["blocks.0.a.weight"].view(torch.uint8))
+
+
+def test_gguf_tensors_kept_in_their_type_are_copied(tmp_path, run_ckpt, monkeypatch):
+    pytest.importorskip("gguf")
+    from gguf_helpers import tiny_llm_gguf
+
+    src = tiny_llm_gguf(tmp_path / "m.gguf", arch="llama")
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", src, "--to", "gguf-q8_0", out_name="o.gguf")
+    assert _copied(rep) == 1  # output_norm stays F32, as llama-quantize keeps it; the rest is encoded
+    import gguf
+
+    out = {t.name: t for t in gguf.GGUFReader(tmp_path / "True" / "o.gguf").tensors}
+    norm = {t.name: t for t in gguf.GGUFReader(src).tensors}["output_norm.weight"]
+    assert np.array_equal(np.asarray(out["output_norm.weight"].data), np.asarray(norm.data))
+
+
+def test_batch_outputs_equal_the_read_path(tmp_path, run_ckpt, monkeypatch):
+    """`ckpt batch` runs the same API in worker processes: the outputs are the read path's bytes."""
+    (tmp_path / "in").mkdir()
+    for i in range(2):
+        _mixed(tmp_path / "in" / f"m{i}.safetensors")
+    code, _, err = run_ckpt("batch", "convert", tmp_path / "in", "-o", tmp_path / "bout", "--to", "bf16")
+    assert code == 0, err
+    monkeypatch.setattr(output, "BYTE_COPY", False)
+    for i in range(2):
+        ref = tmp_path / f"ref{i}.safetensors"
+        code, _, err = run_ckpt("convert", tmp_path / "in" / f"m{i}.safetensors", "--to", "bf16", "-o", ref, "-q")
+        assert code == 0, err
+        (got,) = (tmp_path / "bout").glob(f"m{i}*.safetensors")
+        assert got.read_bytes() == ref.read_bytes()
+
+
+# ------------------------------------------------------------------------------- the copier itself
+
+def _pair(tmp_path, data: bytes):
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    fd_in = os.open(src, os.O_RDONLY)
+    fd_out = os.open(tmp_path / "dst.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    return src, fd_in, fd_out
+
+
+@pytest.mark.parametrize("broken", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+def test_fallbacks_give_the_same_bytes(tmp_path, monkeypatch, broken):
+    from ckpt.io import byte_copy
+
+    data = np.random.default_rng(0).integers(0, 256, 3 * 1000 + 7, dtype=np.uint8).tobytes()
+    src, fd_in, fd_out = _pair(tmp_path, data)
+
+    def unsupported(*a, **k):
+        raise OSError(errno.EXDEV if broken[0] == "copy_file_range" else errno.EINVAL, "not here")
+
+    for name in broken:
+        monkeypatch.setattr(os, name, unsupported)
+    monkeypatch.setattr(byte_copy, "CHUNK", 1000)
+    monkeypatch.setattr(byte_copy, "FALLBACK_BUFFER", 300)
+    try:
+        c = byte_copy.Copier(fd_out)
+        os.ftruncate(fd_out, 20 + 2000)
+        c.copy(fd_in, 5, 2000, 20, src)  # a range from inside the source to an offset inside the output
+        assert c.way == byte_copy.WAYS[len(broken)]
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+    assert (tmp_path / "dst.bin").read_bytes() == b"\0" * 20 + data[5:2005]
+
+
+def test_a_full_disk_is_a_write_error_not_a_fallback(tmp_path, monkeypatch):
+    from ckpt.io import byte_copy
+
+    src, fd_in, fd_out = _pair(tmp_path, b"x" * 100)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", full)
+    try:
+        with pytest.raises(OSError) as e:
+            byte_copy.Copier(fd_out).copy(fd_in, 0, 100, 0, src)
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+
+
+@pytest.mark.parametrize("way", ["copy_file_range", "sendfile", "pread"])
+def test_a_source_that_ends_early_is_an_input_error(tmp_path, way):
+    from ckpt.io import byte_copy
+
+    src, fd_in, fd_out = _pair(tmp_path, b"y" * 100)
+    try:
+        with pytest.raises(CkptError, match="src.bin: unexpected end of file while reading tensor data"):
+            byte_copy.Copier(fd_out, ways=(way, "pread")).copy(fd_in, 50, 100, 0, src)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+
+
+def test_input_truncated_after_planning_is_one_line_and_nothing_written(tmp_path, run_ckpt, monkeypatch):
+    """The file shrank between reading its header and copying its bytes: exit 2, no output, no traceback."""
+    _mixed(tmp_path / "m.safetensors")
+    import ckpt.io.byte_copy as byte_copy
+
+    real = byte_copy.Copier.copy
+
+    def shrinking(self, src_fd, *a):
+        os.truncate(tmp_path / "m.safetensors", 200)
+        return real(self, src_fd, *a)
+
+    monkeypatch.setattr(byte_copy.Copier, "copy", shrinking)
+    code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "-o", tmp_path / "o.safetensors")
+    assert code == 2 and err.strip().count("\n") == 0 and "unexpected end of file" in err and "Traceback" not in err
+    assert not (tmp_path / "o.safetensors").exists() and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
