@@ -5,6 +5,20 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _unpadded_headers():
+    """Outputs are compared byte for byte with other writers' (and subprocesses') everywhere: on a filesystem
+    that shares extents (a developer's btrfs /tmp), ckpt would pad safetensors headers to keep copied blocks
+    shareable (`ckpt.io.byte_copy.block_padding`). Off for the whole run, children included; the tests of the
+    padding turn it back on."""
+    import os
+
+    from ckpt.io.output import NO_PADDING
+
+    os.environ[NO_PADDING] = "1"
+    yield
+
+
 @pytest.fixture
 def run_ckpt(capsys):
     from ckpt.cli import main

@@ -267,3 +267,111 @@ def test_input_truncated_after_planning_is_one_line_and_nothing_written(tmp_path
     code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "-o", tmp_path / "o.safetensors")
     assert code == 2 and err.strip().count("\n") == 0 and "unexpected end of file" in err and "Traceback" not in err
     assert not (tmp_path / "o.safetensors").exists() and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+# ------------------------------------------------------------------ filesystems that share extents
+
+def _tiny_flux2_file(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    from families_util import original_from_pairs, state_dict
+    from ckpt.families import get
+
+    torch.manual_seed(0)
+    model = diffusers.Flux2Transformer2DModel(
+        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
+        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
+    original = original_from_pairs(get("flux2"), state_dict(model.to(torch.bfloat16)))
+    save_file(original, tmp_path / "f2.safetensors")
+    return tmp_path / "f2.safetensors"
+
+
+def _header_len(path) -> int:
+    return int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def _block_deltas(src, out) -> list[tuple[int, int]]:
+    """(offset within a 4 KiB block of a tensor's bytes in the source minus in the output, bytes) for every output
+    tensor of a block or more, found in the source by its content."""
+    from ckpt.io.header import read_header
+
+    src_bytes, out_bytes = src.read_bytes(), out.read_bytes()
+    deltas = []
+    for info in read_header(out).tensors.values():
+        data = out_bytes[info.start: info.end]
+        at = src_bytes.find(data[:4096]) if len(data) >= 4096 else -1
+        if at >= 0:
+            deltas.append(((at - info.start) % 4096, len(data)))
+    return deltas
+
+
+def test_on_a_sharing_filesystem_the_header_is_padded_to_keep_blocks_aligned(tmp_path, run_ckpt, monkeypatch):
+    """Where copy_file_range shares extents (btrfs, XFS, bcachefs, ZFS), a shared block must start at the same
+    offset within a block in both files: the header (whose length is the one free choice in a gapless
+    safetensors file) gets the spaces that align the most copied bytes. The tensors are the same; only the
+    header's trailing spaces differ from the unpadded file."""
+    from ckpt.io import byte_copy
+
+    src = _tiny_flux2_file(tmp_path)
+    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    monkeypatch.delenv(output.NO_PADDING)
+    monkeypatch.setattr(byte_copy, "shares_extents", lambda path: True)
+    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "padded", "-q")
+    assert code == 0, err
+    plain, padded = (tmp_path / d / "diffusion_pytorch_model.safetensors" for d in ("plain", "padded"))
+    pad = _header_len(padded) - _header_len(plain)
+    assert 0 < pad < 4096 and pad % 8 == 0
+    a, b = plain.read_bytes(), padded.read_bytes()
+    assert b[8: 8 + _header_len(padded)].rstrip(b" ") == a[8: 8 + _header_len(plain)].rstrip(b" ")
+    assert b[8 + _header_len(padded):] == a[8 + _header_len(plain):]  # the same data region
+    got, want = load_file(padded), load_file(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # the padding aligns as many bytes as the best of every possible shift would (found by content here)
+    deltas = _block_deltas(src, plain)
+    best = max(sum(n for d, n in deltas if (d - shift) % 4096 == 0) for shift in range(0, 4096, 8))
+    assert sum(n for d, n in _block_deltas(src, padded) if d == 0) == best > 0
+
+
+def test_block_padding_picks_the_shift_of_most_bytes():
+    from ckpt.io.byte_copy import block_padding
+    from ckpt.io.tensors import ByteRange
+
+    def r(start, length):
+        return [ByteRange(None, "s", start, length)]
+
+    # a: 3 blocks whose source offset is 24 past the output's; b: 1 block at 8 past; c: too short to share
+    copies = {"a": r(100 + 24, 3 * 4096), "b": r(50_000 + 8, 4096), "c": r(7, 100)}
+    regions = {"a": (100, 100 + 3 * 4096), "b": (50_000, 54_096), "c": (60_000, 60_100)}
+    assert block_padding(copies, regions) == 24
+    assert block_padding({"c": copies["c"]}, regions) == 0
+
+
+@pytest.mark.skipif(not os.environ.get("CKPT_TEST_REFLINK_DIR"),
+                    reason="set CKPT_TEST_REFLINK_DIR to a folder on XFS (reflink=1) or btrfs to run")
+def test_a_reflink_filesystem_shares_the_copied_blocks(run_ckpt, monkeypatch):
+    """On a real sharing filesystem (e.g. `mkfs.xfs -m reflink=1` on a loop device), the layout conversion's
+    output shares most of its blocks with the input (FIEMAP's shared flag, as `filefrag -v` prints it)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from ckpt.io.byte_copy import shares_extents
+
+    monkeypatch.delenv(output.NO_PADDING)
+    root = Path(os.environ["CKPT_TEST_REFLINK_DIR"])
+    assert shares_extents(root), f"{root} is not on a filesystem that shares extents"
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    try:
+        src = _tiny_flux2_file(tmp)
+        code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp / "out", "-q")
+        assert code == 0, err
+        out = tmp / "out" / "diffusion_pytorch_model.safetensors"
+        fiemap = subprocess.run(["filefrag", "-v", str(out)], capture_output=True, text=True).stdout
+        shared = sum(int(line.split(":")[3].strip().split()[0]) for line in fiemap.splitlines()
+                     if "shared" in line and line.strip()[:1].isdigit())
+        aligned = [n for d, n in _block_deltas(src, out) if d == 0]
+        # every aligned tensor shares its whole blocks (a partial block at either end is copied)
+        assert shared * 4096 >= sum(aligned) - 2 * 4096 * len(aligned) > 0, fiemap
+    finally:
+        shutil.rmtree(tmp)

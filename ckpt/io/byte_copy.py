@@ -27,6 +27,47 @@ _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errn
 
 WAYS = ("copy_file_range", "sendfile", "pread")
 
+BLOCK = 4096  # the filesystem block a shared extent starts on (btrfs, XFS, bcachefs, ZFS: 4 KiB by default)
+# statfs f_type of the Linux filesystems whose copy_file_range shares extents (reflink / block cloning)
+SHARING = {0x58465342: "xfs", 0x9123683E: "btrfs", 0xCA451A4E: "bcachefs", 0x2FC12FC1: "zfs"}
+
+
+def shares_extents(path) -> bool:
+    """Whether `path` (an existing file or folder) is on a filesystem that may share extents on copy; False
+    wherever that cannot be told (not Linux, no libc statfs)."""
+    try:
+        import ctypes
+        import sys
+
+        if not sys.platform.startswith("linux"):
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field (a long)
+        if libc.statfs(os.fsencode(str(path)), buf) != 0:
+            return False
+        return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in SHARING
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def block_padding(copies: dict[str, list], regions: dict[str, tuple[int, int]]) -> int:
+    """Spaces to add to a safetensors header so that most copied bytes start at the same offset within a
+    block in the output as in their input: only then can the filesystem share their blocks instead of
+    copying them (a shared extent starts on a block boundary in both files). The data region has no gaps,
+    so the header length is the one free choice: the one shift (a multiple of 8, keeping the data 8-byte
+    aligned) that aligns the most bytes of ranges a block or longer. `regions`: each tensor's (start, end) in
+    the unpadded file."""
+    weight: dict[int, int] = {}
+    for name, ranges in copies.items():
+        pos = regions[name][0]
+        for r in ranges:
+            if r.length >= BLOCK:
+                d = (r.start - pos) % BLOCK
+                weight[d] = weight.get(d, 0) + r.length
+            pos += r.length
+    best = max((d for d in weight if d % 8 == 0), key=lambda d: (weight[d], -d), default=0)
+    return best
+
 
 class Copier:
     """Copies byte ranges of input files into one output file at given offsets, the first way that works."""
@@ -42,9 +83,11 @@ class Copier:
         return self.ways[0]
 
     def copy(self, src_fd: int, src_pos: int, length: int, out_pos: int, path) -> None:
-        """`length` bytes of `src_fd` at `src_pos` to the output at `out_pos` (`path` names the input in errors)."""
+        """`length` bytes of `src_fd` at `src_pos` to the output at `out_pos` (`path` names the input in errors).
+        A range that starts inside a block is copied up to the block's end first: a filesystem shares blocks
+        only from block-aligned offsets, and copies the whole call otherwise."""
         while length > 0:
-            step = min(length, CHUNK)
+            step = min(length, CHUNK, BLOCK - src_pos % BLOCK if src_pos % BLOCK else CHUNK)
             try:
                 n = self._step(src_fd, src_pos, step, out_pos)
             except OSError as e:

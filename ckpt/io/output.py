@@ -13,12 +13,13 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
-from ckpt.io.plan import OutTensor, Plan, name_single_file
+from ckpt.io.plan import COPY_FORMATS, OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set
 from ckpt.io.side_files import check_not_input, unwritable
@@ -36,6 +37,9 @@ BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB 
 # Tensors whose output bytes are stored byte ranges (`OutTensor.copy_ranges`) are copied by the kernel
 # (`ckpt.io.byte_copy`); False reads and writes them like any other tensor (tests compare the two: same bytes).
 BYTE_COPY = True
+# Set (to anything but 0), a safetensors header is never padded for a filesystem that shares extents: the
+# bytes safetensors' own writer would write, on every filesystem (the copied blocks are then copied, not shared).
+NO_PADDING = "CKPT_NO_BLOCK_PADDING"
 
 
 def _exists(out: Path) -> bool:
@@ -173,9 +177,11 @@ def _copy_sidecar(src: Path, rel: str, edit, stage: Staging) -> None:
     stage.copy_file(src, rel)
 
 
-def _open_writer(path: Path, f, fd: int):
+def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
     """The writer of the file's format; both take the whole plan up front and then bands in order.
-    `fd` is the new file, already created by the staging; the writer owns it."""
+    `fd` is the new file, already created by the staging; the writer owns it. `copies` (tensor -> stored
+    ranges the kernel copies): on a filesystem that shares extents, a safetensors header is padded so that
+    most of them keep their block alignment (`ckpt.io.byte_copy.block_padding`)."""
     entries = [t.entry for t in f.tensors]
     if f.format == "gguf":
         from ckpt.io.gguf_writer import GGUFFileWriter
@@ -187,16 +193,35 @@ def _open_writer(path: Path, f, fd: int):
         from ckpt.io.torchzip import TorchZipWriter
 
         return TorchZipWriter(path, entries, f.archive, fd=fd)
-    return SafetensorsWriter(path, entries, f.metadata, fd=fd)
+    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=_block_padding(path, entries, f.metadata, copies))
+
+
+def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:
+    """The header padding that lets a filesystem share the copied tensors' blocks: 0 unless the output is on
+    a filesystem that shares extents and copied ranges come from files on that same filesystem."""
+    if not copies or os.environ.get(NO_PADDING, "") not in ("", "0"):
+        return 0
+    from ckpt.io.byte_copy import block_padding, shares_extents
+    from ckpt.io.writer import layout
+
+    try:
+        dev = os.stat(path.parent).st_dev
+        same = {n: rs for n, rs in copies.items() if all(os.stat(r.path).st_dev == dev for r in rs)}
+    except OSError:
+        return 0
+    if not same or not shares_extents(path.parent):
+        return 0
+    return block_padding(same, layout(entries, metadata)[1])
 
 
 def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None = None) -> None:
-    w = _open_writer(path, f, fd)
+    copies = {t.name: r for t in f.tensors
+              if BYTE_COPY and f.format in COPY_FORMATS and (r := t.copy_ranges()) is not None}
+    w = _open_writer(path, f, fd, copies)
     pipe = None
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         order = sorted(f.tensors, key=lambda t: w.regions[t.name][0])
-        copies = {t.name: r for t in order if BYTE_COPY and w.can_copy and (r := t.copy_ranges()) is not None}
         if len(copies) == len(order):  # nothing is computed: no stages, no torch
             for t in order:
                 for chunk in copy_chunks(copies[t.name]):

@@ -163,7 +163,6 @@ def file_size(entries: list[Entry], archive_name: str = "archive") -> int:
 
 
 class TorchZipWriter(RegionWriter):
-    can_copy = False  # each record's CRC32 is computed from its bytes: they are read and written as before
 
     def __init__(self, path, entries: list[Entry], archive_name: str, fd: int | None = None):
         try:

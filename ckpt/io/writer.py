@@ -47,8 +47,10 @@ def _order(e: Entry):
     return (-itemsize(e.dtype), _RANK.get(st_name(e.dtype), len(_RANK)), e.name)
 
 
-def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """Header bytes (length prefix included) and name -> (absolute start, end)."""
+def layout(entries: list[Entry], metadata: dict[str, str] | None, pad: int = 0) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Header bytes (length prefix included) and name -> (absolute start, end). `pad`: spaces added after the
+    header's own padding (a multiple of 8), which the format allows: on a filesystem that shares extents they
+    align copied tensors with their input's blocks (`ckpt.io.byte_copy.block_padding`)."""
     ordered = sorted(entries, key=_order)
     header: dict = {}
     if metadata:
@@ -59,7 +61,7 @@ def layout(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes
         rel[e.name] = (pos, pos + e.nbytes)
         pos += e.nbytes
     js = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    js += b" " * (-(8 + len(js)) % 8)
+    js += b" " * (-(8 + len(js)) % 8 + pad)
     start = 8 + len(js)
     return struct.pack("<Q", len(js)) + js, {k: (start + a, start + b) for k, (a, b) in rel.items()}
 
@@ -116,7 +118,6 @@ class RegionWriter:
 
     fd = -1
     copier = None
-    can_copy = True  # takes byte copies of stored ranges (`copy`); a torch zip, which checksums its bytes, does not
 
     def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]], fd: int | None = None) -> None:
         """`fd`: the file, already created (ckpt.io.publish creates output files exclusively); the writer
@@ -203,9 +204,10 @@ class RegionWriter:
 
 
 class SafetensorsWriter(RegionWriter):
-    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None, fd: int | None = None):
+    def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None, fd: int | None = None,
+                 pad: int = 0):
         try:
-            head, regions = layout(entries, metadata)
+            head, regions = layout(entries, metadata, pad)
         except BaseException:
             close_fd(fd)
             raise
