@@ -601,7 +601,8 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
 
     if (fb := fallback_note(fallbacks)) is not None:
         notes.append(fb)
-    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,
+                busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)
 
 
 def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n_block: int, mix, sources) -> list[str]:
@@ -753,4 +754,5 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report) -> Plan:
     notes = [f"GGUF {arch} LLM -> {mix.label} as llama-quantize types it: {counts}; {copied} copied as stored"]
     if (fb := fallback_note(fallbacks)) is not None:
         notes.append(fb)
-    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,
+                busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)

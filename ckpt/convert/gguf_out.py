@@ -286,7 +286,9 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report) -> Plan:
     if ckpt.copies:
         notes.append(f"{plural(len(ckpt.copies), 'other file')} ({', '.join(ckpt.copies[:3])}...) not copied: a GGUF is "
                      "one file")
-    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes)
+    # the compute stage encodes (gguf's quantize on every core it has, ckpt.quant.gguf); the reader only reads
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,
+                busy_stage="compute" if m.quantized else None)
 
 
 def default_suffix(target_name: str) -> str:
