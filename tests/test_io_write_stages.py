@@ -252,3 +252,31 @@ def test_a_cast_that_reads_tensors_stays_on_the_reading_thread(tmp_path, monkeyp
         assert code == 0, err
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] and seen == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("busy, compute, reader", [(None, 1, 1), ("compute", 4, 1), ("read", 1, 4)])
+def test_each_stage_runs_with_the_threads_it_was_given(tmp_path, busy, compute, reader):
+    """With 4 cores, the stage that holds the work gets all 4 and the other one (4 - 2) // 2 = 1. Each stage
+    thread sets its own count: torch gives a thread that has not set one whatever count was set last, which
+    once left the compute stage of a K-quant GGUF write with the reader's single thread."""
+    from ckpt.io.writer import Entry, SafetensorsWriter
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    seen = []
+    w = SafetensorsWriter(tmp_path / "o.safetensors", [Entry("x", torch.float32, (4,))], None)
+    try:
+        stages = pipeline.WriteStages(w, torch.device("cpu"), busy_stage=busy)
+        slot = stages.band()
+        seen.append(torch.get_num_threads())  # the reader: this thread
+
+        def cast(x, b):
+            seen.append(torch.get_num_threads())
+            return x
+
+        stages.submit(slot, "x", torch.float32, torch.zeros(4), cast)
+        stages.finish()
+        w.close()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [reader, compute]

@@ -89,10 +89,13 @@ class WriteStages:
                  busy_stage: str | None = None):
         self.writer, self.device, self.progress = writer, device, progress
         self.gpu = _CudaStreams(device) if device.type == "cuda" else None
-        # Set before the stage threads start: torch gives each new thread the count current then.
+        # Each stage thread sets its own count as it starts: a thread takes whatever count another thread set
+        # last when it first uses torch (torch 2.13's OpenMP build), so setting it here before starting the
+        # compute thread left that thread with the reader's share (issue 25: K-quant and legacy GGUF encodes
+        # ran on one core with busy_stage "compute").
         self.threads_before = cores = torch.get_num_threads()
         share = stage_threads(cores)
-        torch.set_num_threads(cores if busy_stage == "compute" else share)
+        self.compute_threads = cores if busy_stage == "compute" else share
         # Merges' matmuls run in the reading stage: full fp32 on CUDA, the caller's TF32 setting back after.
         self.exact = exact_fp32() if self.gpu else None
         if self.exact is not None:
@@ -191,6 +194,10 @@ class WriteStages:
             self.free.put(b.slot)
 
     def _compute_loop(self) -> None:
+        # torch sets a thread's count to the last one set anywhere when the thread first uses torch (its lazy
+        # per-thread init); after that first use, this thread's own setting stays its own
+        torch.get_num_threads()
+        torch.set_num_threads(self.compute_threads)
         while True:
             b = self.to_compute.get()
             if b is _STOP:
