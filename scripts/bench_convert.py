@@ -8,7 +8,9 @@ benchlib.py):
 - ckpt:  the real CLI, `ckpt convert SRC -o OUT --to DTYPE -q` (fsyncs its output);
 - naive: `safetensors.torch.load_file` + cast (+ the ComfyUI scale formula for fp8) + `save_file`,
          then an fsync, so it does the same durable work;
-- cp:    `cp` of a file of the output's size (ckpt's own output), then `sync` of the copy.
+- cp:    `cp` of a file of the output's size (ckpt's own output), then `sync` of the copy. On a filesystem
+         that shares extents (XFS with reflink, btrfs) `cp` shares blocks too, so `cp --reflink=never`
+         (bytes copied) is timed as well.
 
 The `flux2->diffusers` case is layout conversion: a synthetic Flux.2 file in its original (BFL) layout
 (real names and proportions, fused `qkv` and 9x-width `linear1`) becomes a diffusers model folder;
@@ -25,7 +27,7 @@ the maximum over rounds.
 Targets (from the issue): peak RSS of ckpt at most the import baseline (`python -c "import torch"`, with
 a CUDA context for `--device cuda`, measured in the same run) + 2x the largest tensor (its bytes in the
 larger of the input and output dtypes) + the write stages' buffers + 300 MB; wall time within 1.5x of
-cp + sync of the output bytes; faster than naive. `--device cuda` runs ckpt on the GPU; `--workdir`
+cp + sync of the output bytes (1.2x for the layout conversion, 2x for fp8 -> bf16); faster than naive. `--device cuda` runs ckpt on the GPU; `--workdir`
 chooses tmpfs (/dev/shm: the disk out of the figures) or a real disk, and the report says which. They are printed as
 met / NOT met; `--check-targets` makes an unmet target exit 1. Correctness is checked too: ckpt's output
 must equal the naive output bit for bit (exit 1 otherwise; `--no-verify` skips it).
@@ -59,7 +61,10 @@ CASES = {
 }
 LAYOUT_FILE = "diffusion_pytorch_model.safetensors"  # what --layout diffusers writes in its folder
 VARIANTS = ("ckpt", "naive", "cp")
-TIME_FACTOR = 1.5
+# wall time targets against cp + sync (issue 25): a layout conversion changes no byte, an fp8 upcast writes
+# twice the bytes it reads
+TIME_FACTOR = {"flux2->diffusers": 1.2, "fp8->bf16": 2.0}
+DEFAULT_TIME_FACTOR = 1.5
 
 
 def naive_convert(src: str, dst: str, to: str) -> None:
@@ -119,9 +124,11 @@ def variant_argv(variant: str, src: Path, ref: Path, out: Path, to: str, device:
         return bl.ckpt_argv("convert", src, "-o", out, *what, "--device", device, "-q")
     if variant == "naive":
         return [sys.executable, __file__, "--naive", str(src), str(out), to]
+    flag = " --reflink=never" if variant == "cp --reflink=never" else ""
     if layout:  # the same bytes into a folder
-        return ["sh", "-c", 'mkdir -- "$2" && cp -- "$1" "$2/x" && sync -- "$2/x"', "sh", str(ref / LAYOUT_FILE), str(out)]
-    return ["sh", "-c", 'cp -- "$1" "$2" && sync -- "$2"', "sh", str(ref), str(out)]
+        return ["sh", "-c", f'mkdir -- "$2" && cp{flag} -- "$1" "$2/x" && sync -- "$2/x"', "sh", str(ref / LAYOUT_FILE),
+                str(out)]
+    return ["sh", "-c", f'cp{flag} -- "$1" "$2" && sync -- "$2"', "sh", str(ref), str(out)]
 
 
 def _weights(p: Path) -> Path:
@@ -151,6 +158,8 @@ def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[
         bl.measure(variant_argv("ckpt", src, ref, ref, to, args.device))
         out_bytes = _weights(ref).stat().st_size
         variants = list(VARIANTS)
+        if bl.shares_extents(work):  # cp shares the blocks there too (coreutils 9: --reflink=auto); the bytes copied:
+            variants.append("cp --reflink=never")
         skipped = {}
         if args.no_naive:
             skipped["naive"] = "--no-naive"
@@ -192,7 +201,10 @@ def targets(case: str, rows: list[Row], info: dict, baseline_rss: int) -> dict:
            "rss_ok": ck.peak_rss <= bound}
     if "cp" in by:
         res["vs_cp"] = ck.seconds / by["cp"].seconds
-        res["time_ok"] = res["vs_cp"] <= TIME_FACTOR
+        res["time_factor"] = TIME_FACTOR.get(case, DEFAULT_TIME_FACTOR)
+        res["time_ok"] = res["vs_cp"] <= res["time_factor"]
+    if "cp --reflink=never" in by:
+        res["vs_cp_copy"] = ck.seconds / by["cp --reflink=never"].seconds
     if "naive" in by:
         res["vs_naive"] = by["naive"].seconds / ck.seconds
         res["faster_ok"] = ck.seconds < by["naive"].seconds
@@ -316,11 +328,12 @@ def render(args, argv, machine, model, floor, startup, rows, results) -> str:
         trows.append([
             case,
             f"{bl.fmt_mb(ck.peak_rss)} <= {bl.fmt_mb(t['rss_bound'])}: {yes(t['rss_ok'])}",
-            f"{t['vs_cp']:.2f}x cp: {yes(t['time_ok'])}" if "vs_cp" in t else "-",
+            (f"{t['vs_cp']:.2f}x cp (<= {t['time_factor']}x): {yes(t['time_ok'])}" if "vs_cp" in t else "-")
+            + (f"; {t['vs_cp_copy']:.2f}x cp --reflink=never" if "vs_cp_copy" in t else ""),
             f"{t['vs_naive']:.2f}x faster: {yes(t['faster_ok'])}" if "vs_naive" in t else "skipped",
             "not checked" if ver is None else {True: "bit-identical", False: "DIFFERS", None: "-"}[ver["equal"]],
         ])
-    lines.append(bl.markdown_table(["case", "peak RSS MB <= bound", "time <= 1.5x cp", "faster than naive",
+    lines.append(bl.markdown_table(["case", "peak RSS MB <= bound", "time vs cp", "faster than naive",
                                     "ckpt == naive"], trows))
     return "\n".join(lines)
 

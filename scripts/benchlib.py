@@ -429,6 +429,12 @@ def where(path) -> str:
     return fs if fs in ("tmpfs", "ramfs") else f"disk ({fs}, {dev})"
 
 
+def shares_extents(path) -> bool:
+    """Whether `path` is on a filesystem whose copies may share blocks (what ckpt.io.byte_copy.SHARING lists):
+    there `cp` (coreutils 9: --reflink=auto) and ckpt's byte copies share blocks instead of copying them."""
+    return where(path).startswith(tuple(f"disk ({fs}," for fs in ("xfs", "btrfs", "bcachefs", "zfs")))
+
+
 def cp_baseline(src, dst) -> Measurement:
     """`cp` of `src` (a file of the output's bytes) then `sync` of the copy: the least any tool that writes
     those bytes durably can take on this machine and filesystem. The copy is removed afterwards."""
