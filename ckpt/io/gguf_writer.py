@@ -149,7 +149,7 @@ def file_size(entries: list[Entry], fields: list[Field]) -> int:
 
 
 class GGUFFileWriter(RegionWriter):
-    def __init__(self, path, entries: list[Entry], fields: list[Field]):
+    def __init__(self, path, entries: list[Entry], fields: list[Field], direct: bool = False):
         head, regions, size = layout(entries, fields)
-        self._open(path, entries, regions)
+        self._open(path, entries, regions, direct=direct)
         self._start([(0, head)], size)  # sparse: alignment padding reads as zeros, as GGUFWriter writes it

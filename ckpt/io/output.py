@@ -37,6 +37,10 @@ BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB 
 # Tensors whose output bytes are stored byte ranges (`OutTensor.copy_ranges`) are copied by the kernel
 # (`ckpt.io.byte_copy`); False reads and writes them like any other tensor (tests compare the two: same bytes).
 BYTE_COPY = True
+# Files with no byte copies are written with O_DIRECT where the filesystem allows (`ckpt.io.direct`: the page
+# cache's writeback throttled the writer); False writes them through the page cache (tests compare: same bytes).
+# A file with copies keeps the page cache: the kernel's copies go through it.
+DIRECT = True
 # Set (to anything but 0), a safetensors header is never padded for a filesystem that shares extents: the
 # bytes safetensors' own writer would write, on every filesystem (the copied blocks are then copied, not shared).
 NO_PADDING = "CKPT_NO_BLOCK_PADDING"
@@ -188,12 +192,13 @@ def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
         from ckpt.io.writer import close_fd
 
         close_fd(fd)  # the GGUF writer opens its (already created) temp file by name
-        return GGUFFileWriter(path, entries, f.fields)
+        return GGUFFileWriter(path, entries, f.fields, direct=DIRECT and not copies)
     if f.format == "torch":
         from ckpt.io.torchzip import TorchZipWriter
 
         return TorchZipWriter(path, entries, f.archive, fd=fd)
-    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=_block_padding(path, entries, f.metadata, copies))
+    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=_block_padding(path, entries, f.metadata, copies),
+                             direct=DIRECT and not copies)
 
 
 def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:

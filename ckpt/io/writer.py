@@ -118,11 +118,15 @@ class RegionWriter:
 
     fd = -1
     copier = None
+    sink = None  # a DirectSink (ckpt.io.direct) where the file is written with O_DIRECT
+    size = 0
 
-    def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]], fd: int | None = None) -> None:
+    def _open(self, path, entries: list[Entry], regions: dict[str, tuple[int, int]], fd: int | None = None,
+              direct: bool = False) -> None:
         """`fd`: the file, already created (ckpt.io.publish creates output files exclusively); the writer
         owns it from here on and closes it on close() or abort(), also when this raises. Else `path`
-        is created (or truncated)."""
+        is created (or truncated). `direct`: write its bytes with O_DIRECT where the filesystem allows
+        (`ckpt.io.direct`): only for a file written in order, header first (safetensors, GGUF)."""
         self.fd = -1 if fd is None else fd
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
@@ -133,6 +137,23 @@ class RegionWriter:
         self.unflushed = 0  # bytes written since writeback was last started
         if fd is None:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        if direct:
+            from ckpt.io.direct import DirectSink, open_direct
+
+            fd_direct = open_direct(path)
+            if fd_direct is not None:
+                self.sink = DirectSink(self.fd, fd_direct)
+
+    def _put(self, pos: int, b) -> None:
+        """`b` at file offset `pos`: through the O_DIRECT sink, else pwrite (writeback started as we go)."""
+        if self.sink is not None:
+            self.sink.put(pos, b)
+            return
+        pwrite_all(self.fd, memoryview(b), pos)
+        self.unflushed += len(b)
+        if self.unflushed >= WRITE_BEHIND:
+            self.unflushed = 0
+            start_writeback(self.fd)
 
     def write(self, name: str, data: torch.Tensor) -> None:
         """Append `data` (CPU, contiguous) to tensor `name`'s region."""
@@ -141,13 +162,9 @@ class RegionWriter:
         pos = start + self.written[name]
         if pos + len(b) > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        pwrite_all(self.fd, memoryview(b), pos)
+        self._put(pos, b)
         self._wrote(name, b)
         self.written[name] += len(b)
-        self.unflushed += len(b)
-        if self.unflushed >= WRITE_BEHIND:
-            self.unflushed = 0
-            start_writeback(self.fd)
 
     def copy(self, name: str, ranges) -> None:
         """Append the stored byte `ranges` (`ckpt.io.tensors.ByteRange`) to tensor `name`'s region, copied by
@@ -157,6 +174,16 @@ class RegionWriter:
         total = sum(r.length for r in ranges)
         if pos + total > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
+        if self.sink is not None:  # a file written with O_DIRECT takes its bytes in order through the sink
+            from ckpt.io.header import read_into
+
+            for r in ranges:
+                buf = bytearray(r.length)
+                read_into(r.fd(), memoryview(buf), r.start, r.path)
+                self.sink.put(pos, buf)
+                pos += r.length
+            self.written[name] += total
+            return
         if self.copier is None:
             from ckpt.io.byte_copy import Copier
 
@@ -177,8 +204,9 @@ class RegionWriter:
         """Write what is known before any data (header, records: `pieces` of (offset, bytes)) and size the
         file up front (sparse): a reader of a half-written file sees zeros, never a short file."""
         try:
+            self.size = size
             for offset, data in pieces:
-                pwrite_all(self.fd, memoryview(data), offset)
+                self._put(offset, data)
             os.ftruncate(self.fd, size)
         except BaseException:
             self.abort()
@@ -193,11 +221,16 @@ class RegionWriter:
         """Every region full, then fsync and close."""
         try:
             self._check_full()
+            if self.sink is not None:
+                self.sink.close(self.size)
             os.fsync(self.fd)
         finally:
             self.abort()
 
     def abort(self) -> None:
+        if self.sink is not None:
+            self.sink.release()
+            self.sink = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -205,11 +238,11 @@ class RegionWriter:
 
 class SafetensorsWriter(RegionWriter):
     def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None, fd: int | None = None,
-                 pad: int = 0):
+                 pad: int = 0, direct: bool = False):
         try:
             head, regions = layout(entries, metadata, pad)
         except BaseException:
             close_fd(fd)
             raise
-        self._open(path, entries, regions, fd)
+        self._open(path, entries, regions, fd, direct)
         self._start([(0, head)], len(head) + sum(e.nbytes for e in entries))

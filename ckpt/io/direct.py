@@ -1,0 +1,121 @@
+"""Writing an output file sequentially with O_DIRECT: computed bytes go to the disk without the page cache.
+
+Measured on the 2-core VM (ext4, 4.1 GB written from a 16 MiB buffer, `sync` before each run): buffered
+`pwrite` + fsync took 4.3-8.4 s (the writer is throttled while the kernel writes dirty pages back, and every
+page is allocated, filled and later reclaimed); the same bytes with O_DIRECT 3.0-3.4 s, faster than `cp` + sync
+(3.9 s). The write stages' writer is the one thread that writes, in file order, so its writes can be gathered
+into one aligned buffer and handed to the disk a buffer at a time.
+
+`DirectSink` takes the file's bytes in order (`put(offset, bytes)`: header first, then each band; a gap
+between tensors, as GGUF's alignment leaves, is zeros), copies them into a page-aligned buffer and writes
+each full buffer with O_DIRECT; `close()` writes the last part padded to the block size and cuts the file
+back to its size. Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL
+when opening or on the first write) the same bytes go through the ordinary descriptor instead, so the output
+never depends on it. A write behind the buffer (never made by the writers today) is written buffered: the
+kernel keeps direct and buffered writes of one file coherent.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+BUFFER = 16 << 20  # bytes per O_DIRECT write (4 MiB and 64 MiB measured the same; a multiple of ALIGN)
+ALIGN = 4096  # offsets, lengths and buffer addresses of O_DIRECT I/O: the largest logical block size in use
+
+
+def open_direct(path) -> int | None:
+    """A second, O_DIRECT descriptor of the (created) output file `path`, or None where there is none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:  # EINVAL: the filesystem does not do direct I/O
+        return None
+
+
+class DirectSink:
+    """A file's bytes, in order, written a buffer at a time with O_DIRECT (`fd_direct`), else through `fd`."""
+
+    def __init__(self, fd: int, fd_direct: int):
+        self.fd, self.fd_direct = fd, fd_direct
+        self.buf = mmap.mmap(-1, BUFFER)  # page-aligned, as O_DIRECT wants its memory
+        self.mv = memoryview(self.buf)
+        self.base = 0  # file offset of the buffer's first byte
+        self.fill = 0  # bytes of the buffer that hold the file's bytes
+
+    def put(self, pos: int, data) -> None:
+        mv = memoryview(data).cast("B")
+        if pos < self.base:  # behind what was written: rare, buffered (coherent with direct I/O)
+            from ckpt.io.writer import pwrite_all
+
+            pwrite_all(self.fd, mv, pos)
+            return
+        while len(mv):
+            at = pos - self.base
+            if at >= BUFFER:  # a gap past the buffer: zeros up to its end, then the next buffer
+                self.mv[self.fill:] = bytes(BUFFER - self.fill)
+                self.fill = BUFFER
+                self._flush()
+                continue
+            if at > self.fill:  # a gap inside the buffer: zeros, as in the sparse file
+                self.mv[self.fill: at] = bytes(at - self.fill)
+            n = min(len(mv), BUFFER - at)
+            self.mv[at: at + n] = mv[:n]
+            self.fill = max(self.fill, at + n)
+            pos, mv = pos + n, mv[n:]
+            if self.fill == BUFFER:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Write the buffer's `fill` bytes at `base` (padded with zeros to a whole block) and start the next."""
+        n = -(-self.fill // ALIGN) * ALIGN
+        if n > self.fill:
+            self.mv[self.fill: n] = bytes(n - self.fill)
+        self._write(self.mv[:n], self.base, self.fill)
+        self.base += self.fill
+        self.fill = 0
+
+    def _write(self, mv: memoryview, pos: int, keep: int) -> None:
+        from ckpt.io.writer import pwrite_all
+
+        if self.fd_direct >= 0:
+            try:
+                done = 0
+                while done < len(mv):  # a short direct write ends on a block boundary
+                    n = os.pwrite(self.fd_direct, mv[done:], pos + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "direct write made no progress")
+                    done += n
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._drop_direct()  # refused on write (some filesystems accept the open): buffered from here
+        pwrite_all(self.fd, mv[:keep], pos)
+
+    def close(self, size: int) -> None:
+        """Write what is left; the file ends at `size` (the last block was padded past it)."""
+        if self.fill:
+            self._flush()
+        os.ftruncate(self.fd, size)
+        self.release()
+
+    def _drop_direct(self) -> None:
+        if self.fd_direct >= 0:
+            try:
+                os.close(self.fd_direct)
+            except OSError:
+                pass
+            self.fd_direct = -1
+
+    def release(self) -> None:
+        self._drop_direct()
+        if self.buf is not None:
+            buf, self.buf, self.mv = self.buf, None, None
+            try:
+                buf.close()
+            except BufferError:  # a failed write's traceback still holds a view of it: freed with it
+                pass

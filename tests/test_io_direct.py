@@ -1,0 +1,112 @@
+"""O_DIRECT output (`ckpt.io.direct`): a file written in order through one aligned buffer has exactly the bytes the
+page-cache path writes, gaps included, whatever the buffer size; a filesystem that refuses O_DIRECT (on open or
+on the first write) gets the same bytes through the ordinary descriptor.
+
+Oracles: a bytearray model of the file for the sink itself; the page-cache path (`ckpt.io.output.DIRECT = False`,
+pwrite as before, itself checked against safetensors' and gguf's own writers elsewhere) for whole commands.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ckpt.io.direct as direct
+import ckpt.io.output as output
+
+
+def _sink(tmp_path, monkeypatch, buffer=8192):
+    monkeypatch.setattr(direct, "BUFFER", buffer)
+    path = tmp_path / "o.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    fd_direct = direct.open_direct(path)
+    if fd_direct is None:
+        os.close(fd)
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    return path, fd, direct.DirectSink(fd, fd_direct)
+
+
+def test_sink_writes_what_a_model_of_the_file_holds(tmp_path, monkeypatch):
+    """Pieces in order with gaps (GGUF's alignment), pieces across buffer boundaries, a gap longer than the
+    buffer, and a final part that is not a whole block: the file is the model's bytes and its size exactly."""
+    path, fd, sink = _sink(tmp_path, monkeypatch)
+    rng = np.random.default_rng(0)
+    model = bytearray()
+    pos = 0
+    for length, gap in [(100, 0), (5000, 28), (9000, 0), (3, 4), (20000, 9000), (1, 0), (4095, 0), (777, 31)]:
+        pos += gap
+        data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        model[len(model):] = bytes(pos - len(model))
+        model[pos:pos + length] = data
+        sink.put(pos, data)
+        pos += length
+    size = len(model) + 13  # the file's size is planned: a tail of zeros, as a sparse file reads
+    os.ftruncate(fd, size)
+    sink.close(size)
+    os.close(fd)
+    assert path.read_bytes() == bytes(model) + bytes(13)
+
+
+def test_a_write_refused_with_einval_goes_through_the_page_cache(tmp_path, monkeypatch):
+    path, fd, sink = _sink(tmp_path, monkeypatch)
+    real = os.pwrite
+
+    def pwrite(f, data, offset):
+        if f == sink.fd_direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(f, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    data = np.random.default_rng(1).integers(0, 256, 20000, dtype=np.uint8).tobytes()
+    sink.put(0, data[:10000])
+    sink.put(10000, data[10000:])
+    assert sink.fd_direct == -1  # given up after the first refusal
+    sink.close(len(data))
+    os.close(fd)
+    assert path.read_bytes() == data
+
+
+def test_tmpfs_output_has_the_same_bytes(tmp_path, monkeypatch, run_ckpt):
+    """tmpfs refuses O_DIRECT on open (before Linux 6.6) or takes it: either way the output is the page-cache
+    path's bytes."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        save_file({"a": torch.randn(300, 70), "b": torch.randn(5)}, tmp_path / "m.safetensors")
+        _both(run_ckpt, monkeypatch, shm, "convert", tmp_path / "m.safetensors", "--to", "bf16", name="o.safetensors")
+    finally:
+        shutil.rmtree(shm)
+
+
+def _both(run_ckpt, monkeypatch, tmp_path, *args, name):
+    outs = []
+    for d in (True, False):
+        monkeypatch.setattr(output, "DIRECT", d)
+        out = tmp_path / str(d) / name
+        out.parent.mkdir()
+        code, _, err = run_ckpt(*args, "-o", out, "-q")
+        assert code == 0, err
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    return outs[0]
+
+
+@pytest.mark.parametrize("to", ["fp16", "gguf-q8_0", "gguf-q4_k_m"])
+def test_commands_write_the_page_cache_paths_bytes(tmp_path, monkeypatch, run_ckpt, to):
+    monkeypatch.setattr(direct, "BUFFER", 3 * 4096)  # many flushes, bands across them
+    monkeypatch.setattr(output, "BAND_ELEMS", 1000)
+    from helpers.flux_names import tiny_flux
+
+    save_file(tiny_flux(), tmp_path / "m.safetensors")  # GGUF: an architecture ComfyUI-GGUF knows
+    _both(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "m.safetensors", "--to", to,
+          name="o.gguf" if to.startswith("gguf") else "o.safetensors")
