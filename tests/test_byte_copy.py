@@ -252,18 +252,20 @@ def test_a_source_that_ends_early_is_an_input_error(tmp_path, way):
         os.close(fd_out)
 
 
-def test_input_truncated_after_planning_is_one_line_and_nothing_written(tmp_path, run_ckpt, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])
+def test_input_truncated_after_planning_is_one_line_and_nothing_written(tmp_path, run_ckpt, monkeypatch, direct):
     """The file shrank between reading its header and copying its bytes: exit 2, no output, no traceback."""
     _mixed(tmp_path / "m.safetensors")
-    import ckpt.io.byte_copy as byte_copy
+    from ckpt.io.writer import RegionWriter
 
-    real = byte_copy.Copier.copy
+    real = RegionWriter.copy
 
-    def shrinking(self, src_fd, *a):
+    def shrinking(self, *a):  # the copy is read into an O_DIRECT buffer here, or copied by the kernel
         os.truncate(tmp_path / "m.safetensors", 200)
-        return real(self, src_fd, *a)
+        return real(self, *a)
 
-    monkeypatch.setattr(byte_copy.Copier, "copy", shrinking)
+    monkeypatch.setattr(RegionWriter, "copy", shrinking)
+    monkeypatch.setattr(output, "DIRECT", direct)
     code, out, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "-o", tmp_path / "o.safetensors")
     assert code == 2 and err.strip().count("\n") == 0 and "unexpected end of file" in err and "Traceback" not in err
     assert not (tmp_path / "o.safetensors").exists() and [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]

@@ -74,3 +74,20 @@ def test_scratch_buffers_and_shapes_are_kept(monkeypatch):
     assert y.shape == x.shape and torch.equal(y, x.half())
     assert y.data_ptr() == bufs.get("cast", 0).data_ptr()  # written into the reusable buffer
     assert Caster(torch.float16, Report())(torch.zeros(0, 4), "e").shape == (0, 4)
+
+
+@pytest.mark.parametrize("src", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_upcast_with_a_scale_is_the_upcast_times_the_scale(src):
+    """The scaled pair table (one fp32 multiply per table entry) gives every code, NaN payloads included,
+    exactly the bits of `x.to(float32) * scale`, for scales that overflow, underflow, are Inf, NaN or negative;
+    odd lengths and unaligned views take the per-element path."""
+    from ckpt.cast import fp8_upcast
+    from ckpt.io.buffers import Buffers
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(41)[:10001].view(src)
+    for s in (0.37, 3e38, 1e-40, float("inf"), float("nan"), -2.0):
+        scale = torch.tensor(s, dtype=torch.float32)
+        for x in (codes, codes[1:], codes[:-1]):
+            want = x.to(torch.float32).mul_(scale)
+            got = fp8_upcast(x, torch.float32, Buffers(), role="x", scale=scale)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (src, s, x.numel())

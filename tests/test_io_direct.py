@@ -110,3 +110,26 @@ def test_commands_write_the_page_cache_paths_bytes(tmp_path, monkeypatch, run_ck
     save_file(tiny_flux(), tmp_path / "m.safetensors")  # GGUF: an architecture ComfyUI-GGUF knows
     _both(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "m.safetensors", "--to", to,
           name="o.gguf" if to.startswith("gguf") else "o.safetensors")
+
+
+def test_put_from_reads_stored_ranges_into_the_buffer(tmp_path, monkeypatch):
+    """Stored tensors copied into a file written with O_DIRECT are read straight into its buffer: ranges in
+    order, after a small gap, across buffers, longer than a buffer, and past a gap longer than the buffer (the
+    general way, through `put`)."""
+    path, fd, sink = _sink(tmp_path, monkeypatch)
+    src = tmp_path / "src.bin"
+    data = np.random.default_rng(2).integers(0, 256, 60000, dtype=np.uint8).tobytes()
+    src.write_bytes(data)
+    fd_in = os.open(src, os.O_RDONLY)
+    model = bytearray(70000)
+    try:
+        for pos, start, length in [(0, 5, 100), (132, 1000, 8000), (8132, 9000, 20000), (40000, 30000, 9)]:
+            sink.put_from(pos, fd_in, start, length, src)
+            model[pos:pos + length] = data[start:start + length]
+        size = 40009
+        os.ftruncate(fd, size)
+        sink.close(size)
+    finally:
+        os.close(fd_in)
+        os.close(fd)
+    assert path.read_bytes() == bytes(model[:40009])

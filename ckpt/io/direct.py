@@ -69,6 +69,30 @@ class DirectSink:
             if self.fill == BUFFER:
                 self._flush()
 
+    def put_from(self, pos: int, fd: int, src_pos: int, length: int, path) -> None:
+        """`length` bytes of the file `fd` at `src_pos` (an input; `path` names it in errors) to offset `pos`,
+        read straight into the buffer: a stored tensor copied into a file written with O_DIRECT."""
+        from ckpt.io.header import read_into
+
+        if pos < self.base + self.fill or pos - self.base >= BUFFER:  # behind, or past a gap: the general way
+            while length > 0:
+                n = min(length, BUFFER)
+                chunk = bytearray(n)
+                read_into(fd, memoryview(chunk), src_pos, path)
+                self.put(pos, chunk)
+                pos, src_pos, length = pos + n, src_pos + n, length - n
+            return
+        while length > 0:
+            at = pos - self.base
+            if at > self.fill:
+                self.mv[self.fill: at] = bytes(at - self.fill)
+            n = min(length, BUFFER - at)
+            read_into(fd, self.mv[at: at + n], src_pos, path)
+            self.fill = at + n
+            pos, src_pos, length = pos + n, src_pos + n, length - n
+            if self.fill == BUFFER:
+                self._flush()
+
     def _flush(self) -> None:
         """Write the buffer's `fill` bytes at `base` (padded with zeros to a whole block) and start the next."""
         n = -(-self.fill // ALIGN) * ALIGN

@@ -192,13 +192,25 @@ def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
         from ckpt.io.writer import close_fd
 
         close_fd(fd)  # the GGUF writer opens its (already created) temp file by name
-        return GGUFFileWriter(path, entries, f.fields, direct=DIRECT and not copies)
+        return GGUFFileWriter(path, entries, f.fields, direct=_direct(path, f, copies))
     if f.format == "torch":
         from ckpt.io.torchzip import TorchZipWriter
 
         return TorchZipWriter(path, entries, f.archive, fd=fd)
-    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=_block_padding(path, entries, f.metadata, copies),
-                             direct=DIRECT and not copies)
+    pad = _block_padding(path, entries, f.metadata, copies)
+    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=pad, direct=not pad and _direct(path, f, copies))
+
+
+def _direct(path: Path, f, copies: dict) -> bool:
+    """Whether the file is written with O_DIRECT (`ckpt.io.direct`). Not where the kernel's copies are
+    most of it (a layout conversion, a merge that changes little): those go through the page cache with
+    copy_file_range (shared blocks on a filesystem that shares extents); a few copied tensors in a computed
+    file are read into the direct writer's buffer instead (measured: the page cache's writeback throttled a
+    4 GB fp8 -> bf16 convert whose bf16 biases alone were copies)."""
+    if not DIRECT:
+        return False
+    copied = sum(r.length for rs in copies.values() for r in rs)
+    return copied * 2 < sum(t.entry.nbytes for t in f.tensors)
 
 
 def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:

@@ -174,13 +174,9 @@ class RegionWriter:
         total = sum(r.length for r in ranges)
         if pos + total > end:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        if self.sink is not None:  # a file written with O_DIRECT takes its bytes in order through the sink
-            from ckpt.io.header import read_into
-
+        if self.sink is not None:  # a file written with O_DIRECT: the bytes are read into its buffer, in order
             for r in ranges:
-                buf = bytearray(r.length)
-                read_into(r.fd(), memoryview(buf), r.start, r.path)
-                self.sink.put(pos, buf)
+                self.sink.put_from(pos, r.fd(), r.start, r.length, r.path)
                 pos += r.length
             self.written[name] += total
             return
