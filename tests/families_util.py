@@ -92,6 +92,25 @@ def tiny_flux2():
                                    axes_dims_rope=(2, 2, 2, 2))
 
 
+def flux2_bf16_original(path=None, prefix: str = ""):
+    """A tiny bf16 Flux.2 with heads of 128 (the size its diffusers config.json is derived for): (diffusers
+    state dict, original-layout state dict), the latter saved to `path` with keys under `prefix` if given."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    from ckpt.families import get
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128,
+                                    num_attention_heads=1, joint_attention_dim=16, timestep_guidance_channels=8,
+                                    axes_dims_rope=(32, 32, 32, 32))
+    sd = state_dict(model.to(torch.bfloat16))
+    original = original_from_pairs(get("flux2"), sd)
+    if path is not None:
+        save_file({prefix + k: v for k, v in original.items()}, path)
+    return sd, original
+
+
 def tiny_flux1():
     from diffusers import FluxTransformer2DModel
 

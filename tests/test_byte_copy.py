@@ -53,17 +53,10 @@ def _copied(report) -> int:
 
 
 def test_layout_conversion_copies_every_tensor(tmp_path, run_ckpt, monkeypatch):
-    diffusers = pytest.importorskip("diffusers")
-    from families_util import original_from_pairs, state_dict
-    from ckpt.families import get
+    pytest.importorskip("diffusers")
+    from families_util import flux2_bf16_original
 
-    torch.manual_seed(0)
-    model = diffusers.Flux2Transformer2DModel(  # head size 128: the one Flux.2's config.json is derived for
-        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
-        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
-    sd = state_dict(model.to(torch.bfloat16))
-    original = original_from_pairs(get("flux2"), sd)
-    save_file(original, tmp_path / "f2.safetensors")
+    sd, original = flux2_bf16_original(tmp_path / "f2.safetensors")
     monkeypatch.setattr(output, "BAND_ELEMS", 64)  # the read path goes band by band through fused tensors
     rep = both_ways(run_ckpt, monkeypatch, tmp_path, "convert", tmp_path / "f2.safetensors", "--layout", "diffusers",
                     out_name="dif")
@@ -170,6 +163,30 @@ def test_gguf_tensors_kept_in_their_type_are_copied(tmp_path, run_ckpt, monkeypa
     assert np.array_equal(np.asarray(out["output_norm.weight"].data), np.asarray(norm.data))
 
 
+def test_passthrough_slices_copy_their_layers(tmp_path, run_ckpt, monkeypatch):
+    """`ckpt merge` passthrough slices without a scale write each source tensor as it is stored (as mergekit
+    does; tests/test_merge_slices.py compares with mergekit itself): copied unread, the same bytes as reading
+    them, every tensor taken from the right layer of the right model."""
+    pytest.importorskip("transformers")
+    from helpers.merge_oracle import tiny_llama
+
+    a, b = tiny_llama(tmp_path / "a", 1, layers=3), tiny_llama(tmp_path / "b", 2, layers=3)
+    (tmp_path / "m.yaml").write_text(f"""merge_method: passthrough
+slices:
+  - sources:
+      - model: {a}
+        layer_range: [0, 2]
+  - sources:
+      - model: {b}
+        layer_range: [1, 3]
+""")
+    rep = both_ways(run_ckpt, monkeypatch, tmp_path, "merge", tmp_path / "m.yaml", out_name="merged")
+    got = load_file(tmp_path / "True" / "merged" / "model.safetensors")
+    assert _copied(rep) == len(got)
+    want = load_file(b / "model.safetensors")
+    assert torch.equal(got["model.layers.3.mlp.up_proj.weight"], want["model.layers.2.mlp.up_proj.weight"])
+
+
 def test_batch_outputs_equal_the_read_path(tmp_path, run_ckpt, monkeypatch):
     """`ckpt batch` runs the same API in worker processes: the outputs are the read path's bytes."""
     (tmp_path / "in").mkdir()
@@ -274,16 +291,10 @@ def test_input_truncated_after_planning_is_one_line_and_nothing_written(tmp_path
 # ------------------------------------------------------------------ filesystems that share extents
 
 def _tiny_flux2_file(tmp_path):
-    diffusers = pytest.importorskip("diffusers")
-    from families_util import original_from_pairs, state_dict
-    from ckpt.families import get
+    pytest.importorskip("diffusers")
+    from families_util import flux2_bf16_original
 
-    torch.manual_seed(0)
-    model = diffusers.Flux2Transformer2DModel(
-        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
-        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
-    original = original_from_pairs(get("flux2"), state_dict(model.to(torch.bfloat16)))
-    save_file(original, tmp_path / "f2.safetensors")
+    flux2_bf16_original(tmp_path / "f2.safetensors")
     return tmp_path / "f2.safetensors"
 
 

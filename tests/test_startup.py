@@ -145,19 +145,10 @@ def test_bad_header_is_one_line_before_torch(tmp_path):
 def test_layout_conversion_imports_no_torch(tmp_path, run_ckpt):
     """A layout conversion changes no byte (every tensor is a stored range, `ckpt.io.byte_copy`): both ways,
     with the single-file prefix, it runs without torch and writes what an in-process run writes."""
-    diffusers = pytest.importorskip("diffusers")
-    import torch
-    from safetensors.torch import save_file
+    pytest.importorskip("diffusers")
+    from families_util import flux2_bf16_original
 
-    from families_util import original_from_pairs, state_dict
-    from ckpt.families import get
-
-    torch.manual_seed(0)
-    model = diffusers.Flux2Transformer2DModel(
-        in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=1,
-        joint_attention_dim=16, timestep_guidance_channels=8, axes_dims_rope=(32, 32, 32, 32))
-    original = original_from_pairs(get("flux2"), state_dict(model.to(torch.bfloat16)))
-    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "f2.safetensors")
+    flux2_bf16_original(tmp_path / "f2.safetensors", prefix="model.diffusion_model.")
     steps = [("f2.safetensors", "diffusers", "dif"), ("ref/dif", "original", "back.safetensors")]
     for src, layout, out in steps:
         verdict, err = run_fresh("convert", tmp_path / src, "--layout", layout, "-o", tmp_path / "fresh" / out)

@@ -58,6 +58,13 @@ def sliced_views(recipe, method, models, ref, opts, report):
         job = make_job(method, name, (name, name), t, inputs[0].shape, inputs, order, base, chains,
                    [sl.parameters, recipe.parameters], recipe, compute)
         report.merged += 1
+        if (method.name == "passthrough" and job.per_input[0].get("scale") is None and round_to is None
+                and not opts.keep_format):
+            # the source's tensor itself, as mergekit writes it: its stored bytes are copied by the kernel
+            # (ckpt.io.byte_copy) where its dtype is the output's, cast once otherwise
+            kept = Renamed(inputs[0], name)
+            kept.home = ""  # placed by the output's planner, as merged tensors are
+            return kept
         return MergedModelTensor(job, method, "", round_to)
 
     def outside(names, sl, group):
