@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from ckpt.dtypes import ST_FLOAT, is_float
+from ckpt.dtypes import ST_FLOAT, as_torch, is_float, st_name
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state, targets
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
@@ -23,10 +23,10 @@ from ckpt.progress import progress_bar
 from ckpt.report import Report, plural
 
 
-def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | None], *, clamp: bool = False,
+def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | str | None], *, clamp: bool = False,
                  source_of: Callable[[Tensor], Tensor] = lambda t: t):
-    """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)` (None: the dtype it had
-    before any storage encoding, `natural_dtype`), rounded once by a Caster (which counts overflow and
+    """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)` (a torch dtype or its
+    safetensors name; None: the dtype it had before any storage encoding, `natural_dtype`), rounded once by a Caster (which counts overflow and
     NaN/Inf); non-floating tensors pass through unchanged. `source_of(t)` may wrap the tensor first
     (merge-lora's MergedTensor).
 
@@ -41,11 +41,11 @@ def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | None
         src = source_of(t)
         dst = dtype_of(t)
         stored = src.byte_ranges() is not None and src.dtype_name == t.dtype_name
-        if stored and (t.dtype_name not in ST_FLOAT or dst is None or dst == t.dtype):
+        if stored and (t.dtype_name not in ST_FLOAT or dst is None or st_name(dst) == t.dtype_name):
             return [OutTensor(t.name, t.dtype_name, tuple(t.shape), src)]
         if not is_float(t.dtype):
             return [OutTensor(t.name, t.dtype, tuple(t.shape), src)]
-        dst = dst or t.natural_dtype
+        dst = as_torch(dst) if dst is not None else t.natural_dtype
         from ckpt.cast import Caster
 
         c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))

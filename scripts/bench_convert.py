@@ -156,6 +156,7 @@ def run_case(name: str, params: int, work: Path, args, mem_avail: int) -> tuple[
     try:
         log(f"[{name}] warm-up: ckpt convert (untimed; reads the source into the page cache) ...")
         bl.measure(variant_argv("ckpt", src, ref, ref, to, args.device))
+        bl.warm(_weights(ref))  # written with O_DIRECT: read into the cache for cp, as the source is for ckpt
         out_bytes = _weights(ref).stat().st_size
         variants = list(VARIANTS)
         if bl.shares_extents(work):  # cp shares the blocks there too (coreutils 9: --reflink=auto); the bytes copied:

@@ -435,9 +435,18 @@ def shares_extents(path) -> bool:
     return where(path).startswith(tuple(f"disk ({fs}," for fs in ("xfs", "btrfs", "bcachefs", "zfs")))
 
 
+def warm(path) -> None:
+    """Read `path` once (untimed) so that a timed copy of it reads from the page cache, as ckpt's runs read
+    their warm sources: ckpt writes most outputs with O_DIRECT, which leaves them out of the cache."""
+    subprocess.run(["cat", "--", str(path)], stdout=subprocess.DEVNULL, check=True)  # not here: this process's
+    # peak RSS is where every measured child's starts
+
+
 def cp_baseline(src, dst) -> Measurement:
-    """`cp` of `src` (a file of the output's bytes) then `sync` of the copy: the least any tool that writes
-    those bytes durably can take on this machine and filesystem. The copy is removed afterwards."""
+    """`cp` of `src` (a file of the output's bytes, read once first: `warm`) then `sync` of the copy: the
+    least any tool that writes those bytes durably can take on this machine and filesystem. The copy is
+    removed afterwards."""
+    warm(src)
     try:
         return measure(["sh", "-c", 'cp -- "$1" "$2" && sync -- "$2"', "sh", str(src), str(dst)])
     finally:

@@ -158,3 +158,16 @@ def test_layout_conversion_imports_no_torch(tmp_path, run_ckpt):
     for p in sorted((tmp_path / "ref").rglob("*")):
         if p.is_file():
             assert (tmp_path / "fresh" / p.relative_to(tmp_path / "ref")).read_bytes() == p.read_bytes(), p
+
+
+def test_a_cast_to_the_dtype_a_file_already_has_imports_no_torch(tmp_path, run_ckpt):
+    """`--to bf16` of a file already in bf16 (integer buffers beside): nothing is cast, every tensor copied."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.randn(64, 32).bfloat16(), "ids": torch.arange(5)}, tmp_path / "m.safetensors")
+    verdict, err = run_fresh("convert", tmp_path / "m.safetensors", "--to", "bf16", "-o", tmp_path / "fresh.safetensors")
+    assert verdict == {"code": 0, "torch": False, "numpy": False}, err
+    code, _, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "-o", tmp_path / "ref.safetensors")
+    assert code == 0, err
+    assert (tmp_path / "fresh.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

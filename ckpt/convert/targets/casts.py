@@ -24,9 +24,11 @@ class Cast(Target):
     def outputs(self, views, opts, report):
         import fnmatch
 
+        from ckpt.dtypes import ST_TORCH_NAMES
         from ckpt.run import cast_outputs
 
-        target = self.dtype()
+        # the target by its safetensors name: a tensor already in it is copied, and deciding so needs no torch
+        target = {v: k for k, v in ST_TORCH_NAMES.items()}[self.torch_name] if self.torch_name else None
 
         def out_dtype(t):
             keep = target is None or any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
