@@ -91,13 +91,13 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
         plan.notes += view.notes
         if view.dequantized:
             dequantized_dirs.add(comp.subdir)
-        dtype = output_dtype(comp)
+        rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
         if view.config is not None:
-            rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
-            plan.generated[rel] = _config_edit(False, dtype or _main_dtype(files))(dict(view.config))
-        elif comp.config is not None and (view.dequantized or dtype is not None):
-            rel = f"{comp.subdir}/config.json" if comp.subdir else "config.json"
-            plan.json_edits[rel] = _config_edit(view.dequantized, dtype)
+            plan.generated[rel] = _config_edit(False, output_dtype(comp) or _main_dtype(files))(dict(view.config))
+        elif comp.config is not None:  # asked only here: a config-less file's plan of copies needs no torch dtype
+            dtype = output_dtype(comp)
+            if view.dequantized or dtype is not None:
+                plan.json_edits[rel] = _config_edit(view.dequantized, dtype)
     for rel in ckpt.copies:
         p = PurePosixPath(rel)
         if rel in plan.generated:

@@ -97,9 +97,8 @@ class Target:
             plan = plan_layout(ckpt, views, make, layout=opts.layout, operation=op, config_ref=opts.config,
                                max_shard_size=shard_size, file_format=file_format)
         else:
-            dtype = self.output_dtype()
             plan = plan_checkpoint(ckpt, views, make, operation=op, max_shard_size=shard_size, file_format=file_format,
-                                   output_dtype=lambda c: dtype)
+                                   output_dtype=lambda c: self.output_dtype())
         if finish is not None:
             finish(plan)
         return plan
