@@ -26,10 +26,10 @@ from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.tensors import Tensor, row_bands, sub_ranges
 from ckpt.io.writer import SafetensorsWriter
 from ckpt.lazy import torch
+from ckpt.report import listed, plural
 
 if TYPE_CHECKING:
     from ckpt.io.write_stages import WriteStages
-from ckpt.report import listed, plural
 
 HEADROOM = 64 << 20  # free-space margin for filesystem overhead
 
@@ -37,9 +37,9 @@ BAND_ELEMS = 8 << 20  # elements per band: bounds every per-band buffer (32 MiB 
 # Tensors whose output bytes are stored byte ranges (`OutTensor.copy_ranges`) are copied by the kernel
 # (`ckpt.io.byte_copy`); False reads and writes them like any other tensor (tests compare the two: same bytes).
 BYTE_COPY = True
-# Files with no byte copies are written with O_DIRECT where the filesystem allows (`ckpt.io.direct`: the page
-# cache's writeback throttled the writer); False writes them through the page cache (tests compare: same bytes).
-# A file with copies keeps the page cache: the kernel's copies go through it.
+# Files with a computed tensor are written with O_DIRECT where the filesystem allows (`ckpt.io.direct`: the page
+# cache's writeback throttled the writer; `_direct`); False writes them through the page cache (tests compare:
+# same bytes).
 DIRECT = True
 # Set (to anything but 0), a safetensors header is never padded for a filesystem that shares extents: the
 # bytes safetensors' own writer would write, on every filesystem (the copied blocks are then copied, not shared).
