@@ -388,3 +388,13 @@ def test_a_reflink_filesystem_shares_the_copied_blocks(run_ckpt, monkeypatch):
         assert shared * 4096 >= sum(aligned) - 2 * 4096 * len(aligned) > 0, fiemap
     finally:
         shutil.rmtree(tmp)
+
+
+def test_dry_run_says_what_would_be_copied_and_writes_nothing(tmp_path, run_ckpt):
+    _mixed(tmp_path / "m.safetensors")
+    code, _, err = run_ckpt("convert", tmp_path / "m.safetensors", "--to", "bf16", "--dry-run",
+                            "--report", tmp_path / "r.json")
+    assert code == 0, err
+    assert "note: 3 tensors (" in err and "would be copied byte for byte from the input by the kernel" in err
+    assert json.loads((tmp_path / "r.json").read_text())["byte_copied"]["tensors"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "r.json"]
