@@ -214,7 +214,7 @@ def test_encode_api_one_call_per_weight(spec):
     w = weight((160, 96), dtype=torch.float32)
     src = ComputedTensor("a.weight", lambda: w, torch.float32, w.shape)
     src.row_align = 1
-    got = {o.name: o.cast(o.source.read(0, o.source.rows, torch.device("cpu")), None) for o in encode(qs, src, Report())}
+    got = {o.name: o.apply(o.source.read(0, o.source.rows, torch.device("cpu"))) for o in encode(qs, src, Report())}
     if spec.startswith("float8"):
         dt = getattr(torch, spec)
         scale = w.abs().amax() / torch.finfo(dt).max  # ComfyUI's "recalculate" scale, comfy-kitchen's quantize

@@ -387,7 +387,9 @@ def check_case(tmp_path, run_ckpt, m: Model, sd: dict, what: str) -> str:
     for k in m.weights:
         assert _same(got[k], want[k]), f"{what}: {k} differs from the oracle"
         bad += int((~torch.isfinite(want[k].float())).sum())
-    bad += sum(int((~torch.isfinite(sd[k].float())).sum()) for k in m.plain & set(sd) if sd[k].dtype.is_floating_point)
+    # plain tensors already fp32 are copied unread by the kernel (ckpt.io.byte_copy), the others cast and counted
+    bad += sum(int((~torch.isfinite(sd[k].float())).sum()) for k in m.plain & set(sd)
+               if sd[k].dtype.is_floating_point and sd[k].dtype != torch.float32)
     reported = sum(int(n.replace(",", "")) for n in NONFINITE.findall(err))
     assert reported == bad, f"{what}: {bad} NaN/Inf decoded, {reported} reported: {err}"
     return "decoded"

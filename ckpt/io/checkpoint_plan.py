@@ -115,8 +115,9 @@ def _main_dtype(files) -> torch.dtype | None:
     counts: dict = {}
     for f in files:
         for t in f.tensors:
-            if t.dtype.is_floating_point:
-                counts[t.dtype] = counts.get(t.dtype, 0) + math.prod(t.shape)
+            dt = t.torch_dtype  # a copied tensor's dtype is its safetensors name
+            if dt.is_floating_point:
+                counts[dt] = counts.get(dt, 0) + math.prod(t.shape)
     return max(counts, key=counts.get) if counts else None
 
 

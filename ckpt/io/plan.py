@@ -48,6 +48,10 @@ class OutTensor:
     def torch_dtype(self) -> torch.dtype:
         return as_torch(self.dtype)
 
+    def apply(self, x: torch.Tensor, buffers=None) -> torch.Tensor:
+        """The output band of source band `x`: its cast, or `x` itself where there is none."""
+        return x if self.cast is None else self.cast(x, buffers)
+
     def copy_ranges(self) -> list[ByteRange] | None:
         """The stored byte ranges that are exactly this tensor's output bytes (no cast, the source's dtype,
         every byte accounted for), or None: the write stage then copies them with the kernel
