@@ -219,12 +219,16 @@ def test_fallbacks_give_the_same_bytes(tmp_path, monkeypatch, broken):
 
     data = np.random.default_rng(0).integers(0, 256, 3 * 1000 + 7, dtype=np.uint8).tobytes()
     src, fd_in, fd_out = _pair(tmp_path, data)
+    # EXDEV: copy_file_range across filesystems on older kernels; ENOTSOCK: macOS's sendfile
+    why = {"copy_file_range": errno.EXDEV, "sendfile": errno.ENOTSOCK}
 
-    def unsupported(*a, **k):
-        raise OSError(errno.EXDEV if broken[0] == "copy_file_range" else errno.EINVAL, "not here")
+    def unsupported(name):
+        def refuse(*a, **k):
+            raise OSError(why[name], "not here")
+        return refuse
 
     for name in broken:
-        monkeypatch.setattr(os, name, unsupported)
+        monkeypatch.setattr(os, name, unsupported(name))
     monkeypatch.setattr(byte_copy, "CHUNK", 1000)
     monkeypatch.setattr(byte_copy, "FALLBACK_BUFFER", 300)
     try:

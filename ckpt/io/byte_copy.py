@@ -8,7 +8,8 @@ filesystem that shares extents (btrfs, XFS with reflink, bcachefs, ZFS with bloc
 blocks instead of copying them where the source and output offsets are aligned alike.
 
 Where the kernel or filesystem cannot (`EXDEV` across filesystems on older kernels, `ENOSYS`,
-`EOPNOTSUPP`, `EINVAL` from a filesystem without it), `os.sendfile` (also in-kernel) is next, then
+`EOPNOTSUPP`, `EINVAL` from a filesystem without it), `os.sendfile` (also in-kernel; to sockets only on macOS:
+`ENOTSOCK`) is next, then
 `pread`/`pwrite` through one reused buffer: the bytes are the same whichever way they travel, and the
 choice is remembered per output file (`Copier`). A source that ends early is the input error reading
 would raise; a full disk is the write error any write raises (`ckpt.io.output` turns both into one line).
@@ -22,8 +23,9 @@ import os
 CHUNK = 64 << 20  # bytes per call: progress and interrupts are seen between calls (also ckpt.io.writer.WRITE_BEHIND)
 FALLBACK_BUFFER = 8 << 20  # the pread/pwrite fallback's one buffer
 
-# errors that say "not this way here", never "this write failed": the next way is tried
-_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+# errors that say "not this way here", never "this write failed": the next way is tried (ENOTSOCK: macOS's
+# sendfile sends to sockets only)
+_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOTSOCK}
 
 WAYS = ("copy_file_range", "sendfile", "pread")
 
