@@ -18,8 +18,8 @@ import json
 
 import pytest
 import torch
-from helpers.refusals import assert_refused
-from safetensors.torch import load_file, save_file
+from helpers.refusals import assert_refused, edit_saved
+from safetensors.torch import load_file
 from helpers.hqq_base import LINEARS, L, build, reloaded
 
 
@@ -111,14 +111,6 @@ def test_every_metadata_key_is_consumed_with_a_reason(tmp_path):
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------
 
 
-def _edit(folder, tensors=None, drop=()):
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-
-
 def _s(text):
     return torch.tensor([ord(c) for c in text], dtype=torch.uint8)
 
@@ -147,6 +139,6 @@ BAD = {
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
     edit, needle = BAD[case]
     build(tmp_path / "q")
-    _edit(tmp_path / "q", **edit)
+    edit_saved(tmp_path / "q", **edit)
     for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "fp16")):
         assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)

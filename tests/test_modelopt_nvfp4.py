@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from helpers.refusals import assert_refused
+from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file, save_file
 from helpers.modelopt_base import bits_equal, build
 
@@ -90,19 +90,6 @@ def test_compressed_tensors_reading_of_the_same_codes(tmp_path, run_ckpt):
 L = "model.layers.0.self_attn.q_proj"
 
 
-def _edit(folder, tensors=None, drop=(), quant=None):
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if quant:
-        p = folder / "hf_quant_config.json"
-        c = json.loads(p.read_text())
-        c["quantization"].update(quant)
-        p.write_text(json.dumps(c))
-
-
 BAD = {
     "missing weight_scale_2": (dict(drop=[f"{L}.weight_scale_2"]), "has no"),
     "missing weight_scale": (dict(drop=[f"{L}.weight_scale"]), "is missing"),
@@ -118,5 +105,5 @@ BAD = {
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
     build(tmp_path / "q")
     edit, needle = BAD[case]
-    _edit(tmp_path / "q", **edit)
+    edit_saved(tmp_path / "q", **edit)
     assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "q", "-o", tmp_path / "out", "-q"), "", needle)

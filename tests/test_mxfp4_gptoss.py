@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 from helpers import mxfp4_ref
-from helpers.refusals import assert_refused
-from safetensors.torch import load_file, save_file
+from helpers.refusals import assert_refused, edit_saved
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 convert_moe_packed_tensors = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
@@ -132,18 +132,6 @@ def test_gpt_oss_names_without_a_config_are_decoded(tmp_path, run_ckpt):
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------
 
 
-def _edit(folder, tensors=None, drop=(), config=None):
-    sd = load_file(folder / "model.safetensors")
-    for k in drop:
-        del sd[k]
-    sd.update(tensors or {})
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg.update(config)
-        (folder / "config.json").write_text(json.dumps(cfg))
-
-
 BAD = {
     "missing scales": (dict(drop=[f"{STEM}_scales"]), "is missing"),
     "orphan scales": (dict(drop=[f"{STEM}_blocks"]), "have no"),
@@ -161,6 +149,6 @@ BAD = {
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, run_ckpt, case):
     edit, needle = BAD[case]
     mxfp4_ref.build(tmp_path / "q")
-    _edit(tmp_path / "q", **edit)
+    edit_saved(tmp_path / "q", **edit)
     for args in (("dequant", tmp_path / "q"), ("convert", tmp_path / "q", "--to", "bf16")):
         assert_refused(run_ckpt, tmp_path, (*args, "-o", tmp_path / "out", "-q"), "", needle)

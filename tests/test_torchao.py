@@ -161,18 +161,12 @@ def _copy(src, dst, tensors=None, drop=(), meta=None):
     save_file(sd, dst / "model.safetensors", metadata=md)
 
 
-def _retype(kind):
+def _meta_set(key, value):
+    """An edit of one tensor's JSON metadata entry: `key` set to `value` (its subclass `_type`, its
+    `_tensor_data_names`)."""
     def edit(text):
         m = json.loads(text)
-        m["_type"] = kind
-        return json.dumps(m)
-    return edit
-
-
-def _data_names(names):
-    def edit(text):
-        m = json.loads(text)
-        m["_tensor_data_names"] = names
+        m[key] = value
         return json.dumps(m)
     return edit
 
@@ -193,13 +187,14 @@ BAD = {
                                                "which does not tile"),
     "qdata dtype": (dict(tensors={f"{L}._weight_qdata": torch.zeros(64, 64, dtype=torch.uint8)}),
                     f"{L}._weight_qdata", "expected I8"),
-    "tinygemm int4": (dict(meta={W: _retype("Int4TilePackedTo4dTensor")}), f"{L}._weight_qdata",
+    "tinygemm int4": (dict(meta={W: _meta_set("_type", "Int4TilePackedTo4dTensor")}), f"{L}._weight_qdata",
                       "Int4TilePackedTo4dTensor: tinygemm's tiled int4 packing"),
-    "mslk int4": (dict(meta={W: _retype("Int4Tensor")}), f"{L}._weight_qdata", "stored as Int4Tensor"),
-    "unknown class": (dict(meta={W: _retype("SomeNewTensor")}), f"{L}._weight_qdata",
+    "mslk int4": (dict(meta={W: _meta_set("_type", "Int4Tensor")}), f"{L}._weight_qdata", "stored as Int4Tensor"),
+    "unknown class": (dict(meta={W: _meta_set("_type", "SomeNewTensor")}), f"{L}._weight_qdata",
                       "a torchao tensor subclass ckpt does not know"),
     "act_pre_scale": (dict(tensors={f"{L}._weight_act_pre_scale": torch.ones(64)},
-                           meta={W: _data_names(["qdata", "scale", "zero_point", "act_pre_scale"])}),
+                           meta={W: _meta_set("_tensor_data_names",
+                                              ["qdata", "scale", "zero_point", "act_pre_scale"])}),
                       f"{L}._weight_act_pre_scale", "does not fold it in"),
     "stray datum": (dict(tensors={f"{L}._weight_scale_and_zero": torch.ones(2)}), f"{L}._weight_scale_and_zero",
                     "is not among the tensor data"),

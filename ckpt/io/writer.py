@@ -150,48 +150,49 @@ class RegionWriter:
             self.sink.put(pos, b)
             return
         pwrite_all(self.fd, memoryview(b), pos)
-        self.unflushed += len(b)
+        self._behind(len(b))
+
+    def _behind(self, n: int) -> None:
+        """`n` more bytes went through the page cache: start their writeback every `WRITE_BEHIND` bytes."""
+        self.unflushed += n
         if self.unflushed >= WRITE_BEHIND:
             self.unflushed = 0
             start_writeback(self.fd)
 
+    def _append_at(self, name: str, n: int) -> int:
+        """The file offset where the next `n` bytes of tensor `name` go; more than its region holds is refused."""
+        start, end = self.regions[name]
+        pos = start + self.written[name]
+        if pos + n > end:
+            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
+        return pos
+
     def write(self, name: str, data: torch.Tensor) -> None:
         """Append `data` (CPU, contiguous) to tensor `name`'s region."""
-        start, end = self.regions[name]
         b = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-        pos = start + self.written[name]
-        if pos + len(b) > end:
-            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        self._put(pos, b)
+        self._put(self._append_at(name, len(b)), b)
         self._wrote(name, b)
         self.written[name] += len(b)
 
     def copy(self, name: str, ranges) -> None:
-        """Append the stored byte `ranges` (`ckpt.io.tensors.ByteRange`) to tensor `name`'s region, copied by
-        the kernel (`ckpt.io.byte_copy`): the bytes never enter Python."""
-        start, end = self.regions[name]
-        pos = start + self.written[name]
+        """Append the stored byte `ranges` (`ckpt.io.tensors.ByteRange`) to tensor `name`'s region: copied by
+        the kernel (`ckpt.io.byte_copy`; the bytes never enter Python), or, in a file written with O_DIRECT,
+        read straight into its buffer."""
         total = sum(r.length for r in ranges)
-        if pos + total > end:
-            raise RuntimeError(f"{name}: producer wrote more bytes than planned")
-        if self.sink is not None:  # a file written with O_DIRECT: the bytes are read into its buffer, in order
-            for r in ranges:
-                self.sink.put_from(pos, r.fd(), r.start, r.length, r.path)
-                pos += r.length
-            self.written[name] += total
-            return
-        if self.copier is None:
+        pos = self._append_at(name, total)
+        if self.sink is None and self.copier is None:
             from ckpt.io.byte_copy import Copier
 
             self.copier = Copier(self.fd)
         for r in ranges:
-            self.copier.copy(r.fd(), r.start, r.length, pos, r.path)
+            if self.sink is not None:  # a file written with O_DIRECT: the bytes are read into its buffer, in order
+                self.sink.put_from(pos, r.fd(), r.start, r.length, r.path)
+            else:
+                self.copier.copy(r.fd(), r.start, r.length, pos, r.path)
             pos += r.length
         self.written[name] += total
-        self.unflushed += total
-        if self.unflushed >= WRITE_BEHIND:
-            self.unflushed = 0
-            start_writeback(self.fd)
+        if self.sink is None:
+            self._behind(total)
 
     def _wrote(self, name: str, b) -> None:
         """Hook: a band of `name` is on disk (the torch zip keeps its CRC32 running)."""

@@ -15,9 +15,10 @@ def assert_refused(run_ckpt, tmp_path, args, culprit, problem):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def edit_saved(folder, tensors=None, drop=(), qc=None):
+def edit_saved(folder, tensors=None, drop=(), qc=None, config=None, quant=None):
     """Break a saved quantized folder for a bad-input case: replace/add tensors in model.safetensors, drop keys,
-    update config.json's quantization_config entries."""
+    update config.json's `quantization_config` entries (`qc`) or its top-level ones (`config`), or the
+    `quantization` entries of ModelOpt's hf_quant_config.json (`quant`)."""
     from safetensors.torch import load_file, save_file
 
     sd = load_file(folder / "model.safetensors")
@@ -25,7 +26,9 @@ def edit_saved(folder, tensors=None, drop=(), qc=None):
         del sd[k]
     sd.update(tensors or {})
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"].update(qc)
-        (folder / "config.json").write_text(json.dumps(cfg))
+    for name, key, changes in (("config.json", "quantization_config", qc), ("config.json", None, config),
+                               ("hf_quant_config.json", "quantization", quant)):
+        if changes:
+            cfg = json.loads((folder / name).read_text())
+            (cfg if key is None else cfg[key]).update(changes)
+            (folder / name).write_text(json.dumps(cfg))
