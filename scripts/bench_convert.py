@@ -82,11 +82,7 @@ def naive_convert(src: str, dst: str, to: str) -> None:
         os.makedirs(dst)
         dst = os.path.join(dst, LAYOUT_FILE)
         save_file({k: v.contiguous() for k, v in sd.items()}, dst, metadata={"format": "pt"})
-        fd = os.open(dst, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        bl.fsync_path(dst)
         return
     target = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[to]
     sd = load_file(src)
@@ -100,11 +96,7 @@ def naive_convert(src: str, dst: str, to: str) -> None:
             v = v.float() * scale.float()
         out[k] = v.to(target) if v.is_floating_point() else v
     save_file(out, dst)
-    fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    bl.fsync_path(dst)
 
 
 @dataclass

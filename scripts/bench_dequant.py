@@ -252,9 +252,7 @@ def gptq_way(src: str, dst: str) -> None:
     os.makedirs(dst, exist_ok=True)
     path = os.path.join(dst, "model.safetensors")
     save_file(out, path, metadata={"format": "pt"})
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    bl.fsync_path(path)
 
 
 def autogptq_torch_dequant(qweight, qzeros, scales, g_idx, bits: int):
@@ -313,9 +311,7 @@ def quanto_way(src: str, dst: str, size_gb: float) -> None:
     os.makedirs(dst, exist_ok=True)
     path = os.path.join(dst, "model.safetensors")
     save_file(out, path, metadata={"format": "pt"})
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    bl.fsync_path(path)
 
 
 # ------------------------------------------------------------------------------------- driver

@@ -173,7 +173,7 @@ def to_gguf_baseline(src: str, dst: str) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _fsync(dst)
+    bl.fsync_path(dst)
 
 
 def from_gguf_baseline(src: str, dst: str) -> None:
@@ -187,13 +187,7 @@ def from_gguf_baseline(src: str, dst: str) -> None:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         out[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)).to(torch.bfloat16)
     save_file(out, dst, metadata={"format": "pt"})
-    _fsync(dst)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    bl.fsync_path(dst)
 
 
 def compare_gguf(a: str, b: str) -> dict:
@@ -253,7 +247,7 @@ def to_bf16_gguf(src: str, dst: str) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _fsync(dst)
+    bl.fsync_path(dst)
 
 
 def quantize_c(src: str, dst: str, threads: int) -> None:
@@ -303,7 +297,7 @@ def quantize_c(src: str, dst: str, threads: int) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _fsync(dst)
+    bl.fsync_path(dst)
 
 
 def llm_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
@@ -403,7 +397,7 @@ def llama_two_steps(folder: str, mid: str, dst: str, threads: int) -> None:
     if rc != 0:
         raise SystemExit(f"llama_model_quantize failed ({rc})")
     os.unlink(mid)
-    _fsync(dst)
+    bl.fsync_path(dst)
 
 
 # ------------------------------------------------------------------------------------- driver

@@ -70,14 +70,10 @@ def make(work: Path, layers: int) -> None:
 
 def litgpt_merge(ft: Path) -> None:
     """Subprocess side: litgpt's own merge, then an fsync so it does the same durable work as ckpt."""
-    import os
-
     from litgpt.scripts.merge_lora import merge_lora
 
     merge_lora(ft)
-    fd = os.open(ft / "lit_model.pth", os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    bl.fsync_path(ft / "lit_model.pth")
 
 
 def compare(a: Path, b: Path) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import struct
 import sys
 import tempfile
@@ -103,11 +102,7 @@ def kohya_extract(base: str, tuned: str, out: str, rank: int, device: str) -> No
             lora[name + ".alpha"] = torch.tensor(float(r))
             del mat, U, S, Vh
     save_file(lora, out)
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    bl.fsync_path(out)
 
 
 def verify(base: str, tuned: str, a: str, b: str, n: int) -> dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -72,11 +71,7 @@ def naive_merge(base: str, lora: str, out: str) -> None:
         w = sd[m + ".weight"]
         sd[m + ".weight"] = (w.float() + scale * (up @ down)).to(w.dtype)
     save_file(sd, out, metadata={"format": "pt"})
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    bl.fsync_path(out)
 
 
 def compare_close(a: str, b: str) -> dict:

@@ -435,6 +435,15 @@ def shares_extents(path) -> bool:
     return where(path).startswith(tuple(f"disk ({fs}," for fs in ("xfs", "btrfs", "bcachefs", "zfs")))
 
 
+def fsync_path(path) -> None:
+    """fsync the file at `path`: a baseline's output made durable, as ckpt's is (every variant pays it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def warm(path) -> None:
     """Read `path` once (untimed) so that a timed copy of it reads from the page cache, as ckpt's runs read
     their warm sources: ckpt writes most outputs with O_DIRECT, which leaves them out of the cache."""
