@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import gptq_ref
-from helpers.awq_base import _awq as awq_oracle
+from helpers.awq_base import build as awq_build, pack as awq_pack
 from helpers.keep_format import plain_merge, recording_value, rel_rms, reported
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -247,38 +247,10 @@ def test_gptq_zero_delta_gives_back_the_base_bytes(tmp_path, run_ckpt):
 
 
 def awq_base(folder, version, group=32, seed=1):
-    GEMM, GEMV, _ = awq_oracle()
-    cfg, model = _tiny()
-    gen = torch.Generator().manual_seed(seed)
-    sd, grids = dict(model.state_dict()), {}
-    for lin_name in LINEARS:
-        name = f"model.layers.0.{lin_name}"
-        lin = model.get_submodule(name)
-        n, k = lin.weight.shape
-        G = k // group
-        g = torch.arange(k) // group
-        scales = torch.rand(n, G, generator=gen) * 0.01 + 0.002
-        zeros = torch.randint(0, 16, (n, G), generator=gen).float()
-        q = torch.randint(0, 16, (n, k), generator=gen).float()
-        lin.weight.data = ((q - zeros[:, g] + (torch.rand(n, k, generator=gen) - 0.5) * 0.5) * scales[:, g]).half()
-        ql = awq_pack(version, lin, scales, zeros, group)
-        del sd[f"{name}.weight"]
-        for key in ("qweight", "qzeros", "scales"):
-            sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
-        grids[name] = (scales.half(), zeros.long(), g)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
-    qc = {"quant_method": "awq", "zero_point": True, "group_size": group, "bits": 4, "version": version}
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict() | {"quantization_config": qc,
-                                                                    "torch_dtype": "float16"}))
-    return sd, grids
-
-
-def awq_pack(version, lin, scales, zeros, group):
-    GEMM, GEMV, _ = awq_oracle()
-    if version == "gemm":
-        return GEMM.from_linear(lin, 4, group, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
-    return GEMV.from_linear(lin, 4, group, scales=scales, zeros=zeros)
+    """helpers.awq_base's folder: its stored tensors and each layer's grid."""
+    grids = {}
+    awq_build(folder, version, group, seed=seed, grids=grids)
+    return load_file(folder / "model.safetensors"), grids
 
 
 @pytest.mark.parametrize("version", ["gemm", "gemv"])

@@ -39,9 +39,18 @@ def _tiny(hidden=64, inter=128):
     return cfg, transformers.LlamaForCausalLM(cfg).half()
 
 
-def build(folder, version="gemm", group=32, hidden=64, inter=128, seed=1, spill=False):
-    """An AutoAWQ folder; returns {weight name: (oracle weight or None, formula weight)} in fp16 [out, in]."""
-    GEMM, GEMV, dequantize_gemm = _awq()
+def pack(version, lin, scales, zeros, group):
+    """AutoAWQ's own packing of the fp16 linear `lin` on the grid (`scales`, `zeros`: [out, groups])."""
+    GEMM, GEMV, _ = _awq()
+    if version == "gemm":
+        return GEMM.from_linear(lin, 4, group, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
+    return GEMV.from_linear(lin, 4, group, scales=scales, zeros=zeros)
+
+
+def build(folder, version="gemm", group=32, hidden=64, inter=128, seed=1, spill=False, grids=None):
+    """An AutoAWQ folder; returns {weight name: (oracle weight or None, formula weight)} in fp16 [out, in].
+    `grids`, a dict, receives each layer's grid: {layer: (fp16 scales, integer zeros, group of each column)}."""
+    dequantize_gemm = _awq()[2]
     cfg, model = _tiny(hidden, inter)
     gen = torch.Generator().manual_seed(seed)
     sd, expected = dict(model.state_dict()), {}
@@ -62,13 +71,11 @@ def build(folder, version="gemm", group=32, hidden=64, inter=128, seed=1, spill=
         s16 = scales.half()
         codes = torch.round((lin.weight.data.float() + (zeros * scales)[:, g]) / s16[:, g].float())
         formula = None if spill else (s16[:, g].float() * (codes.long() - zeros[:, g].long()).float()).half()  # integer: no -0
-        if version == "gemm":
-            ql = GEMM.from_linear(lin, 4, gs, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
-            oracle = dequantize_gemm(ql.qweight, ql.qzeros, ql.scales, 4, gs).T.contiguous()
-        else:
-            ql = GEMV.from_linear(lin, 4, gs, scales=scales, zeros=zeros)
-            oracle = None
+        ql = pack(version, lin, scales, zeros, gs)
+        oracle = dequantize_gemm(ql.qweight, ql.qzeros, ql.scales, 4, gs).T.contiguous() if version == "gemm" else None
         expected[f"{name}.weight"] = (oracle, formula)
+        if grids is not None:
+            grids[name] = (s16, zeros.long(), g)
         del sd[f"{name}.weight"]
         for key in ("qweight", "qzeros", "scales"):
             sd[f"{name}.{key}"] = getattr(ql, key).contiguous()
