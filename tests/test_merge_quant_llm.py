@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from helpers.llm import load_strict
 from helpers import quant_llm_merge as qm  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -152,8 +153,7 @@ def test_default_output_is_bf16_rounded_once_and_loads_strictly(made, run_ckpt, 
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert "quantization_config" not in config and _dtypes(config) <= {"bfloat16"}
     assert not (tmp_path / "m" / "hf_quant_config.json").exists()
-    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model = load_strict(tmp_path / "m", transformers.LlamaForCausalLM)
     assert not getattr(model, "is_quantized", False) and model.dtype == torch.bfloat16
     for k, v in got.items():
         assert torch.equal(model.state_dict()[k], v), k
@@ -228,8 +228,7 @@ def test_gptoss_expert_lora_equals_peft(gptoss, run_ckpt, tmp_path, lora):
     got16 = load_file(tmp_path / "m" / "model.safetensors")
     for k, v in got16.items():
         assert torch.equal(v.view(torch.int16), got[k].to(torch.bfloat16).view(torch.int16)), k
-    model, info = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model = load_strict(tmp_path / "m", transformers.GptOssForCausalLM)
     assert torch.equal(model.state_dict()[banks[0]], got16[banks[0]])
 
 

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from helpers.llm import load_strict
 from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file, save_file
 from helpers.modelopt_base import bits_equal, build
@@ -39,9 +40,7 @@ def test_plain_folder_loads_strictly(tmp_path, run_ckpt):
     expected = build(tmp_path / "q")
     code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
     assert code == 0, err
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True,
-                                                                    dtype=torch.bfloat16)
-    assert not any(info.values()), info
+    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM, dtype=torch.bfloat16)
     for name, want in expected.items():
         assert bits_equal(model.get_parameter(name).data, want), name
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from helpers.llm import load_strict
 from helpers import torchao_ref
 from helpers.refusals import assert_refused
 from safetensors import safe_open
@@ -96,8 +97,7 @@ def test_plain_folder_loads_strictly_and_convert_matches(made, tmp_path, run_ckp
     assert code == 0, err
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert "quantization_config" not in config
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True)
-    assert not any(info.values()), info
+    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM)
     for name, want in ref.items():
         assert bits_equal(model.get_parameter(name).data, want), name
     code, _, err = run_ckpt("convert", folder / "q", "--to", "bf16", "-o", tmp_path / "bf16", "-q")

@@ -24,7 +24,9 @@ def tiny(kind, **kw):
     return model
 
 
-def load_strict(folder, cls):
-    model, info = cls.from_pretrained(folder, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+def load_strict(folder, cls, **kwargs):
+    """`cls.from_pretrained(folder, **kwargs)` that loaded every weight: no missing, unexpected or mismatched
+    key and no error message."""
+    model, info = cls.from_pretrained(folder, output_loading_info=True, **kwargs)
+    assert not any(info.values()), info
     return model
