@@ -60,43 +60,43 @@ class DirectSink:
             self._wait()
             pwrite_all(self.fd, mv, pos)
             return
-        while len(mv):
-            at = pos - self.base
-            if at >= BUFFER:  # a gap past the buffer: zeros up to its end, then the next buffer
-                self.mv[self.fill:] = bytes(BUFFER - self.fill)
-                self.fill = BUFFER
-                self._flush()
-                continue
-            if at > self.fill:  # a gap inside the buffer: zeros, as in the sparse file
-                self.mv[self.fill: at] = bytes(at - self.fill)
-            n = min(len(mv), BUFFER - at)
-            self.mv[at: at + n] = mv[:n]
-            self.fill = max(self.fill, at + n)
-            pos, mv = pos + n, mv[n:]
-            if self.fill == BUFFER:
-                self._flush()
+
+        def copy(dst, at):
+            dst[:] = mv[at: at + len(dst)]
+
+        self._place(pos, len(mv), copy)
 
     def put_from(self, pos: int, fd: int, src_pos: int, length: int, path) -> None:
         """`length` bytes of the file `fd` at `src_pos` (an input; `path` names it in errors) to offset `pos`,
         read straight into the buffer: a stored tensor copied into a file written with O_DIRECT."""
         from ckpt.io.header import read_into
 
-        if pos < self.base + self.fill or pos - self.base >= BUFFER:  # behind, or past a gap: the general way
-            while length > 0:
-                n = min(length, BUFFER)
-                chunk = bytearray(n)
-                read_into(fd, memoryview(chunk), src_pos, path)
-                self.put(pos, chunk)
-                pos, src_pos, length = pos + n, src_pos + n, length - n
+        if pos < self.base:  # behind what was written: read, then `put`'s way
+            for a in range(0, length, BUFFER):
+                chunk = bytearray(min(BUFFER, length - a))
+                read_into(fd, memoryview(chunk), src_pos + a, path)
+                self.put(pos + a, chunk)
             return
-        while length > 0:
-            at = pos - self.base
-            if at > self.fill:
+        self._place(pos, length, lambda dst, at: read_into(fd, dst, src_pos + at, path))
+
+    def _place(self, pos: int, length: int, fill) -> None:
+        """Bytes [0, length) of a source for file offset `pos` (at or past the buffer's start) into the buffers:
+        `fill(dst, at)` puts the source's bytes from `at` into the memoryview `dst`. A gap before them is
+        zeros, as in the sparse file; each full buffer is flushed."""
+        done = 0
+        while done < length:
+            at = pos + done - self.base
+            if at >= BUFFER:  # a gap past the buffer: zeros up to its end, then the next buffer
+                self.mv[self.fill:] = bytes(BUFFER - self.fill)
+                self.fill = BUFFER
+                self._flush()
+                continue
+            if at > self.fill:  # a gap inside the buffer
                 self.mv[self.fill: at] = bytes(at - self.fill)
-            n = min(length, BUFFER - at)
-            read_into(fd, self.mv[at: at + n], src_pos, path)
-            self.fill = at + n
-            pos, src_pos, length = pos + n, src_pos + n, length - n
+            n = min(length - done, BUFFER - at)
+            fill(self.mv[at: at + n], done)
+            self.fill = max(self.fill, at + n)
+            done += n
             if self.fill == BUFFER:
                 self._flush()
 
