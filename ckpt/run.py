@@ -26,9 +26,9 @@ from ckpt.report import Report, plural
 def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | str | None], *, clamp: bool = False,
                  source_of: Callable[[Tensor], Tensor] = lambda t: t):
     """`make` for `plan_checkpoint`: each logical tensor written as `dtype_of(t)` (a torch dtype or its
-    safetensors name; None: the dtype it had before any storage encoding, `natural_dtype`), rounded once by a Caster (which counts overflow and
-    NaN/Inf); non-floating tensors pass through unchanged. `source_of(t)` may wrap the tensor first
-    (merge-lora's MergedTensor).
+    safetensors name; None: the dtype it had before any storage encoding, `natural_dtype`), rounded once by
+    a Caster (which counts overflow and NaN/Inf); non-floating tensors pass through unchanged. `source_of(t)`
+    may wrap the tensor first (merge-lora's MergedTensor).
 
     A tensor that keeps the dtype it is stored in, read from stored bytes without computing anything
     (`Tensor.byte_ranges`: a stored, renamed or sliced tensor, one a merge leaves alone), is written with no
@@ -209,8 +209,9 @@ def note_byte_copies(plan: Plan, report: Report, dry_run: bool = False) -> None:
     n, size = plan.byte_copies() if output.BYTE_COPY else (0, 0)
     report.byte_copied = {"tensors": n, "bytes": size}
     if n:
-        report.note(f"{plural(n, 'tensor')} ({human_size(size)}) {'would be' if dry_run else 'was' if n == 1 else 'were'} copied byte for "
-                    "byte from the input by the kernel, unread (values unchanged; NaN/Inf in them not counted)")
+        verb = "would be" if dry_run else "was" if n == 1 else "were"
+        report.note(f"{plural(n, 'tensor')} ({human_size(size)}) {verb} copied byte for byte from the input by the "
+                    "kernel, unread (values unchanged; NaN/Inf in them not counted)")
 
 
 def _other_splits(parts: list[Path]) -> list[str]:

@@ -8,8 +8,8 @@ into one aligned buffer and handed to the disk a buffer at a time.
 
 `DirectSink` takes the file's bytes in order (`put(offset, bytes)`: header first, then each band; a gap
 between tensors, as GGUF's alignment leaves, is zeros), copies them into one of two page-aligned buffers
-and has a second thread write each full buffer with O_DIRECT while the other fills; `close()` writes the last part padded to the block size and cuts the file
-back to its size. Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL
+and has a second thread write each full buffer with O_DIRECT while the other fills; `close()` writes the
+last part padded to the block size and cuts the file back to its size. Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL
 when opening or on the first write) the same bytes go through the ordinary descriptor instead, so the output
 never depends on it. A write behind the buffer (never made by the writers today) is written buffered: the
 kernel keeps direct and buffered writes of one file coherent.

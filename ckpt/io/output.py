@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
-from ckpt.io.plan import COPY_FORMATS, OutTensor, Plan, name_single_file
+from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set
 from ckpt.io.side_files import check_not_input, unwritable
@@ -231,8 +231,7 @@ def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:
 
 
 def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None = None) -> None:
-    copies = {t.name: r for t in f.tensors
-              if BYTE_COPY and f.format in COPY_FORMATS and (r := t.copy_ranges()) is not None}
+    copies = f.byte_copies() if BYTE_COPY else {}
     w = _open_writer(path, f, fd, copies)
     pipe = None
     try:

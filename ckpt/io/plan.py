@@ -82,6 +82,13 @@ class OutFile:
     archive: str = "archive"
     fields: list = field(default_factory=list)  # gguf only: typed key-values (ckpt.io.gguf_writer.Field)
 
+    def byte_copies(self) -> dict[str, list[ByteRange]]:
+        """Tensor name -> the stored ranges the write stage copies with the kernel instead of reading them
+        (`OutTensor.copy_ranges`; none in a format whose writer takes no copies: `COPY_FORMATS`)."""
+        if self.format not in COPY_FORMATS:
+            return {}
+        return {t.name: r for t in self.tensors if (r := t.copy_ranges()) is not None}
+
     @property
     def nbytes(self) -> int:
         entries = [t.entry for t in self.tensors]
@@ -114,14 +121,9 @@ class Plan:
         return sum(f.nbytes for f in self.files)
 
     def byte_copies(self) -> tuple[int, int]:
-        """(tensors, bytes) the write stage copies with the kernel instead of reading them."""
-        n = size = 0
-        for f in self.files:
-            if f.format in COPY_FORMATS:
-                for t in f.tensors:
-                    if t.copy_ranges() is not None:
-                        n, size = n + 1, size + t.entry.nbytes
-        return n, size
+        """(tensors, bytes) the write stage copies with the kernel instead of reading them (`OutFile.byte_copies`)."""
+        copies = [r for f in self.files for r in f.byte_copies().values()]
+        return len(copies), sum(x.length for rs in copies for x in rs)
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -43,7 +43,8 @@ def joined(ranges) -> list[ByteRange]:
         if not r.length:
             continue
         last = out[-1] if out else None
-        if last is not None and last.path == r.path and last.handles is r.handles and last.start + last.length == r.start:
+        if (last is not None and last.path == r.path and last.handles is r.handles
+                and last.start + last.length == r.start):
             out[-1] = ByteRange(last.handles, last.path, last.start, last.length + r.length)
         else:
             out.append(r)
