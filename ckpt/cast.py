@@ -47,6 +47,22 @@ def _scaled_pair_lut(src: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     return _SCALED_LUT[1]
 
 
+_BYTE_LUTS: dict[tuple, torch.Tensor] = {}
+
+
+def _byte_lut(src: torch.dtype, dst: torch.dtype, device, scale: torch.Tensor | None) -> torch.Tensor:
+    """The 256 `dst` values of the fp8 bit patterns (times `scale`), computed by the CPU cast and multiply and
+    moved to `device`: a GPU gathers from it instead of casting, so its bytes are the CPU's, NaN payloads
+    included (CUDA's own cast and multiply give every NaN as 0x7FFF / 0x7FFFFFFF)."""
+    key = (src, dst, str(device), None if scale is None else scale.cpu().view(torch.int32).item())
+    if key not in _BYTE_LUTS:
+        if len(_BYTE_LUTS) > 64:  # one table per tensor scale: keep the last few only
+            _BYTE_LUTS.clear()
+        vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(src).to(dst)
+        _BYTE_LUTS[key] = (vals if scale is None else vals.mul_(scale.cpu())).to(device)
+    return _BYTE_LUTS[key]
+
+
 def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None, role: str = "cast",
                scale: torch.Tensor | None = None) -> torch.Tensor:
     """Exact cast of an fp8 tensor to a wider float dtype via the pair lookup table. The result lives in
@@ -55,8 +71,10 @@ def fp8_upcast(x: torch.Tensor, dst: torch.dtype, buffers: Buffers | None, role:
     them, from a table of scaled pairs (`_scaled_pair_lut`): one pass instead of two over each band."""
     n = x.numel()
     flat = x.reshape(-1)
+    if x.device.type != "cpu":
+        return _byte_lut(x.dtype, dst, x.device, scale)[flat.view(torch.uint8).to(torch.int32)].view(x.shape)
     scaled = (lambda y: y.mul_(scale)) if scale is not None else (lambda y: y)
-    if x.device.type != "cpu" or dst.itemsize > 4 or n < 2:
+    if dst.itemsize > 4 or n < 2:
         return scaled(x.to(dst))
     y = buffers.typed(role, dst, (n,)) if buffers else torch.empty(n, dtype=dst)
     even = n - (n % 2)

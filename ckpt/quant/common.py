@@ -251,14 +251,23 @@ class ScaledTensor(Wrapper):
     def read(self, start, stop, device, scratch=None):
         x = self.base.read(start, stop, device, scratch)
         lay = self.layout
-        if lay.kind == "tensor" and x.dtype in FP8 and scratch is not None and device.type == "cpu":
+        if lay.kind == "tensor" and x.dtype in FP8:
             s = self._scale_rows(0, 1, device).reshape(())  # one scale: the table does the multiply
-            y = fp8_upcast(x, torch.float32, scratch, role="scaled", scale=s.to(torch.float32))
+            y = fp8_upcast(x, torch.float32, scratch if device.type == "cpu" else None, role="scaled",
+                           scale=s.to(torch.float32))
             return y if y.data_ptr() != x.data_ptr() else y.clone()
         w = _codes_to_float(x, scratch)  # fp32, scaled in place
+        if device.type == "cpu":
+            return self._scale(w, start, stop, device)
+        # x86 keeps a NaN operand's payload in a multiply, CUDA writes 0x7FFFFFFF: the CPU's bytes on every device
+        codes = w.clone()
+        return torch.where(torch.isnan(codes), codes, self._scale(w, start, stop, device))
+
+    def _scale(self, w: torch.Tensor, start: int, stop: int, device) -> torch.Tensor:
+        """`w` (the codes as fp32, rows [start, stop)) times its scales, in place."""
+        lay = self.layout
         if lay.kind == "tensor":
-            s = self._scale_rows(0, 1, device).reshape(())
-            return w.mul_(s)
+            return w.mul_(self._scale_rows(0, 1, device).reshape(()))
         rows = stop - start
         if lay.kind == "row":
             s = self._scale_rows(start, stop, device)
