@@ -245,3 +245,40 @@ def test_config_naming_torchao_without_its_metadata_is_refused(made, tmp_path, r
     save_file(load_file(folder / "plain" / "model.safetensors"), tmp_path / "q" / "model.safetensors")
     assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "q"), f"{tmp_path / 'q' / 'model.safetensors'}: ",
                    "config.json quantization_config names torchao, but the weights carry no torchao")
+
+
+@pytest.mark.parametrize("case", ["int8 per row", "int8 per group", "int8 per tensor", "intx int4 asym", "intx int2 sym",
+                                  "float8 per row", "mixed per module"])
+def test_inspect_names_bits_and_granularity_from_torchaos_metadata(made, run_ckpt, case):
+    """`inspect` says, per quantized tensor, what torchao wrote in its metadata: the code type (int8, an intx
+    target_dtype, a float8), the granularity its block_size means, and the mapping the config asked for."""
+    folder, ref, kinds = made(case)
+    with safe_open(folder / "q" / "model.safetensors", "pt") as f:
+        meta, shapes = f.metadata(), {k: f.get_slice(k).get_shape() for k in f.keys()}
+    want = {}
+    for name, kind in kinds.items():
+        data = json.loads(meta[name])
+        module, _, param = name.rpartition(".")
+        shape = shapes[f"{module}._{param}_qdata"]
+        block = data["_data"].get("block_size") or shape  # float8: one scale per row
+        if kind == "Float8Tensor" and "block_size" not in data["_data"]:
+            block = [1, shape[1]]
+        codes = (data["_data"]["target_dtype"]["_data"] if kind == "IntxUnpackedToInt8Tensor"
+                 else "float8_e4m3fn" if kind == "Float8Tensor" else "int8")
+        codes = codes.replace("torch.", "")
+        strategy = ("tensor" if list(block) == list(shape) else "channel" if block == [1, shape[1]] else "group")
+        s = {"format": "torchao", "type": codes, "packing": kind, "strategy": strategy}
+        if strategy == "group":
+            s["group_size"] = block[1]
+        if codes.startswith("int"):  # torchao stores a zero point (of zeros) for symmetric mappings too
+            s["sym"] = "MappingType.ASYMMETRIC" not in CONFIGS[case][0]
+        want[name] = s
+    code, js, err = run_ckpt("inspect", folder / "q", "--json")
+    assert code == 0, err
+    layers = json.loads(js)["components"][0]["quantization"]["layers"]
+    got = {}
+    for layer in layers:
+        assert layer["settings"]["bits"] == int(layer["settings"]["type"].lstrip("intfloat").split("_")[0])
+        got[layer["label"]] = {k: v for k, v in layer["settings"].items() if k != "bits"}
+    assert sorted(map(json.dumps, got.values())) == sorted({json.dumps(s) for s in want.values()})
+    assert sum(x["tensors"] for x in layers) == len(want)

@@ -131,7 +131,7 @@ def quantized_layers(view, config) -> dict | None:
 
 
 def _settings(t, config) -> dict | None:
-    from ckpt.quant import awq, compressed_tensors, gptq, hqq, modelopt, mxfp4
+    from ckpt.quant import awq, compressed_tensors, gptq, hqq, modelopt, mxfp4, torchao
 
     if isinstance(t, gptq.GptqWeight):
         groups = t.groups(_cpu())
@@ -159,7 +159,31 @@ def _settings(t, config) -> dict | None:
     if isinstance(t, hqq.HqqWeight):
         return {"format": "HQQ", "bits": t.bits, "group_size": t.view[0] if t.axis == 0 else t.view[1],
                 "axis": t.axis}
+    if isinstance(t, torchao.TorchaoWeight):
+        return _torchao_settings(t)
     return None
+
+
+def _torchao_settings(t) -> dict:
+    """torchao's block_size says the granularity: the whole tensor, one row, or groups of a row."""
+    shape, block = t.shape, t.block
+    if tuple(block) == tuple(shape):
+        strategy = "tensor"
+    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]) and block[-1] == shape[-1]:
+        strategy = "channel"
+    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]):
+        strategy = "group"
+    else:
+        strategy = "block"
+    bits = int(t.codes[len("float"):].split("_")[0]) if t.codes.startswith("float") else int(t.codes[len("int"):])
+    s = {"format": "torchao", "type": t.codes, "bits": bits, "packing": t.kind, "strategy": strategy}
+    if strategy == "group":
+        s["group_size"] = block[-1]
+    if strategy == "block":
+        s["block"] = list(block)
+    if t.codes.startswith("int"):  # torchao stores a zero point of zeros for its symmetric mappings too
+        s["sym"] = t.zero is None or not bool(t.zero.read_all(_cpu()).any())
+    return s
 
 
 def _label(s: dict) -> str:
@@ -168,7 +192,7 @@ def _label(s: dict) -> str:
     fmt = s["format"]
     if "type" in s:  # as the decoders name them: "ModelOpt NVFP4", "gpt-oss MXFP4", "compressed-tensors nvfp4"
         typ = s["type"].upper() if fmt in ("ModelOpt", "gpt-oss") else s["type"]
-        head = f"{fmt} {typ}" + (f" {s['packing']}" if typ.startswith("int") else "")
+        head = f"{fmt} {typ}" + (f" {s['packing']}" if typ.startswith("int") or fmt == "torchao" else "")
     else:
         head = f"{fmt} {s['bits']}-bit" + (f" {s['version']}" if "version" in s else "")
     parts = [head]
@@ -176,6 +200,8 @@ def _label(s: dict) -> str:
         parts.append(f"{s['strategy']} strategy")
     if "group_size" in s:
         parts.append("one group per row (group_size -1)" if s["group_size"] == -1 else f"group {s['group_size']}")
+    if "block" in s:
+        parts.append("block " + "x".join(map(str, s["block"])))
     if "axis" in s:
         parts.append(f"axis {s['axis']}")
     if "sym" in s:

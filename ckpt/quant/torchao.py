@@ -75,8 +75,9 @@ class TorchaoWeight(Wrapper):
 
     encoding = _NO_ENCODER
 
-    def __init__(self, name, kind, qdata: Tensor, scale: Tensor, zero: Tensor | None, block, dtype):
+    def __init__(self, name, kind, qdata: Tensor, scale: Tensor, zero: Tensor | None, block, dtype, codes: str):
         self.name, self.kind, self.base, self.scale, self.zero = name, kind, qdata, scale, zero
+        self.codes = codes  # what a code is: "int8", "int4" (an intx target_dtype), "float8_e4m3fn", ...
         self.shape, self.home, self.block = tuple(qdata.shape), qdata.home, tuple(block)
         self.dtype = self.natural = dtype
         self.row_align = qdata.row_align
@@ -222,7 +223,8 @@ def _layer(ctx: DecodeContext, name: str, meta: dict, consumed: dict) -> Torchao
             consumed[prefix + n] = why
     consumed[qkey] = f"torchao {kind} codes of {name}"
     consumed[skey] = f"torchao scales of {name}"
-    return TorchaoWeight(name, kind, q, scale, zero, block, dt)
+    codes = target if kind == "IntxUnpackedToInt8Tensor" else str(q.dtype).replace("torch.", "")
+    return TorchaoWeight(name, kind, q, scale, zero, block, dt, codes)
 
 
 def decode(ctx: DecodeContext) -> Decoded | None:
