@@ -9,21 +9,29 @@ BIN := $(VENV)/bin
 # they run in a venv of their own.
 LIT_VENV ?= .venv-litgpt
 LIT_BIN := $(LIT_VENV)/bin
+DEMO_ARGS ?=
 
-.PHONY: setup setup-litgpt demo test bench clean
+.PHONY: setup setup-runtime setup-litgpt demo test bench clean
 
-$(BIN)/ckpt: pyproject.toml
+# The runtime alone (what `pip install .` pulls) plus safetensors, the demo's independent reader: a minute or two.
+$(VENV)/.runtime: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[demo]"
+	touch $@
+
+# Everything the tests compare against (several GB, llama-cpp-python compiled from its sdist: many minutes).
+$(VENV)/.test: $(VENV)/.runtime
 	$(BIN)/pip install -q -e ".[test]"
 	# Oracles installed without their declared dependencies, which would pull another torch (auto-gptq, hqq) or
 	# triton (autoawq) and which the tests do not need: GPTQ/AWQ packers and CPU dequantizers (imported by file)
 	$(BIN)/pip install -q --no-deps "auto-gptq==0.7.1" "autoawq==0.2.9"
 	# HQQ's quantizer (an sdist whose CUDA extension is skipped with DISABLE_CUDA=1) and ModelOpt's NVFP4 code
 	DISABLE_CUDA=1 $(BIN)/pip install -q --no-deps "hqq==0.2.8.post1" "nvidia-modelopt==0.47.0"
-	touch $(BIN)/ckpt
+	touch $@
 
-setup: $(BIN)/ckpt
+setup-runtime: $(VENV)/.runtime
+setup: $(VENV)/.test
 
 $(LIT_BIN)/litgpt: pyproject.toml
 	$(PY) -m venv $(LIT_VENV)
@@ -33,8 +41,9 @@ $(LIT_BIN)/litgpt: pyproject.toml
 
 setup-litgpt: $(LIT_BIN)/litgpt
 
-demo: setup
-	$(BIN)/python scripts/demo.py
+# `make demo DEMO_ARGS="--keep DIR"` keeps the demo's files in DIR.
+demo: setup-runtime
+	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 test: setup setup-litgpt
 	$(BIN)/python -m pytest --ignore=tests/litgpt

@@ -8,11 +8,17 @@
    abs difference against the formula computed here with torch (fp8: (w.float() * scale).half(),
    fp32: x.half()), which must be 0.
 
-Exits non-zero if any command fails or any value differs from its formula.
+Exits non-zero if any command fails or any value differs from its formula. `--keep DIR` writes the files into
+DIR (created; it must not exist yet) and leaves them there; without it they go to a temp folder that is removed.
+
+It needs the runtime (`pip install .`) and safetensors, the independent reader the results are checked with:
+`make demo` installs just that.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import shlex
 import subprocess
 import sys
@@ -75,7 +81,7 @@ def dtype_summary(sd: dict) -> str:
 
 
 def expected_fp16(src: dict) -> dict:
-    """What `convert --to fp16` must produce, from the format definitions (FORMATS.md "FP8")."""
+    """What `convert --to fp16` must produce, from the format definitions (docs/format-facts.md "FP8")."""
     scaled = any(k.endswith("scaled_fp8") for k in src)
     want = {}
     for k, v in src.items():
@@ -116,10 +122,29 @@ def check(name: str, src_path: Path, out_path: Path) -> bool:
     return worst == 0.0
 
 
-def main() -> int:
+@contextlib.contextmanager
+def workdir(keep: str | None):
+    """The folder the demo writes in: `keep` (made here, kept) or a temp folder removed afterwards."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="ckpt-demo-") as tmp:
+            yield Path(tmp)
+        return
+    folder = Path(keep).expanduser()
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        raise SystemExit(f"error: --keep {keep}: already exists; name a new folder") from None
+    except OSError as e:
+        raise SystemExit(f"error: --keep {keep}: cannot create it ({e.strerror})") from None
+    yield folder
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keep", metavar="DIR", help="write the demo's files into DIR (a new folder) and keep them")
+    args = ap.parse_args(argv)
     g = torch.Generator().manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="ckpt-demo-") as tmp:
-        tmp = Path(tmp)
+    with workdir(args.keep) as tmp:
         fp8, fp32 = tmp / "flux-fp8-scaled.safetensors", tmp / "encoder-fp32.safetensors"
         originals = make_scaled_fp8(fp8, g)
         make_plain_fp32(fp32, g)
@@ -134,6 +159,8 @@ def main() -> int:
         q = max((out[k].float() - w).abs().max().item() for k, w in originals.items())
         print(f"  (fp8 quantization error vs the original fp32 weights, for scale: max {q:.2e})")
         ok = check("encoder-fp32 -> fp16", fp32, tmp / "encoder-fp16.safetensors") and ok
+        if args.keep:
+            print(f"\nthe files are kept in {tmp}")
     if not ok:
         print("\ndemo FAILED: an output differs from its formula", file=sys.stderr)
         return 1

@@ -144,6 +144,18 @@ def test_demo_runs_and_checks_its_formulas():
     assert "demo OK" in p.stdout and "max |output - (w.float() * scale_weight).half()| = 0" in p.stdout
 
 
+def test_demo_keeps_its_files_when_asked(tmp_path):
+    keep = tmp_path / "demo"
+    p = subprocess.run([sys.executable, str(SCRIPTS / "demo.py"), "--keep", str(keep)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(f.name for f in keep.iterdir()) == ["encoder-fp16.safetensors", "encoder-fp32.safetensors",
+                                                      "flux-fp8-scaled-fp16.safetensors", "flux-fp8-scaled.safetensors"]
+    p = subprocess.run([sys.executable, str(SCRIPTS / "demo.py"), "--keep", str(keep)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and p.stderr.strip() == f"error: --keep {keep}: already exists; name a new folder"
+
+
 def test_benchlib_pipeline_constants_mirror_ckpt():
     """benchlib may not import ckpt (it must stay small: see its docstring); its copy of the pipeline's
     depth and band size, which the RSS bound uses, must follow ckpt's."""
