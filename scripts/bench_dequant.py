@@ -74,7 +74,7 @@ def params_for(size_gb: float) -> int:
 # ------------------------------------------------------------------------------- synthetic source
 
 def quanto_entries(model, qtype: str, dt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(name, safetensors dtype, shape, kind) of an optimum-quanto state dict (FORMATS.md)."""
+    """(name, safetensors dtype, shape, kind) of an optimum-quanto state dict (docs/format-facts.md)."""
     out = []
     for s in model.specs:
         if s.role != "linear":

@@ -282,7 +282,7 @@ def specs_for(layout: str, params: int) -> Model:
 def stored_entries(model: Model, dtype: str, layout: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype key, shape) of every stored tensor. comfy-scaled-fp8: matrices in fp8 e4m3fn with
     an fp32 scalar `scale_weight` and `scale_input` each, other tensors in bf16, plus the
-    `scaled_fp8` marker (an empty fp8 tensor), as in ComfyUI's scaled-fp8 files (FORMATS.md "FP8")."""
+    `scaled_fp8` marker (an empty fp8 tensor), as in ComfyUI's scaled-fp8 files (docs/format-facts.md "FP8")."""
     if layout in ("plain", "flux2-bfl"):
         return [(s.name, dtype, s.shape) for s in model.specs]
     if layout != "comfy-scaled-fp8":

@@ -2,7 +2,7 @@
 
 Each checkpoint is made by the format's own library (bitsandbytes, comfy-kitchen, optimum-quanto) or,
 for the FP8 scaled layouts no installed library writes (kohya fp8_scaled, HF block FP8, weight_scale FP8,
-ComfyUI legacy scaled_fp8), from the layout definition in FORMATS.md. A mutant drops one stored key,
+ComfyUI legacy scaled_fp8), from the layout definition in docs/format-facts.md. A mutant drops one stored key,
 reshapes it (same values in another shape, one value less, the values twice), retypes it (a value cast, as
 `.float()` would) or puts NaN/Inf into it. `ckpt convert --to fp32` of each mutant must either
 

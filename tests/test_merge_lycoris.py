@@ -1,5 +1,5 @@
 """LyCORIS families, kohya LoCon and XLabs: adapter files written in the test from the format
-definitions (FORMATS.md "LoRA family"), merged by the real CLI, compared with the formula computed
+definitions (docs/format-facts.md "LoRA family"), merged by the real CLI, compared with the formula computed
 here (or, for convolutions, with the adapter's own forward pass run through torch's conv2d).
 
 Everything is fp32 end to end, so the only differences are summation order: rtol 1e-5 / atol 1e-5.

@@ -1,4 +1,4 @@
-"""FP8 storage layouts decoded to plain values (float32, exact products), see FORMATS.md "FP8".
+"""FP8 storage layouts decoded to plain values (float32, exact products), see docs/format-facts.md "FP8".
 
 Plain fp8 tensors need no decoder: they are read as they are and cast exactly by the caster.
 Scaled layouts become `ScaledTensor`s: W = w.float() * scale, computed in fp32 and rounded once by the

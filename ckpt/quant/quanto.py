@@ -1,4 +1,4 @@
-"""optimum-quanto weights decoded back to plain tensors (FORMATS.md "optimum-quanto state dicts").
+"""optimum-quanto weights decoded back to plain tensors (docs/format-facts.md "optimum-quanto state dicts").
 
 optimum-quanto (and diffusers/transformers `QuantoConfig`, SimpleTuner) save a quantized weight `P` as
 `P._data` (int8 / fp8, 8-bit qtypes) or `P._data._data` (packed uint8, qint4 / qint2) with `P._scale`

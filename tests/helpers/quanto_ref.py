@@ -1,5 +1,5 @@
 """optimum-quanto references: an int4 weight with a uint8 zero-point shift (quanto's own optimizer and
-`quantize_weight`), and the packing of int4/int2 rows by FORMATS.md's definition."""
+`quantize_weight`), and the packing of int4/int2 rows by docs/format-facts.md's definition."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def int_shift_weight(dtype):
 
 
 def unpack_by_definition(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """FORMATS.md: bit field i of packed row r is unpacked row i*rows_p + r."""
+    """docs/format-facts.md: bit field i of packed row r is unpacked row i*rows_p + r."""
     rp = packed.shape[0]
     out = torch.empty((rp * (8 // bits), *packed.shape[1:]), dtype=torch.uint8)
     for i in range(8 // bits):
