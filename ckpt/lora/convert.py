@@ -46,9 +46,11 @@ from ckpt.io.plan import Plan
 from ckpt.lora import svd as S
 from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_target_check, is_noop, nothing_left,
                               usable)
+from ckpt.lora.embeddings import embedding_keys
 from ckpt.lora.formats import Layout, OutModule, plan_lora
-from ckpt.lora.modules import Source, factor_shapes, open_lora, stored
+from ckpt.lora.modules import Source, open_lora, stored, to_layout
 from ckpt.lora.naming import Naming
+from ckpt.lora.operations import lora_convert_operation
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
 from ckpt.merge_lora.checks import alphas as check_alphas
@@ -126,8 +128,9 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
         modules = _build(outs, fmt, layout, opts, to_lora, store, report)
         nothing_left(spec, modules, report)
         report.finish("wrote")
-        op = f"lora convert {Path(spec).name} --format {fmt}" + (f" --base {Path(base).name}" if base else "")
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, report=report)
+        op = lora_convert_operation(spec, opts, base, to_lora)
+        model = {p.name for n in namings for g in n.groups if g.pieces for p in g.pieces} if base else None
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, report=report, model_names=model)
         write(plan, out_path, inputs=inputs, report=report, desc="lora convert", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -313,7 +316,15 @@ def _as_renamed(cs, piece, p0, p1, fmt, layout, store) -> OutModule | None:
         return None
     src, m = c.src, c.src.module
     name = piece.name
+    if src.plain_lora and _stored_as_embedding(src):  # PEFT's lora_embedding_A/B: kept where the output has them
+        keys = _embedding_keys(name, cs, layout)
+        alpha = _kept_alpha(src, layout)
+        if keys is None or alpha is False:
+            return None  # kohya / comfy keys, or a scale to fold: recut (A^T, B^T) below
+        return OutModule(name, m.parts["emb_B"], m.parts["emb_A"], alpha, keys)
     if src.family == "lora" and not src.transposed:
+        if _embedding_keys(name, cs, layout):
+            return None  # an embedding in PEFT's spelling: its factors stored transposed (recut below)
         keys = src.roles
         extra = {}
         for role, key in keys.items():
@@ -335,15 +346,40 @@ def _as_renamed(cs, piece, p0, p1, fmt, layout, store) -> OutModule | None:
                 if fmt not in LYCORIS_FORMATS:
                     return None  # a Tucker LoCon: fold the mid factor (recut below)
                 extra[f"{name}.lora_mid.weight"] = t
-        alpha = m.alpha()
-        scale = src.scale
-        a = alpha if (alpha is not None and not m.rslora and not layout.rslora) else layout.alpha_for(scale, src.rank)
-        if not layout.stores_alpha and abs(scale - 1.0) > 0:
+        a = _kept_alpha(src, layout)
+        if a is False:
             return None  # the scale must be folded into up
         return OutModule(name, m.parts["up"], m.parts["down"], a, {}, extra)
     if src.family in ("loha", "lokr", "full", "ia3", "glora") and fmt in LYCORIS_FORMATS:
         extra = {f"{name}.{key[len(m.name) + 1:]}": t for key, t in stored(m).items()}
         return OutModule(name, extra=extra)
+    return None
+
+
+def _kept_alpha(src, layout: Layout):
+    """The alpha a renamed module keeps (its own, or the one that gives its scale at its rank in the
+    output), None where the output stores none and the scale is 1; False where the output stores none
+    and the scale is not 1 (it must be folded into up: a recut)."""
+    m = src.module
+    alpha, scale = m.alpha(), src.scale
+    if not layout.stores_alpha and abs(scale - 1.0) > 0:
+        return False
+    return alpha if (alpha is not None and not m.rslora and not layout.rslora) else layout.alpha_for(scale, src.rank)
+
+
+def _stored_as_embedding(src) -> bool:
+    """An input module in PEFT's embedding spelling (`lora_embedding_A/B`): its factors A^T, B^T are the
+    embedding weight's row view, as a kohya module of that weight would have them."""
+    return "emb_A" in src.roles
+
+
+def _embedding_keys(name: str, cs, layout: Layout) -> dict[str, str] | None:
+    """PEFT's embedding keys for output module `name` where the output spells them (`Layout.embedding_keys`):
+    a module named as an embedding, or one made only of input modules stored as one; else None."""
+    if not layout.peft_keys:
+        return None
+    if layout.embedding_keys(name) or all(_stored_as_embedding(c.src) for c in cs):
+        return embedding_keys(name)
     return None
 
 
@@ -377,7 +413,7 @@ def _apply(transform: Transform | None, up, down, undo: bool = False):
 def _factors(c: Contribution, fmt, to_lora, report):
     """(up [rows, r], down [r, cols], scale) of one contribution's whole module, in row view."""
     src, m = c.src, c.src.module
-    if src.plain_lora and not src.transposed:
+    if src.plain_lora and (not src.transposed or _stored_as_embedding(src)):
         up, down = src.factors()
         return up, down, src.scale
     if src.family == "lora":
@@ -433,9 +469,12 @@ def _combined(cs, piece, p0, p1, fmt, layout: Layout, to_lora, dtype, store, rep
     tail = tails.pop() if len(tails) == 1 and keeps_rows else (down.shape[1],)
     if math.prod(tail) != down.shape[1]:
         tail = (down.shape[1],)
-    ushape, dshape = factor_shapes(up.shape[0], k, tail)
+    keys = _embedding_keys(piece.name, cs, layout)
+    if keys:
+        tail = (down.shape[1],)
+    upt, downt = to_layout(up_s, down_s, tail, bool(keys))  # an embedding: PEFT's B, A
     report.modules.append(ModuleResult(piece.name, (up.shape[0], down.shape[1]), k, min(up.shape[0], down.shape[1]),
                                        S.rel(err, norm), norm, note=" + ".join(c.src.module.name for c in cs)))
-    return OutModule(piece.name, store.put(piece.name + ".up", up_s.reshape(ushape)),
-                     store.put(piece.name + ".down", down_s.reshape(dshape)), layout.alpha_for(scale, k))
+    return OutModule(piece.name, store.put(piece.name + ".up", upt), store.put(piece.name + ".down", downt),
+                     layout.alpha_for(scale, k), keys or {})
 

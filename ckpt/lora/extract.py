@@ -38,7 +38,9 @@ from ckpt.io.tensors import row_bands
 from ckpt.lora import svd as S
 from ckpt.lora.common import LoraOptions, LoraReport, ModuleResult, early_target_check, nothing_left
 from ckpt.lora.formats import FORMATS, Layout, OutModule, plan_lora
+from ckpt.lora.modules import to_layout
 from ckpt.lora.naming import Naming
+from ckpt.lora.operations import lora_extract_operation
 from ckpt.lora.store import FactorStore
 from ckpt.merge_lora.checks import finite
 from ckpt.progress import progress_bar
@@ -69,8 +71,7 @@ def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *,
         out_path = output_path(out, derived, Plan(single_file=layout.container == "file", files=[]))
         inputs = b.inputs + t.inputs
         early_target_check(out_path, inputs, opts.overwrite, layout.container == "file", opts.dry_run)
-        op = f"lora extract {Path(base).name} {Path(tuned).name} --rank {opts.rank}" + (
-            f" --dynamic {opts.dynamic} --threshold {opts.threshold:g}" if opts.dynamic else "")
+        op = lora_extract_operation(base, tuned, opts, min_diff, exclude)
         if opts.dry_run:
             return _dry_run(jobs, opts, fmt, layout, out_path, report), report
         store = stack.enter_context(FactorStore(out_path))
@@ -83,7 +84,8 @@ def extract(base: str, tuned: str, out: str | Path | None, opts: LoraOptions, *,
             raise CkptError(f"{tuned}: no weight differs from {base} by more than --min-diff {min_diff:g}; "
                             "nothing to extract, nothing written")
         meta = _kohya_metadata(opts) if fmt == "kohya" else {}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
+        model = {p.name for n in namings for g in n.groups if g.pieces for p in g.pieces}
+        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report, model_names=model)
         write(plan, out_path, inputs=inputs, report=report, desc="lora extract", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
@@ -295,10 +297,10 @@ def _decompose(jobs, opts: LoraOptions, layout: Layout, device, store: FactorSto
                 up, down = up.to(dtype), down.to(dtype)
                 err, norm = S.error_of_whole(d, up.float(), down.float())
                 own = job.module_shape(p)  # a conv module's factors keep its kernel dims
-                up_shape = (rows, k) + (1,) * (len(own) - 2)
-                down_shape = (k,) + tuple(own[1:])
-                m = OutModule(p.name, store.put(p.name + ".up", up.reshape(up_shape)),
-                              store.put(p.name + ".down", down.reshape(down_shape)), layout.alpha_for(1.0, k))
+                keys = layout.embedding_keys(p.name) or {}
+                upt, downt = to_layout(up, down, tuple(own[1:]), bool(keys))  # an embedding: PEFT's B, A
+                m = OutModule(p.name, store.put(p.name + ".up", upt), store.put(p.name + ".down", downt),
+                              layout.alpha_for(1.0, k), keys)
                 modules.append(m)
                 report.modules.append(ModuleResult(p.name, (rows, cols), k, cap, S.rel(err, norm), norm))
             del delta

@@ -34,6 +34,7 @@ from ckpt.dtypes import is_float
 from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import OutTensor, Plan, plan_files
 from ckpt.io.tensors import ComputedTensor, Tensor
+from ckpt.lora.embeddings import embedding_keys, is_embedding
 from ckpt.report import Report
 
 FORMATS = ("kohya", "peft", "diffusers")
@@ -96,6 +97,16 @@ class Layout:
     def stores_alpha(self) -> bool:
         return self.alphas != "none"
 
+    @property
+    def peft_keys(self) -> bool:
+        """Factors under PEFT's keys (`lora_A` / `lora_B`, `lora_embedding_A` / `_B` for embeddings)."""
+        return self.suffixes[0].startswith("lora_A")
+
+    def embedding_keys(self, name: str) -> dict[str, str] | None:
+        """The stored keys of module `name` where it is an embedding in PEFT's spelling
+        (`ckpt.lora.embeddings`); None where its factors take the ordinary keys."""
+        return embedding_keys(name) if self.peft_keys and is_embedding(name) else None
+
     def alpha_for(self, scale: float, rank: int) -> float | None:
         """The alpha that gives `scale` at `rank` here (None where no alpha can be stored: scale 1)."""
         if not self.stores_alpha:
@@ -128,6 +139,8 @@ class Layout:
         """The layout of an input LoRA (`ckpt.merge_lora.adapter_files.LoraFile`)."""
         from pathlib import Path
 
+        from ckpt.io.small_inputs import CONFIG_LIMIT, load_json_object
+
         keys = list(lora.ckpt.components[0].tensors)
         peft_style = any(".lora_A." in k for k in keys)
         suffixes = ("lora_A.weight", "lora_B.weight") if peft_style else ("lora_down.weight", "lora_up.weight")
@@ -135,7 +148,7 @@ class Layout:
         spec = Path(lora.spec).expanduser()
         config = spec / PEFT_CONFIG
         if spec.is_dir() and config.is_file():
-            cfg = json.loads(config.read_text())
+            cfg = load_json_object(config, limit=CONFIG_LIMIT)
             return cls("folder", "config", suffixes, (), (PEFT_PREFIX,), bool(cfg.get("use_rslora")), cfg, meta)
         raw = meta.pop(META_KEY, None)
         if raw:
@@ -154,20 +167,64 @@ def alpha_tensor(name: str, alpha: float) -> Tensor:
     return ComputedTensor(name, lambda a=alpha: torch.tensor(a, dtype=torch.float32), torch.float32, ())
 
 
-def _config_fields(entries: list[tuple[str, int, float]], base: dict) -> dict:
+def _config_fields(entries: list[tuple[str, int, float]], base: dict, model: set[str] | None = None) -> dict:
     """r / lora_alpha (the most common values) and the patterns of the modules that differ, the way
-    diffusers' get_peft_kwargs and PEFT's own configs express per-module ranks."""
+    diffusers' get_peft_kwargs and PEFT's own configs express per-module ranks: each pattern key selects
+    its one module (`pattern_key`), the target modules are exactly the LoRA's (`target_modules`; `model`:
+    every module name of the model where it is known)."""
     cfg = dict(base)
     ranks = Counter(r for _, r, _ in entries)
     alphas = Counter(a for _, _, a in entries)
     r = ranks.most_common(1)[0][0] if ranks else cfg.get("r", 8)
     a = alphas.most_common(1)[0][0] if alphas else cfg.get("lora_alpha", r)
+    names = [k for k, _, _ in entries]
+    by_length: dict[int, list[str]] = {}
+    for k in names:
+        by_length.setdefault(len(k), []).append(k)
     cfg["r"] = int(r)
     cfg["lora_alpha"] = _num(a)
-    cfg["rank_pattern"] = {k: int(v) for k, v, _ in entries if v != r}
-    cfg["alpha_pattern"] = {k: _num(x) for k, _, x in entries if x != a}
-    cfg["target_modules"] = sorted(k for k, _, _ in entries)
+    cfg["rank_pattern"] = {pattern_key(k, by_length): int(v) for k, v, _ in entries if v != r}
+    cfg["alpha_pattern"] = {pattern_key(k, by_length): _num(x) for k, _, x in entries if x != a}
+    cfg["target_modules"] = target_modules(names, model, regex=isinstance(base.get("target_modules"), str))
     return cfg
+
+
+def pattern_key(name: str, by_length: dict[int, list[str]]) -> str:
+    """The rank_pattern / alpha_pattern key that selects module `name` alone among the LoRA's modules
+    (`by_length`: their names by length).
+
+    PEFT reads each key K as the regex `(.*\\.)?(K)$` against a module's full name, the first key that
+    matches winning (`peft.utils.other.get_pattern_key`): a bare `proj_out` also selects
+    `single_transformer_blocks.0.proj_out`, which then gets the top-level module's rank and fails to load
+    ("size mismatch"). A leading `^` anchors the key at the start of the name, as PEFT's documentation and
+    diffusers' own rank patterns write them (`^transformer_blocks.0.attn.to_q`), so that the key matches
+    the whole name or nothing. Its dots still match any character: where that would select another
+    module of the LoRA (a name of the same length), or the name holds other regex characters, it is
+    escaped."""
+    plain = re.escape(name) == name.replace(".", "\\.")
+    if plain and not any(o != name and re.fullmatch(name, o) for o in by_length.get(len(name), ())):
+        return "^" + name
+    return "^" + re.escape(name)
+
+
+def target_modules(names: list[str], model: set[str] | None = None, regex: bool = False) -> list[str] | str:
+    """`target_modules`: the modules' full names, as PEFT and diffusers write them. PEFT adds a LoRA to
+    every module whose name is a listed one or ends with `.` + a listed one, so where the model is known
+    (`model`: all its module names) and a listed name is also the tail of a module the LoRA leaves alone
+    (`proj_out`, `single_transformer_blocks.0.proj_out`), PEFT would wrap that one too (an empty LoRA:
+    `PeftModel.from_pretrained` warns of its missing keys, diffusers of the mismatch with the file). The
+    list is then one regex, which PEFT matches against whole names (`re.fullmatch`), naming exactly these;
+    so it is where the input's config had a regex (`regex`: resize and merge do not know the model, the
+    input's writer may have)."""
+    listed = sorted(names)
+    chosen = set(listed)
+    if not regex:
+        for other in (model or set()) - chosen:
+            parts = other.split(".")
+            if any(".".join(parts[i:]) in chosen for i in range(1, len(parts))):
+                regex = True
+                break
+    return "(?:" + "|".join(re.escape(n) for n in listed) + ")" if regex else listed
 
 
 def _num(x: float):
@@ -175,10 +232,13 @@ def _num(x: float):
 
 
 def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str,
-              extra_metadata: dict[str, str] | None = None, report: Report | None = None) -> Plan:
+              extra_metadata: dict[str, str] | None = None, report: Report | None = None,
+              model_names=None) -> Plan:
     """The output plan: one safetensors file (kohya / diffusers / a kept single-file layout) or a PEFT
     adapter folder. `dtype_of(tensor)` is the dtype each factor is written in (the scratch store
-    already holds them in it; input tensors passed through keep theirs).
+    already holds them in it; input tensors passed through keep theirs). `operation` is recorded as
+    `ckpt_operation` (`ckpt.lora.operations`). `model_names`: every module name the output naming has
+    for the model, where the base is known (`target_modules` then names only the LoRA's modules).
 
     With `report`, every floating tensor goes through the `Caster` that convert and merge-lora write
     with, so NaN/Inf values a LoRA carries (factors and alphas passed through as stored) are counted
@@ -224,11 +284,17 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
     meta.update(extra_metadata or {})
     meta.update(provenance(operation))
     generated: dict[str, dict] = {}
+    model: dict[str, set[str]] | None = None
+    if model_names is not None:
+        model = {}
+        for name in model_names:
+            group, key = layout.peft_key(name)
+            model.setdefault(group, set()).add(key)
     if layout.alphas == "metadata" and peft_entries:
         packed = {}
         for group, entries in sorted(peft_entries.items()):
             base = _group_config(layout.config, group)
-            for k, v in _config_fields(entries, base).items():
+            for k, v in _config_fields(entries, base, model and model.get(group)).items():
                 packed[group + k] = v
         meta[META_KEY] = json.dumps(packed, indent=2, sort_keys=True)
     if layout.container == "folder":
@@ -236,7 +302,8 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
                                        "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False,
                                        "use_dora": False, "inference_mode": True, "base_model_name_or_path": None}
         entries = [e for es in peft_entries.values() for e in es]
-        generated[PEFT_CONFIG] = _config_fields(entries, base)
+        names = set().union(*model.values()) if model else None
+        generated[PEFT_CONFIG] = _config_fields(entries, base, names)
         plan = Plan(single_file=False, files=plan_files(outs, PEFT_STEM, metadata=meta)[0])
     else:
         plan = Plan(single_file=True, files=plan_files(outs, "", metadata=meta)[0])

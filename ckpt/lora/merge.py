@@ -31,6 +31,7 @@ from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_targe
                               usable)
 from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, as_stored, open_lora, to_layout
+from ckpt.lora.operations import lora_merge_operation
 from ckpt.lora.store import FactorStore
 from ckpt.merge_lora.checks import alphas as check_alphas, ratios as check_ratios
 from ckpt.progress import progress_bar
@@ -41,7 +42,11 @@ MODES = ("concat", "svd")
 
 
 def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios: list[float] = (),
-          mode: str = "concat", report: LoraReport | None = None, base: str | None = None) -> tuple[Path, LoraReport]:
+          mode: str = "concat", report: LoraReport | None = None, base: str | None = None,
+          operation: str | None = None) -> tuple[Path, LoraReport]:
+    """Merge LORAS into one; returns (output path, report). Raises CkptError on bad input (nothing
+    written). `operation`: the `ckpt_operation` to record where it is not this call's own
+    (`ckpt.lora.reformat` merges converted copies for the command the user ran)."""
     report = report or LoraReport()
     if len(specs) < 2:
         raise CkptError("lora merge: give at least two LoRAs")
@@ -58,11 +63,13 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         raise CkptError("--lowrank: merge decomposes stacked factors exactly; nothing to speed up")
     ratios = check_ratios(ratios, len(specs))
     alphas = check_alphas(opts.alphas, len(specs))
+    operation = operation or lora_merge_operation(specs, ratios, mode, opts, base)
     if opts.format is not None:  # every input converted first, then merged in that naming
         from ckpt.lora.reformat import with_format
 
         return with_format(list(specs), out, opts, "merge", "merged", base,
-                           lambda ss, o, op, r: merge(ss, o, op, ratios=ratios, mode=mode, report=r), report)
+                           lambda ss, o, op, r: merge(ss, o, op, ratios=ratios, mode=mode, report=r,
+                                                      operation=operation), report)
     device = resolve_device(opts.device, heavy=mode == "svd")  # --concat stacks factors
     with contextlib.ExitStack() as stack:
         files = []
@@ -92,10 +99,8 @@ def merge(specs: list[str], out: str | Path | None, opts: LoraOptions, *, ratios
         modules = _merge_modules(groups, mode, opts, layout, device, store, report)
         nothing_left(specs[0], modules, report)
         report.finish("merged")
-        names = " ".join(f"{Path(s).name}@{r:g}" for s, r in zip(specs, ratios))
-        op = f"lora merge {names} --{mode}" + (f" --rank {opts.rank}" if mode == "svd" and opts.rank else "")
         meta = {"ss_network_dim": "Dynamic", "ss_network_alpha": "Dynamic"} if "ss_network_dim" in layout.metadata else {}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, operation, meta, report)
         write(plan, out_path, inputs=inputs, report=report, desc="lora merge", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report

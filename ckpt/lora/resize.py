@@ -31,6 +31,7 @@ from ckpt.lora.common import (LoraOptions, LoraReport, ModuleResult, early_targe
                               usable)
 from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, as_stored, open_lora, to_layout
+from ckpt.lora.operations import lora_resize_operation
 from ckpt.lora.store import FactorStore
 from ckpt.merge_lora.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
@@ -41,17 +42,21 @@ RESIZABLE = ("lora", "loha", "lokr")
 
 
 def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraReport | None = None, *,
-           base: str | None = None) -> tuple[Path, LoraReport]:
+           base: str | None = None, operation: str | None = None) -> tuple[Path, LoraReport]:
+    """Resize LORA; returns (output path, report). Raises CkptError on bad input (nothing written).
+    `operation`: the `ckpt_operation` to record where it is not this call's own (`ckpt.lora.reformat`
+    resizes a converted copy for the command the user ran)."""
     report = report or LoraReport()
     opts.check()
     alpha = check_alphas(opts.alphas, 1)[0]
     if opts.lowrank:
         raise CkptError("--lowrank: resize decomposes each module exactly from its r x r core; nothing to speed up")
+    operation = operation or lora_resize_operation(spec, opts, base)
     if opts.format is not None:  # convert first, then resize the converted modules
         from ckpt.lora.reformat import with_format
 
         return with_format([spec], out, opts, "resize", "resized", base,
-                           lambda specs, o, op, r: resize(specs[0], o, op, r), report)
+                           lambda specs, o, op, r: resize(specs[0], o, op, r, operation=operation), report)
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
         f = open_lora(spec, alpha, report)
@@ -75,13 +80,11 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
         for key in f.unknown:
             modules.append(OutModule(key, extra={key: f.ckpt.components[0].tensors[key]}))
         report.finish("resized")
-        op = f"lora resize {Path(spec).name}" + (f" --rank {opts.rank}" if opts.rank else "") + (
-            f" --dynamic {opts.dynamic} --threshold {opts.threshold:g}" if opts.dynamic else "")
         meta = {}
         if "ss_network_dim" in layout.metadata:
             dim = "Dynamic" if opts.dynamic else str(opts.rank)
             meta = {"ss_network_dim": dim, "ss_network_alpha": "Dynamic"}
-        plan = plan_lora(modules, layout, lambda x: x.dtype, op, meta, report)
+        plan = plan_lora(modules, layout, lambda x: x.dtype, operation, meta, report)
         write(plan, out_path, inputs=f.inputs, report=report, desc="lora resize", device=torch.device("cpu"),
               overwrite=opts.overwrite, dry_run=False, quiet=opts.quiet)
     return out_path, report
