@@ -7,8 +7,10 @@ compressors via `helpers.ct_ref.build` with the NVFP4A16 scheme and min-max cali
 LoRA made with `save_pretrained` (`helpers.quant_llm_merge.peft_lora`; gpt-oss's on the expert banks through
 `target_parameters`). The value each changed tensor is re-encoded from is ckpt's own fp32 merge (`merge-lora --to
 fp32`, checked against PEFT in tests/test_merge_quant_llm.py). Oracle: the library's own quantizer run here on that
-fp32 value (compressed-tensors: `generate_gparam` + `calculate_qparams` as llm-compressor's min-max observer
-calls them, then `NVFP4PackedCompressor.compress`; ModelOpt: `NVFP4QTensor.quantize`; MXFP4: see its test).
+value (ModelOpt: `NVFP4QTensor.quantize` on the fp32 merge; MXFP4: see its test). compressed-tensors: what a user
+gets from the libraries (`helpers.ct_ref.peft_recompressed`): transformers' dequantized bf16 load, PEFT's
+`merge_and_unload`, `generate_gparam` + `calculate_qparams` on the merged bf16 weight as llm-compressor's min-max
+observer calls them (so in bf16), `ModelCompressor.compress_model`.
 
 Asserted: config.json unchanged; every stored key the LoRA does not touch byte-identical to the base; each changed
 tensor's stored keys (codes, block scales, per-tensor scale) equal the oracle's bytes bit for bit; the report lists
@@ -69,8 +71,8 @@ def check(base: dict, kept: dict, want: dict, text: str):
 
 
 def ct_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """compressed-tensors 0.20 on an fp32 weight, as llm-compressor's min-max observer calibrates NVFP4: the global
-    scale from the tensor's min/max (`generate_gparam`), block scales from each group's min/max
+    """compressed-tensors 0.20 on a weight in its own dtype, as llm-compressor's min-max observer calibrates NVFP4:
+    the global scale from the tensor's min/max (`generate_gparam`), block scales from each group's min/max
     (`calculate_qparams`), then `NVFP4PackedCompressor.compress` (quantize + pack)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
@@ -105,18 +107,25 @@ def ct_base(tmp_path_factory):
 
 
 def test_ct_nvfp4_keep_format_equals_compressed_tensors(ct_base, run_ckpt, tmp_path):
+    """Code for code, scale for scale what the libraries give (`ct_ref.peft_recompressed`); the fp32 merge
+    quantized in fp32 would not be (the global scale of a bf16 observer has 8 significant bits)."""
+    from helpers import ct_ref
+
     root = ct_base
     base = load_dir(root / "q")
     merged, kept, errors, text = keep_format(run_ckpt, root / "q", root / "lora", tmp_path)
+    ref = ct_ref.peft_recompressed(root / "q", root / "lora")
     layers = sorted({k[: -len(".weight")] for k in merged if k.rsplit(".", 2)[-2] in TARGETS})
     assert len(layers) == 2 * len(TARGETS)  # two decoder layers
-    want = {}
+    want, fp32_codes = {}, 0
     for layer in layers:
-        q = ct_quantize(merged[f"{layer}.weight"])
-        for key, v in q.items():
-            want[f"{layer}.{key}"] = v.reshape(base[f"{layer}.{key}"].shape)
+        for key in ("weight_packed", "weight_scale", "weight_global_scale"):
+            want[f"{layer}.{key}"] = ref[f"{layer}.{key}"].reshape(base[f"{layer}.{key}"].shape)
         assert not same_bytes(want[f"{layer}.weight_packed"], base[f"{layer}.weight_packed"]), layer
+        fp32 = ct_quantize(merged[f"{layer}.weight"])["weight_packed"]
+        fp32_codes += int(((fp32 & 15) != (kept[f"{layer}.weight_packed"] & 15)).sum())
     check(base, kept, want, text)
+    assert fp32_codes > 0
     # the reported error: ckpt's decode of the written bytes against the fp32 merge (the package's decompress
     # of the same bytes, as the decoder tests assert)
     from compressed_tensors.compressors import BaseCompressor
@@ -148,13 +157,15 @@ def edge_weight() -> torch.Tensor:
     return w
 
 
-def test_ct_nvfp4_rule_matches_the_package_on_edge_values():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ct_nvfp4_rule_matches_the_package_on_edge_values(dtype):
     """The encoder's arithmetic against the package's quantize + pack on values that hit every e2m1 tie, signed
-    zeros, an all-zero block (scale 0.125) and a block whose scale underflows e4m3."""
+    zeros, an all-zero block (scale 0.125) and a block whose scale underflows e4m3; in float32 and in a bf16
+    model's dtype (the observer's min/max, and so both scale computations, in bf16)."""
     pytest.importorskip("compressed_tensors")
     from ckpt.quant import fp4_encode as fe
 
-    w = edge_weight()
+    w = edge_weight().to(dtype)
     want = ct_quantize(w)
     gs = fe.global_scale(fe.CT, w.abs().amax())
     s = fe.block_scales(fe.CT, w, gs)

@@ -1,9 +1,12 @@
 """`ckpt merge-lora --keep-format` on ComfyUI comfy_quant (fp8, int8, nvfp4, mxfp8), ComfyUI legacy scaled fp8
 and kohya/musubi fp8_scaled bases.
 
-Oracles: the merged value is ckpt's plain fp32 merge; comfy_quant and legacy scaled fp8 layers must be
-comfy-kitchen's own quantize of it (its layouts' `quantize` + `state_dict_tensors`, bit for bit) and load the
-way ComfyUI loads them; kohya/musubi layers have no installable reference (musubi-tuner is not on PyPI), so
+Oracles: the merged value is ckpt's plain fp32 merge; comfy_quant layers must be comfy-kitchen's own quantize of
+it (its layouts' `quantize` + `state_dict_tensors`, bit for bit) and load the way ComfyUI loads them; legacy scaled
+fp8 layers must be what the layout's writer, `convert --to fp8_e4m3fn --scaled`, writes for the plain merge (W / s,
+ComfyUI's "tensor / scale"), which comfy-kitchen's `x * (1 / s)` meets except for values one fp8 step apart
+(`ckpt merge --keep-format` over a tiny Flux, every tensor, with values planted where the two roundings part);
+kohya/musubi layers have no installable reference (musubi-tuner is not on PyPI), so
 they are checked against musubi-tuner's published formula restated here, bit for bit, and decoded the way
 ComfyUI / musubi decode them (codes * scale). Unchanged stored keys (codes, scales, configs, markers,
 activation scales, metadata) must be the input's bytes; the reported error must be the measured one.
@@ -126,6 +129,16 @@ def test_padded_nvfp4_and_pre_quant_scale(tmp_path, run_ckpt):
 
 # ---- ComfyUI legacy scaled fp8 ----------------------------------------------------------------------------
 
+def one_step_apart(a: torch.Tensor, b: torch.Tensor, most: float) -> int:
+    """How many fp8 codes of a and b differ, asserting each such pair is one step apart (same sign, adjacent
+    bytes) and that at most a `most` share of the codes differ."""
+    x, y = a.reshape(-1).view(torch.uint8).to(torch.int32), b.reshape(-1).view(torch.uint8).to(torch.int32)
+    d = x != y
+    assert bool(((x[d] >> 7) == (y[d] >> 7)).all()) and bool(((x[d] - y[d]).abs() == 1).all())
+    assert int(d.sum()) <= most * x.numel()
+    return int(d.sum())
+
+
 @pytest.mark.parametrize("dt", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_comfy_legacy_scaled_fp8(tmp_path, run_ckpt, dt):
     p = "model.diffusion_model."
@@ -148,18 +161,133 @@ def test_comfy_legacy_scaled_fp8(tmp_path, run_ckpt, dt):
     assert code == 0, err
     got = load_file(tmp_path / "o.safetensors")
     assert sorted(got) == sorted(sd)
+    if dt == torch.float8_e4m3fn:  # the layout's writer on the plain merge
+        code, _, err = run_ckpt("convert", tmp_path / "plain.safetensors", "--to", "fp8_e4m3fn", "--scaled", "-o",
+                                tmp_path / "enc.safetensors", "-q")
+        assert code == 0, err
+        enc = load_file(tmp_path / "enc.safetensors")
     rep = reported(tmp_path / "r.json")
     for name in ("blocks.0.a", "blocks.0.b"):
-        want = ck_state("float8_e4m3fn" if dt == torch.float8_e4m3fn else "float8_e5m2", merged[f"{p}{name}.weight"])
-        assert same_bytes(got[f"{p}{name}.weight"], want[""])
-        assert same_bytes(got[f"{p}{name}.scale_weight"], want["_scale"])
-        dec = got[f"{p}{name}.weight"].float() * got[f"{p}{name}.scale_weight"]  # ComfyUI's scaled-fp8 decode
+        w, s = got[f"{p}{name}.weight"], got[f"{p}{name}.scale_weight"]
+        if dt == torch.float8_e4m3fn:
+            assert same_bytes(w, enc[f"{p}{name}.weight"]) and same_bytes(s, enc[f"{p}{name}.scale_weight"])
+        ck = ck_state("float8_e4m3fn" if dt == torch.float8_e4m3fn else "float8_e5m2", merged[f"{p}{name}.weight"])
+        assert same_bytes(s, ck["_scale"])  # comfy-kitchen: the same scale,
+        one_step_apart(w, ck[""], 1e-3)  # and its codes but where x * (1 / s) and x / s round apart
+        dec = w.float() * s  # ComfyUI's scaled-fp8 decode
         assert rep[f"{p}{name}.weight"] == pytest.approx(rel_rms(dec, merged[f"{p}{name}.weight"]), rel=1e-9)
     assert same_bytes(got[f"{p}hp.weight"], merged[f"{p}hp.weight"].to(torch.bfloat16))
     for key in sd:
         if not any(key.startswith(f"{p}{n}.weight") or key == f"{p}{n}.scale_weight" for n in changed):
             assert same_bytes(got[key], sd[key]), key  # marker, scale_input, untouched layers
     assert same_bytes(got[f"{p}hp.scale_weight"], sd[f"{p}hp.scale_weight"])
+
+
+def test_legacy_scaled_fp8_of_a_tiny_weight_is_what_convert_writes(tmp_path, run_ckpt):
+    """A merged layer whose amax / 448 is below the smallest normal float32: the scale is clamped to it, as
+    `convert --scaled` clamps it (comfy-kitchen's 1 / s would overflow and turn zeros into NaN codes)."""
+    w = weight((32, 64), 7).float() * 1e-36
+    s = w.abs().max() / 448
+    sd = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), "t.weight": (w / s).to(torch.float8_e4m3fn),
+          "t.scale_weight": s.reshape(())}
+    save_file(sd, tmp_path / "s.safetensors")
+    g = torch.Generator().manual_seed(3)
+    save_file({"lora_unet_t.lora_down.weight": torch.randn(4, 64, generator=g) * 1e-19,
+               "lora_unet_t.lora_up.weight": torch.randn(32, 4, generator=g) * 1e-19,
+               "lora_unet_t.alpha": torch.tensor(4.0)}, tmp_path / "l.safetensors")
+    merged = plain_merge(run_ckpt, tmp_path / "s.safetensors", tmp_path / "l.safetensors", tmp_path)
+    assert 0 < float(merged["t.weight"].abs().max()) / 448 < torch.finfo(torch.float32).tiny
+    code, _, err = run_ckpt("merge-lora", tmp_path / "s.safetensors", tmp_path / "l.safetensors", "--keep-format",
+                            "-o", tmp_path / "o.safetensors", "-q")
+    assert code == 0, err
+    code, _, err = run_ckpt("convert", tmp_path / "plain.safetensors", "--to", "fp8_e4m3fn", "--scaled", "-o",
+                            tmp_path / "enc.safetensors", "-q")
+    assert code == 0, err
+    got, enc = load_file(tmp_path / "o.safetensors"), load_file(tmp_path / "enc.safetensors")
+    assert same_bytes(got["t.weight"], enc["t.weight"]) and same_bytes(got["t.scale_weight"], enc["t.scale_weight"])
+    assert float(got["t.scale_weight"]) == torch.finfo(torch.float32).tiny
+    assert not bool(torch.isnan(got["t.weight"].float()).any())
+
+
+PLANTED = "single_blocks.1.linear2.weight"
+
+
+def _e4m3(y: torch.Tensor) -> torch.Tensor:
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _parting_values(above: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, n values) in float32: an amax over `above` and n values under 0.9 amax whose e4m3 codes differ
+    between x / s (the legacy writer) and x * (1 / s) (comfy-kitchen), s = amax / 448: the fp32 neighbours of
+    the halfway points between e4m3 values, times s. How many there are depends on how far 1 / s is from its
+    float32 rounding, so amax is stepped one ulp at a time until there are n."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = ((codes[:-1] + codes[1:]) / 2).reshape(-1, 1)
+    ulps = torch.arange(-8, 9, dtype=torch.int32).reshape(1, -1)
+    amax = torch.tensor(above, dtype=torch.float32)
+    for _ in range(1000):
+        amax = (amax.view(torch.int32) + 1).view(torch.float32)
+        s = amax / 448
+        x = ((mids * s).view(torch.int32) + ulps).view(torch.float32).reshape(-1)
+        x = x[x.abs() < 0.9 * amax]
+        found = x[_e4m3(x / s) != _e4m3(x * (1.0 / s))]
+        if found.numel() >= n:
+            return amax, found[torch.linspace(0, found.numel() - 1, n).long()]
+    raise AssertionError("no amax with enough parting values")
+
+
+def test_merge_keep_format_on_a_scaled_fp8_flux_equals_convert_scaled_of_the_plain_merge(tmp_path, run_ckpt):
+    """`ckpt merge --keep-format` with a legacy scaled-fp8 reference (a tiny Flux.1 made by `convert --to fp8_e4m3fn
+    --scaled`) is, for every tensor, `convert --to fp8_e4m3fn --scaled` of the fp32 merge. Values where the legacy
+    writer's W / s and comfy-kitchen's W * (1 / s) round to different codes are planted in `PLANTED` (the tensor
+    the two used to part on): 0 in A, 2t in B, so that the 0.5 / 0.5 linear merge is exactly t."""
+    from ckpt import families
+    from families_util import original_from_pairs, state_dict, tiny_flux1
+
+    torch.manual_seed(0)
+    model = tiny_flux1()
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0, 0.05)
+    a = original_from_pairs(families.get("flux1"), state_dict(model))
+    g = torch.Generator().manual_seed(1)
+    b = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in a.items()}
+    spots = [(r, 3 * r + 1) for r in range(7)]  # the first holds the tensor's amax
+    for r, c in spots:
+        a[PLANTED][r, c] = b[PLANTED][r, c] = 0.0
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("merge_method: linear\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n"
+                   "  - model: {b}\n    parameters: {{weight: 0.5}}\ndtype: float32\n".format(
+                       a=tmp_path / "aq.safetensors", b=tmp_path / "b.safetensors"))
+
+    def run(*args):
+        code, _, err = run_ckpt(*args, "-q")
+        assert code == 0, err
+
+    save_file(a, tmp_path / "a.safetensors")
+    run("convert", tmp_path / "a.safetensors", "--to", "fp8_e4m3fn", "--scaled", "-o", tmp_path / "aq.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    run("merge", cfg, "-o", tmp_path / "plain0.safetensors", "--to", "fp32")
+    amax, parting = _parting_values(float(load_file(tmp_path / "plain0.safetensors")[PLANTED].abs().max()) * 1.5,
+                                    len(spots) - 1)
+    planted = torch.cat([amax.reshape(1), parting])
+    for (r, c), t in zip(spots, planted):
+        b[PLANTED][r, c] = 2 * t
+    save_file(b, tmp_path / "b.safetensors")
+
+    run("merge", cfg, "-o", tmp_path / "kf.safetensors", "--keep-format")
+    run("merge", cfg, "-o", tmp_path / "plain.safetensors", "--to", "fp32")
+    run("convert", tmp_path / "plain.safetensors", "--to", "fp8_e4m3fn", "--scaled", "-o", tmp_path / "enc.safetensors")
+    got, want, ref = (load_file(tmp_path / f) for f in ("kf.safetensors", "enc.safetensors", "aq.safetensors"))
+    assert sorted(got) == sorted(want) == sorted(ref)
+    for k in got:
+        assert same_bytes(got[k], want[k]), k
+    # the planted values are in the merge, and comfy-kitchen's per-tensor fp8 writes them one step apart
+    merged = load_file(tmp_path / "plain.safetensors")[PLANTED]
+    assert all(float(merged[r, c]) == float(t) for (r, c), t in zip(spots, planted))
+    ck = ck_state("float8_e4m3fn", merged)
+    assert same_bytes(ck["_scale"], got[PLANTED.replace("weight", "scale_weight")])
+    assert one_step_apart(got[PLANTED], ck[""], 1.0) >= len(spots) - 1
 
 
 # ---- kohya / musubi-tuner fp8_scaled ----------------------------------------------------------------------

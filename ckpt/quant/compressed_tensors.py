@@ -39,10 +39,12 @@ the model's dtype when llm-compressor calibrated it). NVFP4 decodes to bf16, as 
 
 `merge-lora --keep-format` (`CtIntWeight.encoding`, `ckpt.quant.int_pack_encode`): a changed integer weight
 keeps `weight_scale`, `weight_zero_point` and `weight_shape` as stored; only its codes (`weight_packed`, or
-the naive int8 `weight`) are written again, band by band: clamp(round(W / scale) + zero, -2^(bits-1),
-2^(bits-1) - 1) on that grid, packed as `pack_to_int32` packs. A changed NVFP4 weight gets its global scale,
-block scales and codes recomputed from the merged value as compressed-tensors' quantizer and llm-compressor's
-min-max observer compute them (`CtNvfp4Weight.encoding`, `ckpt.quant.fp4_encode`).
+the naive int8 `weight`) are written again, band by band, as the package's own quantizer computes them on
+the merged model in its dtype (the scale's): clamp(round(W / scale + zero), -2^(bits-1), 2^(bits-1) - 1),
+each step rounded to that dtype, packed as `pack_to_int32` packs. A changed NVFP4 weight gets its global
+scale, block scales and codes recomputed from the merged value (rounded to bf16, the model's dtype) as
+compressed-tensors' quantizer and llm-compressor's min-max observer compute them in that dtype
+(`CtNvfp4Weight.encoding`, `ckpt.quant.fp4_encode`).
 
 Refused by name: sparse-24 / sparse-bitmask compression (`sparsity_config`, `.bitmask` keys: compressed-
 tensors > 0.14 dropped it), `marlin-24`, a `transform_config` (rotated weights need the online transforms),
@@ -134,7 +136,7 @@ class CtIntWeight(Wrapper):
             label, store = f"compressed-tensors int{bits} pack-quantized", lambda c: pack_rows(c + half, bits)
         else:
             label, store = f"compressed-tensors int{bits} naive", lambda c: c.to(torch.int8)
-        return IntGridEncoding(self, label, self.base, bits, -half, half - 1, store)
+        return IntGridEncoding(self, label, self.base, bits, -half, half - 1, store, dtype=self.natural)
 
     def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scale fp32, zero int32 or None) of output rows [start, stop), broadcastable to [n, K] (group

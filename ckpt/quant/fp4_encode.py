@@ -7,10 +7,13 @@ scale's direction and in the float32 operation order, which decides the last bit
 
 - compressed-tensors 0.20 (`nvfp4-pack-quantized`, what llm-compressor's NVFP4 scheme writes with its min-max
   observer): `weight_global_scale` g = 448 * 6 / amax (`generate_gparam`: amax = max |x| over the tensor, at
-  least the float32 `tiny`; a non-finite g becomes 1); block scale s = e4m3(g * (block amax / 6)) clamped to
-  +-448 (`calculate_qparams` with `scale_dtype` float8_e4m3fn), a zero scale replaced by 0.125 (its eps for
-  e4m3); code = e2m1(clamp(x / (s / g), -6, 6)) (`_quantize`: the scale divided by g first), packed by
-  `pack_fp4_to_uint8`.
+  least `tiny`; a non-finite g becomes 1); block scale s = e4m3(g * (block amax / 6)) clamped to +-448
+  (`calculate_qparams` with `scale_dtype` float8_e4m3fn), a zero scale replaced by 0.125 (its eps for e4m3);
+  code = e2m1(clamp(x / (s / g), -6, 6)) (`_quantize`: the scale divided by g first, then x divided in
+  float32), packed by `pack_fp4_to_uint8`. The observer hands both functions the min/max of the weight in the
+  model's own dtype, so `448 * 6 / amax` and `block amax / 6` are rounded to that dtype (bf16: g carries 8
+  significant bits) before the float32 product with g; ckpt does the same on the merged weight rounded to the
+  model's dtype (what PEFT's `merge_and_unload` leaves in a bf16 model, `dtype` of the encoding).
 - ModelOpt 0.47 (`NVFP4QTensor.quantize`, dynamic path): `weight_scale_2` s2 = amax / (6 * 448); block scale
   s = e4m3(clamp(block amax / (6 * s2), 2^-9, 448)), a zero one replaced by 1.0 first; code = e2m1(x / (s * s2)).
 
@@ -20,11 +23,12 @@ x < 0 only (a value that rounds to zero keeps its minus sign, -0.0 itself gets c
 +0 in compressed-tensors, `weight < 0` in ModelOpt). ckpt's e2m1 code table (`microscaling.encode_e2m1`) does
 the rounding; its nibble order is swapped to the low-first one.
 
-The value is ckpt's fp32 merge. The per-tensor scale needs the whole tensor's amax before the first band: one
-streamed pass for it (`comfy_quant.finite_amax`, finite values only; a NaN/Inf value is stored as code 0 and
-counted as `nonfinite_quantized`), then the codes and the block scales band by band of output rows (each band
-its own block scales: they are row-local). The error meter gets each band's fp32 values and what the format's
-decoder (`ckpt.quant.compressed_tensors` / `ckpt.quant.modelopt`) gives for the written bytes.
+The value is ckpt's fp32 merge, rounded once to the dtype the library quantizes in (compressed-tensors: the
+model's, bf16, as above; ModelOpt: float32, unchanged). The per-tensor scale needs the whole tensor's amax before
+the first band: one streamed pass for it (`comfy_quant.finite_amax`, finite values only; a NaN/Inf value is stored
+as code 0 and counted as `nonfinite_quantized`), then the codes and the block scales band by band of output rows
+(each band its own block scales: they are row-local). The error meter gets each band's fp32 values and what the
+format's decoder (`ckpt.quant.compressed_tensors` / `ckpt.quant.modelopt`) gives for the written bytes.
 """
 
 from __future__ import annotations
@@ -50,30 +54,33 @@ def e2m1_codes_low_first(y: torch.Tensor) -> torch.Tensor:
 
 
 def global_scale(flavor: str, amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale as stored: compressed-tensors' g = 448 * 6 / amax, ModelOpt's s2 = amax / (6 * 448)."""
-    amax = amax.to(torch.float32)
+    """The per-tensor scale as stored (float32): compressed-tensors' g = 448 * 6 / amax computed in amax's dtype
+    (`generate_gparam`: the model's dtype, module docstring), ModelOpt's s2 = amax / (6 * 448) in float32."""
     if flavor == CT:
-        g = (FP8_MAX * FP4_MAX) / torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
-        return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
-    return amax / (FP4_MAX * FP8_MAX)
+        g = (FP8_MAX * FP4_MAX) / torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
+        return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32)
+    return amax.to(torch.float32) / (FP4_MAX * FP8_MAX)
 
 
 def block_scales(flavor: str, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """float32 rows [n, K] -> float32 values of their e4m3 block scales [n, K / 16] (module docstring)."""
+    """Rows [n, K] -> float32 values of their e4m3 block scales [n, K / 16] (module docstring); compressed-tensors:
+    block amax / 6 in x's dtype (the model's), times g in float32."""
     bamax = mx.block_amax(x, 16)
     if flavor == CT:
-        s = (gs * (bamax / FP4_MAX)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        s = (gs.to(torch.float32) * (bamax / FP4_MAX).to(torch.float32)).clamp_(-FP8_MAX, FP8_MAX)
+        s = s.to(torch.float8_e4m3fn).to(torch.float32)
         return torch.where(s == 0, torch.full_like(s, 0.125), s)
+    bamax = bamax.to(torch.float32)
     s = bamax / (FP4_MAX * gs)
     s[s == 0] = 1.0
     return s.clamp_(min=2.0 ** -9, max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
 def codes(flavor: str, x: torch.Tensor, gs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """float32 rows [n, K] + their block scales -> packed bytes [n, K / 2]."""
+    """Rows [n, K] + their block scales -> packed bytes [n, K / 2] (x divided by the step in float32)."""
     n, k = x.shape
     step = s / gs if flavor == CT else s * gs
-    return e2m1_codes_low_first((x.reshape(n, -1, 16) / step.unsqueeze(-1)).reshape(n, k))
+    return e2m1_codes_low_first((x.to(torch.float32).reshape(n, -1, 16) / step.unsqueeze(-1)).reshape(n, k))
 
 
 def decoded(flavor: str, packed: torch.Tensor, gs: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -88,10 +95,13 @@ def decoded(flavor: str, packed: torch.Tensor, gs: torch.Tensor, s: torch.Tensor
 
 class Nvfp4Encoding(Encoding):
     """A changed NVFP4 weight stored as its base stores it (module docstring): `stored` the three stored
-    tensors (packed codes, block scales, per-tensor scale) whose keys, dtypes and shapes are written again."""
+    tensors (packed codes, block scales, per-tensor scale) whose keys, dtypes and shapes are written again.
+    `dtype`: what the library quantizes the merged weight in (compressed-tensors: the decoded weight's natural
+    dtype, the model's; ModelOpt: float32)."""
 
     def __init__(self, flavor: str, weight: Tensor, packed: Tensor, scale: Tensor, per_tensor: Tensor):
         self.flavor, self.w, self.packed, self.scale, self.per_tensor = flavor, weight, packed, scale, per_tensor
+        self.dtype = weight.natural_dtype if flavor == CT else torch.float32
         self.keys = (packed.name, scale.name, per_tensor.name)
         self.label = f"{'compressed-tensors' if flavor == CT else 'ModelOpt'} nvfp4"
         self.note = (f"NVFP4 ({'compressed-tensors' if flavor == CT else 'ModelOpt'}): per-tensor and block scales "
@@ -101,17 +111,19 @@ class Nvfp4Encoding(Encoding):
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
         from ckpt.quant.comfy_quant import finite_amax
 
-        flavor, name = self.flavor, self.w.name
-        gs = Lazy(lambda: global_scale(flavor, finite_amax(value)))
+        flavor, name, dtype = self.flavor, self.w.name, self.dtype
+        # the amax of the rounded values is the rounded amax (rounding to nearest is monotonic)
+        gs = Lazy(lambda: global_scale(flavor, finite_amax(value).to(dtype)))
 
         def band(x: torch.Tensor, with_codes: bool):
             x = x.to(torch.float32)
+            xq = x.to(dtype)  # what the library quantizes: the merge in the model's dtype
             g = gs().to(x.device)
-            s = block_scales(flavor, x, g)
+            s = block_scales(flavor, xq, g)
             if not with_codes:
                 return s
             report.count("nonfinite_quantized", name, int((~torch.isfinite(x)).sum()))
-            c = codes(flavor, x, g, s)
+            c = codes(flavor, xq, g, s)
             meter.add(x, decoded(flavor, c, g, s))
             return c
 

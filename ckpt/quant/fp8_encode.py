@@ -1,11 +1,16 @@
 """Storing a new value of a scaled-FP8 weight the way its base stored it (the encodings `ckpt.quant.fp8`'s
 decoders attach; see `ckpt.quant.encoding`).
 
-- ComfyUI legacy scaled fp8 (`X.weight` fp8, `X.scale_weight` fp32 scalar): a new scale from the new value,
-  s = amax(|finite W|) / fp8 max, and codes = clamp(W * (1/s)) in the weight's own fp8 type: comfy-kitchen's
-  per-tensor arithmetic, the one ComfyUI's comfy_quant fp8 layers use (`ckpt.quant.comfy_quant.encode`,
-  float8 formats). Read twice: an amax pass, then the codes. A high-precision layer that carries a
-  (dummy) `scale_weight` keeps it: W / s in the weight's dtype.
+- ComfyUI legacy scaled fp8 (`X.weight` fp8, `X.scale_weight` fp32 scalar): a new scale from the new value and
+  the codes, by the rule of the layout's own writer, `convert --to fp8_e4m3fn --scaled` (`ckpt.convert.fp8_out`,
+  ComfyUI's "tensor / scale"), so that a --keep-format merge is byte for byte `convert --scaled` of the plain
+  merge: s = amax(|finite W|) / fp8 max (at least the smallest normal fp32; 1 for an all-zero tensor), codes =
+  W / s saturated at +-fp8 max (NaN stays NaN), in the weight's own fp8 type. Not comfy-kitchen's
+  `quantize_per_tensor_fp8` (that is the comfy_quant layout's rule): it multiplies by the rounded 1/s, which
+  lands one fp8 step apart where W / s lies within an fp32 rounding of a halfway point (about one value in
+  seven million), and leaves a scale under 448 * 2^-126 subnormal, whose reciprocal overflows. Read twice: an
+  amax pass, then the codes. A high-precision layer that carries a (dummy) `scale_weight` keeps it: W / s in
+  the weight's dtype.
 - kohya sd-scripts / musubi-tuner `fp8_scaled` (`X.scale_weight` [1] per tensor, [out, 1] per row, or
   [out, nb, 1] per block of in/nb inputs, with musubi's optional second-level `X.scale_weight_tensor`):
   musubi-tuner's `quantize_weight` in fp32 on the new value, mode and block size from the stored scale's
@@ -17,8 +22,6 @@ decoders attach; see `ckpt.quant.encoding`).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from ckpt.lazy import torch
 
@@ -54,14 +57,36 @@ class ComfyScaledFP8Encoding(Encoding):
         return None
 
     def encode(self, value: Tensor, report: Report, meter: ErrorMeter) -> list[OutTensor]:
-        from ckpt.quant.comfy_quant import QuantSpec, encode
+        from ckpt.quant.comfy_quant import finite_amax
 
         if self.weight.dtype not in FP8:
             return _kept_scale(self.wkey, self.weight, self.scale, value, report, meter)
-        fmt = "float8_e4m3fn" if self.weight.dtype == torch.float8_e4m3fn else "float8_e5m2"
-        outs = encode(QuantSpec(fmt), value, report, name=self.wkey, meter=meter)
-        weight, scale = outs
-        return [weight, replace(scale, name=self.skey, shape=tuple(self.scale.shape))]
+        dt, wkey = self.weight.dtype, self.wkey
+        scale = Lazy(lambda: legacy_scale(finite_amax(value), torch.finfo(dt).max))
+
+        def enc(x, buffers):
+            x = x.to(torch.float32)
+            s = scale().to(x.device)
+            report.count("nonfinite_input", wkey, int((~torch.isfinite(x)).sum()))
+            codes = legacy_codes(x, s, dt)
+            meter.add(x, codes.to(torch.float32) * s)
+            return codes
+
+        return [OutTensor(wkey, dt, tuple(self.weight.shape), value, enc),
+                _scalar_out(self.skey, torch.float32, tuple(self.scale.shape), scale, value.home)]
+
+
+def legacy_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The legacy layout's per-tensor scale of a weight whose finite amax is `amax` (module docstring)."""
+    return torch.where(amax > 0, torch.clamp(amax / top, min=torch.finfo(torch.float32).tiny),
+                       torch.ones((), dtype=torch.float32))
+
+
+def legacy_codes(x: torch.Tensor, s: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """fp32 values -> the legacy layout's codes: W / s saturated at +-max of `dt`, NaN kept NaN (module docstring)."""
+    y = x / s
+    top = torch.finfo(dt).max
+    return torch.where(torch.isfinite(y), y.clamp(-top, top), y).to(dt)
 
 
 def _kept_scale(wkey, weight, scale, value, report, meter) -> list[OutTensor]:

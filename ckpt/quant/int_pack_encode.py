@@ -5,20 +5,29 @@ The grid is kept: the stored scales, zero points and `g_idx` are the base's, cop
 GPTQ / AWQ scales are kept, not re-optimized; a LoRA merge moves values along the grid the calibration chose).
 Only the codes are written again:
 
-    code = clamp(round(x / scale) + zero, lo, hi)
+    GPTQ, AWQ:           code = clamp(round(x / scale) + zero, 0, 2^bits - 1)
+    compressed-tensors:  code = clamp(round(D(D(D(x) / scale) + zero)), -2^(bits-1), 2^(bits-1) - 1)
 
-GPTQ's own quantizer (AutoGPTQ `quantizer.quantize`, AutoAWQ's `pseudo_quantize_tensor` likewise), on ckpt's
-fp32 merged value x and the stored scale widened to fp32; [lo, hi] is [0, 2^bits - 1] (GPTQ, AWQ) or the
-signed [-2^(bits-1), 2^(bits-1) - 1] of compressed-tensors (which packs code + 2^(bits-1); its quantizer
-adds the integer zero point before rounding, which differs only where x / scale lies exactly halfway between
-two integers and the zero point is odd: one rule is kept here for every format). The libraries'
-packers do not clamp (a code past the grid spills into the next field of its word), so the clamp is what
-keeps every field in its bits. Where the libraries' quantizers run in the model's 16-bit dtype (AutoAWQ,
-compressed-tensors) a value within one 16-bit rounding of a code boundary may land one code apart from what
-they would give on a 16-bit merged model; ckpt rounds the fp32 merge once. An unchanged value (the base's own
-decoded weight) gives back its own code. NaN stores the zero point (value 0), +-Inf the grid's ends
-(counted as `nonfinite_quantized`); values past the grid's ends are clamped and counted
-(`CLAMPED`, a per-tensor count in the run's warnings).
+GPTQ's own quantizer (AutoGPTQ `quantizer.quantize`, AutoAWQ's `pseudo_quantize_tensor` likewise) on ckpt's fp32
+merged value x and the stored scale widened to fp32 (`requantize`). compressed-tensors 0.20's quantizer
+(`forward_helpers._quantize`, what `ModelCompressor.compress_model` runs on a model's CPU weights) as a user gets
+it from the libraries: the model loaded in its dtype D (the scale's, bf16 as llm-compressor saves), PEFT's
+`merge_and_unload` leaving D(x) (one rounding of the fp32 merge, as PEFT adds its fp32 delta in place), then every
+step in D: D(x) / scale rounded to D, the zero point added in D (before rounding, the package's convention), round
+half to even (`requantize_in`). Rounding x / scale to bf16 (8 significant bits) moves it by up to 1/32 of a code at
+the grid's ends and often onto an exact .5, so this is not the fp32 rule: about one code in a hundred of an int4
+tensor would differ (tests/test_keep_format_int.py). compressed-tensors packs code + 2^(bits-1). The package's GPU
+path (its Triton kernel, taken for CUDA weights) divides in float32 instead: there it gives the fp32 rule with the
+zero point added before rounding (on an H200, 0.8% of a bf16 int4 tensor's codes apart from its own CPU path),
+which ckpt does not follow: one rule on every device (ckpt's bf16 steps give the same codes on CUDA), the package's
+torch implementation. The libraries' packers do not clamp (a code past the grid spills into the next field of its
+word), so the clamp is what keeps every field in its bits; compressed-tensors clamps, which is the same code. An
+unchanged value (the base's own decoded weight) gives back its own code, except compressed-tensors int8: a code's
+distance from the zero point needs up to 9 significant bits, which its bf16 decode does not hold, and the package's
+own decompress -> compress round trip moves about 0.1% of those codes by one (ckpt, matching the package, does the
+same to the unchanged values of a changed tensor; tensors the merge leaves alone are copied as stored). NaN stores
+the zero point (value 0), +-Inf the grid's ends (counted as `nonfinite_quantized`); values past the grid's ends are
+clamped and counted (`CLAMPED`, a per-tensor count in the run's warnings).
 
 Packing, one packer for every layout (`pack_rows`): code j of a row at bit j * bits of the row's
 little-endian bit stream, whole int32 words, a code straddling two words keeping its low bits in the first.
@@ -81,6 +90,22 @@ def requantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     return q.clamp_(lo, hi).to(torch.int32), n_out
 
 
+def requantize_in(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, lo: int, hi: int,
+                  dtype: torch.dtype):
+    """(codes int32, how many were clamped): compressed-tensors' rule in `dtype` (module docstring),
+    clamp(round(D(D(D(x) / D(scale)) + D(zero))), lo, hi); x fp32, scale (fp32 of the stored scale) and zero
+    broadcastable to it. NaN stores the zero point; a finite x that overflows D counts as clamped."""
+    v = x.to(dtype) / scale.to(dtype)
+    if zero is not None:
+        v = v + zero.to(dtype)
+    q = torch.round(v).to(torch.float32)
+    nan = torch.isnan(q)
+    if bool(nan.any()):
+        q = torch.where(nan, torch.zeros_like(q) if zero is None else zero.to(torch.float32).expand_as(q), q)
+    n_out = int((((q < lo) | (q > hi)) & torch.isfinite(x)).sum())  # an Inf input is counted as nonfinite
+    return q.clamp_(lo, hi).to(torch.int32), n_out
+
+
 class IntGridEncoding(Encoding):
     """The codes of one integer-grid weight re-encoded on its stored grid (module docstring).
 
@@ -88,12 +113,14 @@ class IntGridEncoding(Encoding):
     device)` -> (scale fp32, zero int32 or None) of output rows [start, stop), broadcastable to [n, K].
     `stored`: the stored codes key. `store(codes [n, K] int32)` -> the stored piece of those output rows:
     stored rows (`per_column` None) or stored columns [.., n / per_column] (`per_column` output rows per
-    stored column: GPTQ 1, AWQ GEMM 8; bands align to it)."""
+    stored column: GPTQ 1, AWQ GEMM 8; bands align to it). `dtype`: None for the fp32 rule (GPTQ, AWQ), else the
+    dtype compressed-tensors quantizes in (`requantize_in`)."""
 
     def __init__(self, weight: Tensor, label: str, stored: Tensor, bits: int, lo: int, hi: int,
-                 store: Callable[[torch.Tensor], torch.Tensor], per_column: int | None = None):
+                 store: Callable[[torch.Tensor], torch.Tensor], per_column: int | None = None,
+                 dtype: torch.dtype | None = None):
         self.w, self.label, self.stored, self.bits = weight, label, stored, bits
-        self.lo, self.hi, self.store, self.per_column = lo, hi, store, per_column
+        self.lo, self.hi, self.store, self.per_column, self.dtype = lo, hi, store, per_column, dtype
         self.keys = (stored.name,)
         self.note = ("integer grids (GPTQ, AWQ, compressed-tensors int): the base's scales, zero points and g_idx are "
                      "kept as calibrated (not re-optimized); only the changed weights' codes are re-rounded onto them, "
@@ -107,7 +134,10 @@ class IntGridEncoding(Encoding):
             x = x.to(torch.float32)
             report.count("nonfinite_quantized", enc.w.name, int((~torch.isfinite(x)).sum()))
             scale, zero = enc.w.grid(start, stop, x.device)
-            codes, n_out = requantize(x, scale, zero, enc.lo, enc.hi)
+            if enc.dtype is None:
+                codes, n_out = requantize(x, scale, zero, enc.lo, enc.hi)
+            else:
+                codes, n_out = requantize_in(x, scale, zero, enc.lo, enc.hi, enc.dtype)
             report.count(CLAMPED, enc.w.name, n_out)
             q = codes if zero is None else codes - zero
             meter.add(x, (q.to(torch.float32) * scale).to(enc.w.natural_dtype))  # what the format's loader gives

@@ -10,6 +10,9 @@ llm-compressor saves: `model.safetensors` and config.json with the `quantization
 The oracle is the package's own per-module decompression of the saved tensors: for each module, its stored
 keys (local names) go through `BaseCompressor.get_value_from_registry(scheme.format).decompress(sd, scheme)`,
 the call `decompress_module` makes when transformers loads with `run_compressed=False`.
+
+`peft_recompressed(folder, adapter)` is the `merge-lora --keep-format` reference: what a user gets from the
+libraries themselves (see its docstring).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ def tiny_llama(hidden=64, inter=128, dtype=torch.bfloat16, seed=0):
     return cfg, transformers.LlamaForCausalLM(cfg).to(dtype)
 
 
-def _calibrate(module):
+def _calibrate(module, in_model_dtype=False):
+    """Min/max qparams of the module's weight, in float32 (the bases here), or `in_model_dtype` as llm-compressor's
+    min-max observer hands them to `generate_gparam` / `calculate_qparams`: amin/amax of the weight as the model
+    holds it (bf16), so both functions compute in that dtype."""
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     args = module.quantization_scheme.weights
-    w = module.weight.data.float()
+    w = module.weight.data if in_model_dtype else module.weight.data.float()
     n, k = w.shape
     strategy = str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
     if strategy == "tensor":
@@ -117,3 +123,47 @@ def mixed() -> tuple[dict, list[str]]:
         "rest_int4": linear(int_args(4, "group", 32, False), targets=["Linear"]),
     }
     return schemes, ["lm_head", "re:model\\.layers\\.1\\.self_attn\\.o_proj$", "model.layers.0.mlp.down_proj"]
+
+
+def peft_recompressed(folder, adapter) -> dict[str, torch.Tensor]:
+    """The compressed state dict a user gets from the libraries for `merge-lora --keep-format`: transformers loads
+    the compressed-tensors folder dequantized (`CompressedTensorsConfig(dequantize=True)`: the package's
+    decompression, in the model's dtype), PEFT's `PeftModel.from_pretrained(adapter).merge_and_unload()` merges,
+    the folder's own `quantization_config` is applied again (`apply_quantization_config`), each quantized
+    module gets its quantization parameters as ckpt's --keep-format keeps them (integer grids: the base's stored
+    `weight_scale` / `weight_zero_point`, packed zero points unpacked; NVFP4: recomputed from the merged weight
+    by min/max in the model's dtype, as llm-compressor's observer does), and `ModelCompressor.compress_model`
+    compresses (on CPU: the package's torch quantizer)."""
+    import json
+
+    import peft
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    merged = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    qc = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    qc.quantization_status = QuantizationStatus.FROZEN
+    apply_quantization_config(merged, qc)
+    stored = load_file(folder / "model.safetensors")
+    for name, module in merged.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or scheme.weights is None:
+            continue
+        args = scheme.weights
+        if str(getattr(args.strategy, "value", args.strategy)) == "tensor_group":
+            _calibrate(module, in_model_dtype=True)
+            continue
+        for key in ("weight_scale", "weight_zero_point"):
+            if f"{name}.{key}" not in stored:
+                continue
+            param = getattr(module, key)
+            v = stored[f"{name}.{key}"]
+            if key == "weight_zero_point" and v.dtype == torch.int32:  # pack-quantized: packed along dim 0
+                v = unpack_from_int32(v, args.num_bits, torch.Size(param.shape), packed_dim=0)
+            param.data.copy_(v.reshape(param.shape).to(param.dtype))
+    ModelCompressor.from_pretrained_model(merged).compress_model(merged)
+    return {k: v.detach().contiguous() for k, v in merged.state_dict().items()}
