@@ -18,6 +18,22 @@ def _is_config(args) -> bool:
     return len(args) == 1 and Path(args[0]).suffix.lower() in (".yaml", ".yml")
 
 
+def _seed(ctx, param, value):
+    """--seed: a whole number torch's generators take (-2**63 to 2**64 - 1); a bad one is a short line (click's
+    own message would echo all of it)."""
+    if value is None:
+        return None
+    try:
+        seed = int(value, 10) if len(value) <= 24 else None
+    except ValueError:
+        seed = None
+    if seed is None or not -(2 ** 63) <= seed < 2 ** 64:
+        from ckpt.merge.shown import cut
+
+        raise CkptError(f"--seed {cut(value)}: a whole number from -2**63 to 2**64 - 1")
+    return seed
+
+
 @click.command("merge", cls=OneLineCommand)
 @click.argument("inputs", nargs=-1, metavar="CONFIG.yaml | MODEL...")
 @click.option("-o", "--output", "out", callback=check_output,
@@ -32,7 +48,8 @@ def _is_config(args) -> bool:
               help="Any parameter of the method for all models (VALUE: number, true/false, comma list = gradient).")
 @click.option("--dtype", metavar="DTYPE", help="Compute dtype as mergekit's `dtype` (inputs rounded to it).")
 @click.option("--tokenizer-source", metavar="MODEL", help="Take the tokenizer from this model (default: the base's).")
-@click.option("--seed", type=int, help="Seed of the randomized methods (DARE, DELLA); default 0, said in a note.")
+@click.option("--seed", metavar="N", callback=_seed,
+              help="Seed of the randomized methods (DARE, DELLA); default 0, said in a note.")
 @click.option("--print-config", is_flag=True, help="Print the YAML this merge runs, and exit.")
 @MERGE_TO
 @click.option("--keep-format", is_flag=True,

@@ -143,15 +143,19 @@ def _params_of(recipe: Recipe) -> dict[str, dict]:
 def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs, keys, base, chains, shared_chain,
              recipe, compute) -> Job:
     """One output tensor's Job: its parameters resolved from the settings chains (shared, and per input: the base
-    gets only INPUT-scope ones); a missing one is named with the recipe's source."""
+    gets only INPUT-scope ones); a missing one is named with the recipe's source, as are values the method cannot
+    merge this tensor with (`Method.check_job`)."""
     where = f"{recipe.source}: parameters"
     shared = {p.name: resolve(p, shared_chain, names, t, where) for p in method.shared_params}
     per_input = []
     for i, key in enumerate(keys):
         per_input.append({p.name: resolve(p, chains[i], names, t, f"{where} ({key})") for p in method.input_params
                           if i != base or p.scope == INPUT})
-    return Job(name=name, names=names, shape=tuple(shape), inputs=inputs, keys=list(keys), base=base, shared=shared,
-               per_input=per_input, seed=recipe.seed, compute=compute)
+    job = Job(name=name, names=names, shape=tuple(shape), inputs=inputs, keys=list(keys), base=base, shared=shared,
+              per_input=per_input, seed=recipe.seed, compute=compute, source=recipe.source)
+    if method.check_job is not None:
+        method.check_job(job)
+    return job
 
 
 def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, opts, report) -> list:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ckpt.errors import CkptError
 from ckpt.merge.recipe import recipe_from_dict
+from ckpt.merge.shown import cut, shown
 
 DEFAULT_TWO = "weighted_sum"
 
@@ -26,7 +27,7 @@ def _value(text: str, where: str):
     try:
         v = float(text)
     except ValueError:
-        raise CkptError(f"{where}: {text!r} is not a number, true/false or a comma list of numbers") from None
+        raise CkptError(f"{where}: {shown(text)} is not a number, true/false or a comma list of numbers") from None
     return int(v) if v.is_integer() and "." not in text and "e" not in low else v
 
 
@@ -37,7 +38,7 @@ def _per_model(text: str | None, name: str, n: int, with_base: bool):
     if len(values) == 1:
         return values[0]
     if len(values) not in (n, n + with_base):
-        raise CkptError(f"--{name} {text}: give one value or one per model ({n}"
+        raise CkptError(f"--{name} {cut(text)}: give one value or one per model ({n}"
                         + (f", or {n + 1} with the base's last" if with_base else "") + f"), got {len(values)}")
     return values
 
@@ -60,9 +61,9 @@ def recipe_from_flags(models: list[str], *, method: str | None, base: str | None
         glob["alpha"] = alpha
     for p in params:
         if "=" not in p:
-            raise CkptError(f"--param {p}: write NAME=VALUE")
+            raise CkptError(f"--param {cut(p)}: write NAME=VALUE")
         k, v = p.split("=", 1)
-        glob[k.strip()] = _value(v, f"--param {k.strip()}")
+        glob[k.strip()] = _value(v, f"--param {cut(k.strip())}")
     per_model: dict[str, list] = {}
     with_base = base is not None and (m.param("weight") is not None and m.param("weight").scope == "input")
     for name, text in (("weight", weight), ("density", density)):

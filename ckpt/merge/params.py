@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ckpt.errors import CkptError
+from ckpt.merge.shown import shown
 
 
 def _is_num(v) -> bool:
@@ -39,24 +40,24 @@ def check_setting(setting, param, where: str) -> None:
         param.validate(setting, where)
         return
     if not isinstance(setting, list) or not setting:
-        raise CkptError(f"{where}: a value, a list of values (a gradient) or a list of {{filter, value}}, not {setting!r}")
+        raise CkptError(f"{where}: a value, a list of values (a gradient) or a list of {{filter, value}}, not {shown(setting)}")
     if all(_is_scalar(e) for e in setting):
         for e in setting:
             param.validate(e, where)
         if not all(_is_num(e) for e in setting) and param.type in (int, float):
-            raise CkptError(f"{where}: a gradient of numbers, got {setting!r}")
+            raise CkptError(f"{where}: a gradient of numbers, got {shown(setting)}")
         return
     for i, cond in enumerate(setting):
         if not _is_condition(cond):
             raise CkptError(f"{where}[{i}]: a list mixes values and {{filter, value}} entries")
         extra = set(cond) - {"filter", "value"}
         if extra:
-            raise CkptError(f"{where}[{i}]: unknown key {sorted(extra)[0]!r} (a condition has filter and value)")
+            raise CkptError(f"{where}[{i}]: unknown key {shown(sorted(extra, key=str)[0])} (a condition has filter and value)")
         if "value" not in cond:
             raise CkptError(f"{where}[{i}]: value is missing")
         f = cond.get("filter")
         if f is not None and not isinstance(f, str):
-            raise CkptError(f"{where}[{i}].filter: a substring of tensor names, not {f!r}")
+            raise CkptError(f"{where}[{i}].filter: a substring of tensor names, not {shown(f)}")
         if _is_condition(cond["value"]) or (isinstance(cond["value"], list) and any(_is_condition(v) for v in cond["value"])):
             raise CkptError(f"{where}[{i}].value: a value or a gradient")
         check_setting(cond["value"], param, f"{where}[{i}].value")

@@ -16,11 +16,14 @@ by mergekit's names, so mergekit runs it too):
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.errors import CkptError
 from ckpt.merge.params import check_setting
+from ckpt.merge.shown import shown
 
 TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype", "tokenizer_source")
 LACKING = {  # mergekit keys ckpt does not implement: refused by name, never ignored
@@ -32,6 +35,8 @@ DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "float16": "fp16",
           "bfloat16": "bf16", "bf16": "bf16", "float64": "fp64", "fp64": "fp64", "double": "fp64"}
 OUT_DTYPES = ("fp32", "fp16", "bf16")
 MERGEKIT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
+MAX_MODEL_TEXT = 4096  # characters of a model's path or hub id (Linux's PATH_MAX)
+MAX_LAYER = 10_000  # a slice's layer_range END (the deepest models have a few hundred layers)
 
 
 @dataclass
@@ -162,14 +167,43 @@ def _slice_dict(s: Slice) -> dict:
 def model_ref(value, where: str) -> ModelRef:
     """`model: PATH` or mergekit's `model: BASE+LORA` (split at the last `+`, unless the whole text is a path)."""
     if not isinstance(value, str) or not value.strip():
-        raise CkptError(f"{where}: a model is a path or hub id (a string), not {value!r}")
+        raise CkptError(f"{where}: a model is a path or hub id (a string), not {shown(value)}")
     text = value.strip()
-    if "+" in text and not Path(text).expanduser().exists():
+    if len(text) > MAX_MODEL_TEXT:
+        raise CkptError(f"{where}: a model's path or hub id of {len(text):,} characters is longer than a path can "
+                        f"be ({MAX_MODEL_TEXT:,})")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise CkptError(f"{where}: {shown(text)}: a model's path or hub id holds no control characters")
+    if _local(text, where) is None and "+" in text:
         spec, lora = text.rsplit("+", 1)
         if not spec or not lora:
-            raise CkptError(f"{where}: {text!r}: write BASE+LORA with both parts")
+            raise CkptError(f"{where}: {shown(text)}: write BASE+LORA with both parts")
+        _local(spec, where)
+        _local(lora, where)
         return ModelRef(text, spec, lora)
     return ModelRef(text, text)
+
+
+def _local(text: str, where: str) -> os.stat_result | None:
+    """The stat of `text` as a local path (links followed), None where nothing is there (a hub id). A local input
+    is a folder or a regular file: a FIFO or a device (/dev/zero, or a link to it) would be read without end."""
+    if text.startswith("~"):
+        try:
+            p = Path(text).expanduser()
+        except RuntimeError:  # ~user where the user does not exist
+            raise CkptError(f"{where}: {shown(text)}: {shown(text.split('/', 1)[0][1:])} is no user of this "
+                            "machine") from None
+    else:
+        p = Path(text)
+    try:
+        st = os.stat(p)
+    except (OSError, ValueError):
+        return None  # missing (a hub id, or said when it is opened), or not a path: said when it is opened
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        from ckpt.io.small_inputs import check_regular
+
+        check_regular(p, f"{where}: {shown(text)}")
+    return st
 
 
 def _mapping(value, where: str, allowed: tuple[str, ...], lacking: dict | None = None) -> dict:
@@ -179,7 +213,7 @@ def _mapping(value, where: str, allowed: tuple[str, ...], lacking: dict | None =
         if lacking and k in lacking:
             raise CkptError(f"{where}: {k!r} ({lacking[k]}) is a mergekit feature ckpt does not have; remove it")
         if k not in allowed:
-            raise CkptError(f"{where}: unknown key {k!r} (ckpt reads {', '.join(allowed)})")
+            raise CkptError(f"{where}: unknown key {shown(k)} (ckpt reads {', '.join(allowed)})")
     return value
 
 
@@ -192,7 +226,7 @@ def _params(value, where: str, method) -> dict:
         p = method.param(name)
         if p is None:
             takes = ", ".join(q.name for q in method.params) or "no parameters"
-            raise CkptError(f"{where}: {method.name} has no parameter {name!r} (it takes {takes})")
+            raise CkptError(f"{where}: {method.name} has no parameter {shown(name)} (it takes {takes})")
         check_setting(setting, p, f"{where}.{name}")
     return dict(value)
 
@@ -200,32 +234,18 @@ def _params(value, where: str, method) -> dict:
 def _dtype(value, key: str, allowed) -> str | None:
     if value is None:
         return None
-    d = DTYPES.get(str(value).lower())
+    d = DTYPES.get(value.lower()) if isinstance(value, str) else None
     if d is None or d not in allowed:
-        raise CkptError(f"{key}: {value!r}: choose one of {', '.join(sorted(k for k, v in DTYPES.items() if v in allowed))}")
+        raise CkptError(f"{key}: {shown(value)}: choose one of {', '.join(sorted(k for k, v in DTYPES.items() if v in allowed))}")
     return d
 
 
 def load_recipe(path: str) -> Recipe:
-    """Read and check a mergekit YAML config (one-line errors naming the key)."""
-    import yaml
+    """Read and check a mergekit YAML config (one-line errors naming the key): a regular file of a bounded size
+    whose YAML expands to a bounded document (`ckpt.merge.config_yaml`)."""
+    from ckpt.merge.config_yaml import load_config
 
-    p = Path(path).expanduser()
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise CkptError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise CkptError(f"{path}: is a folder; give the merge config (YAML)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CkptError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise CkptError(f"{path}: not valid YAML{at} ({getattr(e, 'problem', None) or 'parse error'})") from None
-    return recipe_from_dict(data, str(path))
+    return recipe_from_dict(load_config(path), str(path))
 
 
 def recipe_from_dict(data, where: str) -> Recipe:
@@ -269,8 +289,9 @@ def recipe_from_dict(data, where: str) -> Recipe:
                 _mapping(x, sat, ("model", "layer_range", "parameters"))
                 lr = x.get("layer_range")
                 if (not isinstance(lr, list) or len(lr) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                                       for v in lr) or not 0 <= lr[0] < lr[1]):
-                    raise CkptError(f"{sat}: layer_range is [START, END] with 0 <= START < END, got {lr!r}")
+                                                                       for v in lr) or not 0 <= lr[0] < lr[1] <= MAX_LAYER):
+                    raise CkptError(f"{sat}: layer_range is [START, END] with 0 <= START < END <= {MAX_LAYER:,}, got "
+                                    f"{shown(lr)}")
                 if "model" not in x:
                     raise CkptError(f"{sat}: model is missing")
                 srcs.append(SliceSource(model_ref(x["model"], sat), (lr[0], lr[1]),

@@ -11,6 +11,15 @@ Bands are at most `BAND_ELEMS` (1M) elements, not the writer's 8M: a merge runs 
 over several inputs' bands (TIES: deltas, magnitudes, masks, the sign election), which is bound by memory traffic;
 bands that stay in the CPU's caches made a 1 GB TIES merge 2x faster and its peak RSS 3x smaller on the 2-core
 machine (256K to 1M elements were equally fast; linear was fastest at 1M).
+
+NaN/Inf the merge makes: every merged band is checked (one min/max reduction over the band, which the cache still
+holds). A band with NaN/Inf whose inputs had none (read again, before the config's `dtype` rounding; for a method
+with whole-tensor statistics, the whole tensor's inputs) was made by the merge: parameters that scale finite values
+past the compute dtype's range or divide by zero. That is refused in one line naming the tensor, before the output
+is published, rather than written with a warning that blames the inputs (the Caster's count of the NaN/Inf it
+is handed, `ckpt.cast`, holds true only where the inputs had them). The config checks refuse what they can see
+before any input is opened (weights of 1e39, weights that sum to 0 and are divided by their sum); this is for what
+depends on the values.
 """
 
 from __future__ import annotations
@@ -19,10 +28,23 @@ import math
 
 from ckpt.lazy import torch
 
+from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor, row_bands
 from ckpt.merge.methods.base import Band, Job, Method
+from ckpt.report import plural
 
 BAND_ELEMS = 1 << 20
+
+
+def finite(x) -> bool:
+    """No NaN or infinity in the floating tensor `x` (min and max are NaN where any value is)."""
+    if not x.numel():
+        return True
+    v = x.reshape(-1)
+    if v.dtype not in (torch.float32, torch.float64):
+        v = v.float()
+    lo, hi = torch.aminmax(v)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _lcm(values) -> int:
@@ -88,4 +110,23 @@ class MergedModelTensor(Tensor):
         y = self.method.merge(self.job, xs, Band(start, stop, self.row_numel), self.state)
         if y.dtype != self.dtype:
             y = y.to(self.dtype)
+        if not finite(y) and self._inputs_finite(start, stop, device):
+            n = int((~torch.isfinite(y)).sum())
+            raise CkptError(f"{self.job.source}: {self.method.name} made {plural(n, 'NaN/Inf value')} in {self.name} "
+                            "from finite inputs (its parameters take the values past the compute dtype's range, or "
+                            "divide by 0); nothing was written")
         return y
+
+    def _inputs_finite(self, start, stop, device) -> bool:
+        """Whether the inputs, as stored (before the config's dtype rounding), are finite in rows [start, stop),
+        or in the whole tensor where the method's statistics span it."""
+        if self.kind != "rows" or not self.shape:
+            bands = row_bands(self.rows, self.row_numel, self.row_align, min(BAND_ELEMS, self.band_elems))
+        else:
+            bands = [(start, stop)]
+        for a, b in bands:
+            for t in self.job.inputs:
+                x = t.read(a, b, device, None)
+                if x.is_floating_point() and not finite(x):
+                    return False
+        return True

@@ -26,5 +26,7 @@ def methods() -> dict[str, Method]:
 def get_method(name) -> Method:
     reg = methods()
     if not isinstance(name, str) or name not in reg:
-        raise CkptError(f"merge_method: {name!r} is not a method ckpt has (it has {', '.join(sorted(reg))})")
+        from ckpt.merge.shown import shown
+
+        raise CkptError(f"merge_method: {shown(name)} is not a method ckpt has (it has {', '.join(sorted(reg))})")
     return reg[name]

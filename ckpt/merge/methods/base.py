@@ -29,18 +29,24 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ckpt.errors import CkptError
+from ckpt.merge.shown import shown
 
 SHARED, INPUT, NON_BASE = "shared", "input", "non_base"  # mergekit's ParameterScope
+# The magnitude a number may have where its parameter declares no bound of its own: real configs use weights,
+# scales and distances of a few units. A weight of 1e39 is infinite in fp32 and turns every merged value into
+# NaN/Inf; with every factor within 1e6, products of a few of them times model weights stay far inside fp32.
+MAGNITUDE = 1e6
 
 
 @dataclass(frozen=True)
 class Param:
     """A declared parameter: `scope` says where it binds (one value per tensor, one per input, one per non-base
     input), `default` None with `required` means the config must give it. `low`/`high` bound numeric values
-    (`low_open`/`high_open`: the bound itself is refused); `why` says why, in the error."""
+    (`low_open`/`high_open`: the bound itself is refused); `why` says why, in the error. A number is finite, and
+    within +-MAGNITUDE where no bound is declared."""
 
     name: str
-    type: type = float
+    type: type = float  # bool, int or float (bools are no numbers: `weight: true` is refused)
     scope: str = SHARED
     default: object = None
     required: bool = False
@@ -57,34 +63,60 @@ class Param:
                 return v.strip().lower() in ("1", "true", "yes", "on")
             return bool(v)
         if self.type is int:
-            return int(v)
+            return int(v) if isinstance(v, int) else int(float(v))
         if self.type is float:
             return float(v)
         return v
 
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(low, high): the declared bounds, +-MAGNITUDE where none is declared."""
+        low = self.low if self.low is not None else -MAGNITUDE
+        high = self.high if self.high is not None else MAGNITUDE
+        return low, high
+
     def validate(self, v, where: str) -> None:
         if self.type is bool:
-            if not isinstance(v, bool) and v not in (0, 1) and str(v).lower() not in ("true", "false", "yes", "no"):
-                raise CkptError(f"{where}: {self.name} is true or false, not {v!r}")
+            if not (isinstance(v, bool) or (isinstance(v, (int, float)) and v in (0, 1))
+                    or (isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"))):
+                raise CkptError(f"{where}: {self.name} is true or false, not {shown(v)}")
             return
         if self.type in (int, float):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                try:
-                    v = float(v)  # YAML reads 1e-3 as a string; mergekit takes it as a number
-                except (TypeError, ValueError):
-                    raise CkptError(f"{where}: {self.name} is a number, not {v!r}") from None
-            if not math.isfinite(v):
-                raise CkptError(f"{where}: {self.name} must be finite, not {v!r}")
-            if self.type is int and float(v) != int(v):
-                raise CkptError(f"{where}: {self.name} is a whole number, not {v!r}")
-            lo_bad = self.low is not None and (v < self.low or (self.low_open and v == self.low))
-            hi_bad = self.high is not None and (v > self.high or (self.high_open and v == self.high))
-            if lo_bad or hi_bad:
-                lo = "" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
-                hi = "" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
-                rng = f"in {lo}, {hi}" if lo and hi else (f">= {self.low:g}" if lo and not self.low_open else
-                                                          f"> {self.low:g}" if lo else f"<= {self.high:g}")
-                raise CkptError(f"{where}: {self.name} must be {rng}, got {v!r}" + (f" ({self.why})" if self.why else ""))
+            x = self._number(v, where)
+            if self.type is int and math.isfinite(x) and not x.is_integer():
+                raise CkptError(f"{where}: {self.name} is a whole number, not {shown(v)}")
+            low, high = self.bounds
+            open_lo, open_hi = self.low_open and self.low is not None, self.high_open and self.high is not None
+            below = x < low or (open_lo and x == low)
+            if not below and not (x > high or (open_hi and x == high)):
+                return
+            if (self.low if below else self.high) is None:  # past MAGNITUDE: say the whole range
+                rng = "in " + ("(" if open_lo else "[") + f"{low:g}, {high:g}" + (")" if open_hi else "]")
+                why = "a larger magnitude takes fp32 merges toward overflow"
+            else:
+                lo = "" if self.low is None else ("(" if open_lo else "[") + f"{self.low:g}"
+                hi = "" if self.high is None else f"{self.high:g}" + (")" if open_hi else "]")
+                rng = f"in {lo}, {hi}" if lo and hi else (f"> {self.low:g}" if open_lo else f">= {self.low:g}") if lo \
+                    else (f"< {self.high:g}" if open_hi else f"<= {self.high:g}")
+                why = self.why
+            raise CkptError(f"{where}: {self.name} must be {rng}, got {shown(v)}" + (f" ({why})" if why else ""))
+
+    def _number(self, v, where: str) -> float:
+        """`v` as a finite float: a number or a string holding one (YAML reads 1e-3 as a string; mergekit takes it
+        as a number), never a bool."""
+        if isinstance(v, bool):
+            raise CkptError(f"{where}: {self.name} is a number, not {str(v).lower()}")
+        if not isinstance(v, (int, float, str)):
+            raise CkptError(f"{where}: {self.name} is a number, not {shown(v)}")
+        try:
+            x = float(v)
+        except ValueError:
+            raise CkptError(f"{where}: {self.name} is a number, not {shown(v)}") from None
+        except OverflowError:  # an int beyond fp64: out of every range
+            return math.inf if v > 0 else -math.inf
+        if not math.isfinite(x):
+            raise CkptError(f"{where}: {self.name} must be a finite number, not {shown(v)}")
+        return x
 
 
 @dataclass(frozen=True)
@@ -113,6 +145,7 @@ class Job:
     per_input: list[dict]  # per input (the base gets only INPUT-scope ones)
     seed: int | None
     compute: object  # torch dtype of the values merge() sees
+    source: str = "merge"  # the config file (or "merge" for flags): what a refusal of this tensor names
     passes: Callable = None  # () -> iterator of (Band, [x per input]) over the whole tensor
     device: object = None
 
@@ -134,6 +167,9 @@ class Method:
     merge: Callable | None = None  # (job, xs, band, state) -> tensor
     stats: Callable | None = None  # (job) -> state, for kind "stats"
     check: Callable | None = None  # (recipe, where) -> None: method-specific recipe checks
+    # (job) -> None: refuses the parameters resolved for one tensor where they cannot merge it (weights that sum to
+    # 0 and are divided by their sum); called as the tensor is planned, before any output exists
+    check_job: Callable | None = None
     summary: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -13,13 +13,17 @@ Streaming: kind "whole". Every iteration needs dot products of the whole current
 mean changes between iterations, so each tensor is merged in one band: one whole tensor per input in memory
 (the only method that needs this).
 
-Deviation: mergekit takes a negative `tol` (then identical directions give 0/0 = NaN) and a negative `max_iter`
-(no iterations); ckpt refuses both.
+Deviation: mergekit takes a negative `tol` (then identical directions give 0/0 = NaN), a negative `max_iter` (no
+iterations) and a `max_iter` of any size (with `tol: 0` and `max_iter: 10**12`, a run without end); ckpt refuses
+them: tol >= 0, max_iter in [0, MAX_ITER]. (At `tol: 0` a direction exactly equal to the mean is still 0/0: the
+merge then refuses the tensor, NaN made from finite inputs, `ckpt.merge.tensor`.)
 """
 
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+
+MAX_ITER = 1000  # mergekit's default is 10; every iteration is a pass over each input's whole tensor
 
 
 def _merge(job, xs, band, state):
@@ -63,7 +67,9 @@ def _merge(job, xs, band, state):
 
 
 METHODS = (
-    Method("karcher", (Param("max_iter", int, SHARED, default=10, low=0, help="most iterations of the mean"),
+    Method("karcher", (Param("max_iter", int, SHARED, default=10, low=0, high=MAX_ITER,
+                             why="each iteration passes over every input's whole tensor",
+                             help=f"most iterations of the mean (at most {MAX_ITER})"),
                        Param("tol", float, SHARED, default=1e-5, low=0,
                              why="a negative tolerance makes identical directions 0/0",
                              help="stop when a step is shorter; norms at most this have no direction")),

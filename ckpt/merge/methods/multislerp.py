@@ -14,13 +14,16 @@ mean - (sum of weight * dot) * mean / |mean|, which is zero up to rounding: its 
 sin(norm + eps) / (norm + eps), 1 in fp32 either way. Every band is then combined as mergekit combines it. One
 model alone is kind "rows".
 
-Deviation: mergekit divides by a weight sum of 0 (normalize_weights) and writes NaN; ckpt refuses it.
+Deviations: mergekit divides by a weight sum of 0 (normalize_weights) and writes NaN; ckpt refuses it for the
+tensor the weights are resolved for, before anything is written. `eps` must be above 0: at 0 a task vector of zeros
+(a model equal to the base) is 0 / 0, NaN in every value (mergekit takes it).
 """
 
 from __future__ import annotations
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
+from ckpt.merge.methods.linear import weight_sum
 
 
 def _kind(job) -> str:
@@ -35,6 +38,14 @@ def _deltas(job, xs):
     return d - xs[job.base].reshape(1, -1) if job.base is not None else d
 
 
+def _check(job):
+    """Planning: weights that sum to 0 cannot be normalized."""
+    if job.shared["normalize_weights"] and weight_sum([job.per_input[i]["weight"] for i in job.non_base],
+                                                      job.compute) == 0:
+        raise CkptError(f"{job.source}: multislerp's weights sum to 0 for {job.names[0]}: normalize_weights divides "
+                        "by their sum; give weights with another sum, or normalize_weights: false")
+
+
 def _stats(job):
     import torch
 
@@ -42,11 +53,7 @@ def _stats(job):
     eps = job.shared["eps"]
     w = torch.tensor([job.per_input[i]["weight"] for i in job.non_base], dtype=dt)
     if job.shared["normalize_weights"]:
-        total = w.sum()
-        if total == 0:
-            raise CkptError(f"{job.name}: multislerp's weights sum to 0 (normalize_weights divides by the sum); "
-                            "give other weights or normalize_weights: false")
-        w = w / total
+        w = w / w.sum()  # not 0: refused as the tensor was planned (_check)
     k = len(job.non_base)
     sq = torch.zeros(k, dtype=torch.float64)
     for _, xs in job.passes():
@@ -99,7 +106,9 @@ METHODS = (
     Method("multislerp", (Param("weight", float, NON_BASE, required=True, help="each model's weight"),
                           Param("normalize_weights", bool, SHARED, default=True,
                                 help="divide the weights by their sum"),
-                          Param("eps", float, SHARED, default=1e-8, help="added to norms against division by zero")),
-           base="optional", others=(1, None), kind="stats", kind_of=_kind, stats=_stats, merge=_merge,
+                          Param("eps", float, SHARED, default=1e-8, low=0.0, low_open=True,
+                                why="eps keeps a model equal to the base from dividing 0 by 0",
+                                help="added to norms against division by zero")),
+           base="optional", others=(1, None), kind="stats", kind_of=_kind, stats=_stats, merge=_merge, check_job=_check,
            summary="spherical barycentric interpolation of several models (of their task vectors from a base)"),
 )
