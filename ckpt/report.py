@@ -68,6 +68,10 @@ class Report:
                                 "in fp8 codes) and left out of the scales"),
         "nonfinite_skipped": ("NaN/Inf value was in a module left out of the output (--skip-nonfinite)",
                               "NaN/Inf values were in modules left out of the output (--skip-nonfinite)"),
+        "nonfinite_decoded": ("finite value decodes as NaN/Inf: its GGUF block's fp16 scale overflowed or is NaN "
+                              "(too large for the type, or a NaN/Inf in the block; llama.cpp writes the same bytes)",
+                              "finite values decode as NaN/Inf: their GGUF blocks' fp16 scales overflowed or are NaN "
+                              "(too large for the type, or a NaN/Inf in the block; llama.cpp writes the same bytes)"),
     }
 
     def warnings(self) -> list[str]:

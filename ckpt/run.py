@@ -15,8 +15,10 @@ from ckpt.dtypes import ST_FLOAT, as_torch, is_float, st_name
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state, targets
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
+from ckpt.io.gguf_split import partial_sets
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.previous_output import is_previous_output, planned_relpaths
+from ckpt.io.publish import CLEANED, cleanup_notes
 from ckpt.io.tensors import Tensor
 from ckpt.lazy import torch
 from ckpt.progress import progress_bar
@@ -175,7 +177,8 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     if len(parts) > 1:
         report.note(f"split GGUF of {len(parts)} parts beside each other: {', '.join(p.name for p in parts[:3])}"
                     f"{', ...' if len(parts) > 3 else ''} (llama.cpp loads the first; ckpt reads any)")
-        others = _other_splits(parts)
+        partial = {p.name for s in partial_sets(out_path) for p in s.parts}  # refused, or replaced: not staying
+        others = [n for n in _other_splits(parts) if n not in partial]
         if others:
             report.note(f"{plural(len(others), 'part')} of another split of this name stay beside the new ones "
                         f"({', '.join(others[:2])}{', ...' if len(others) > 2 else ''}): delete them, so that "
@@ -196,8 +199,11 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
                     f"{len(plan.indexes)} index and {plural(len(plan.copies), 'other file')}, {human_size(need)}"
                     + "".join(f"; {p}: {state}" for p, state in states if state != "new"))
         return parts[0]
+    since = len(CLEANED)
     with progress_bar(plan.nbytes, desc, quiet) as bar:
         execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
+    for n in cleanup_notes(since):  # what stopped runs left that this one removed
+        report.note(n)
     return parts[0]  # a split GGUF: its first part, the file llama.cpp loads
 
 

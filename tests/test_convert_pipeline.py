@@ -155,3 +155,50 @@ def test_single_file_with_unknown_keys_is_refused(tmp_path, run_ckpt):
     assert code == 2 and "mystery.weight" in err and not (tmp_path / "o").exists()
     code, _, err = run_ckpt("convert", single, "--layout", "diffusers", "--config", pipe / "unet", "-o", tmp_path / "o")
     assert code == 2 and "model_index.json" in err
+
+
+def _shards(folder, stem):
+    """{tensor: tensor} of a component folder and its number of weight files: one `stem.safetensors`, or
+    shards and their index (checked against each other)."""
+    if (folder / f"{stem}.safetensors").exists():
+        assert not list(folder.glob("*.index.json"))
+        return load_file(folder / f"{stem}.safetensors"), 1
+    index = json.loads((folder / f"{stem}.safetensors.index.json").read_text())
+    files = sorted(folder.glob(f"{stem}-*-of-*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    return {k: v for f in files for k, v in load_file(f).items()}, len(files)
+
+
+def test_pipeline_layout_honours_max_shard_size_per_component(tmp_path, run_ckpt):
+    """--max-shard-size shards each component of a pipeline folder as `save_pretrained` would (huggingface_hub's
+    planner is the oracle of the shard count), and shards the all-in-one file the other way as one model's
+    original layout is sharded; the model classes load every sharded component."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    pipe, sds, models = _pipeline(tmp_path, "sd1")
+    single = tmp_path / "all.safetensors"
+    assert run_ckpt("convert", pipe, "--layout", "original", "-o", single, "-q")[0] == 0
+    whole = load_file(single)
+
+    # pipeline -> all-in-one, sharded: transformers-named shards holding exactly the one file's tensors
+    sharded = tmp_path / "all-sharded"
+    code, _, err = run_ckpt("convert", pipe, "--layout", "original", "--max-shard-size", "1MB", "-o", sharded, "-q")
+    assert code == 0, err
+    got, n = _shards(sharded, "model")
+    assert n == len(split_torch_state_dict_into_shards(whole, max_shard_size=10**6).filename_to_tensors) > 1
+    assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole)
+
+    # all-in-one -> pipeline: every component sharded past the size, each loaded by its own class
+    out = tmp_path / "pipe2"
+    code, _, err = run_ckpt("convert", single, "--layout", "diffusers", "--config", pipe, "--max-shard-size", "1MB",
+                            "-o", out, "-q")
+    assert code == 0, err
+    for folder, m in models.items():
+        stem = "model" if folder.startswith("text_encoder") else "diffusion_pytorch_model"
+        got, n = _shards(out / folder, stem)
+        assert n == len(split_torch_state_dict_into_shards(got, max_shard_size=10**6).filename_to_tensors), folder
+        assert n > 1 or folder == "text_encoder", folder  # its 16-wide CLIP fits one shard
+        loaded, info = type(m).from_pretrained(out / folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (folder, info)
+        for k, v in loaded.state_dict().items():
+            assert torch.equal(v, sds[folder][k]), (folder, k)

@@ -44,20 +44,20 @@ def test_registry_names_suffixes_and_file_suffixes():
 def test_cli_and_batch_choices_are_the_registry():
     from ckpt.cli.batch import batch
     from ckpt.cli import cli
-    from ckpt.cli.options import CONVERT_OR_GGUF, CONVERT_TARGETS, CONVERT_TO_HELP
+    from ckpt.cli.options import CONVERT_OR_GGUF
 
     to = {p.name: p for p in cli.commands["convert"].params}["to"]
     assert to.type is CONVERT_OR_GGUF and list(to.type.choices) == targets.names()
+    # `ckpt batch convert` takes every target `ckpt convert` takes (GGUF ones included), with the same help
     batch_to = {p.name: p for p in batch.commands["convert"].params}["to"]
-    assert batch_to.type is CONVERT_TARGETS and list(batch_to.type.choices) == targets.names(batch=True)
-    assert targets.names(batch=True) == [n for n, (_, ext) in EXPECTED.items() if ext is None]
-    assert CONVERT_TO_HELP == batch_to.help == targets.help_text(batch=True)
+    assert batch_to.type is CONVERT_OR_GGUF and batch_to.help == to.help
     assert to.help.startswith(targets.help_text(batch=False))
-    assert "gguf-*: a ComfyUI-GGUF file" in to.help and "gguf-*" not in CONVERT_TO_HELP
+    assert "gguf-*: a ComfyUI-GGUF file" in to.help
 
 
 def test_default_output_names(tmp_path):
     """convert's and batch's default output names come from the target's suffix and file suffix."""
+    from ckpt.batch.discover import Found
     from ckpt.batch.operations import ConvertOp
     from ckpt.run import default_output
 
@@ -67,8 +67,9 @@ def test_default_output_names(tmp_path):
         t = targets.resolve(name)
         got = default_output(str(src), src, t.suffix, folder=False, ext=t.ext or ".safetensors")
         assert got.name == f"x-{suffix}{ext or '.safetensors'}", name
-        if t.in_batch:
-            assert ConvertOp({"to": name}).suffix == suffix
+        op = ConvertOp({"to": name})
+        assert (op.suffix, op.ext) == (suffix, ext or ".safetensors"), name
+        assert op.default_output(Found(src, src.name, False)) == got, name
     assert ConvertOp({"to": "fp8_e4m3fn", "scaled": True}).suffix == "fp8_e4m3fn-scaled"
     assert ConvertOp({"to": "fp16", "scaled": True}).suffix == "fp16-scaled"  # as asked; the run refuses
 

@@ -197,8 +197,8 @@ def test_quanto_companions_checked(tmp_path, run_ckpt, qtype, key, mutant, needl
 
 
 @pytest.mark.parametrize("text,needle", [("[1, 2]", "holds a JSON list"), ('"abc"', "holds a JSON string"),
-                                         ("null", "holds a JSON null"), ("{\"a\": ", "invalid JSON"),
-                                         ("\xff\xfe{}", "invalid JSON")], ids=["list", "string", "null", "broken",
+                                         ("null", "holds a JSON null"), ("{\"a\": ", "is not valid JSON"),
+                                         ("\xff\xfe{}", "is not UTF-8 text")], ids=["list", "string", "null", "broken",
                                                                               "not-utf8"])
 def test_config_json_not_an_object(tmp_path, run_ckpt, text, needle):
     folder = tmp_path / "model"

@@ -5,6 +5,7 @@ byte, which llama.cpp loads; the parts appear as a set or not at all; a broken s
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -614,3 +615,207 @@ def test_a_real_signal_mid_set_publishes_no_part(tmp_path, sig):
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(tmp_path)) == ["flux.safetensors"] + [f"m-{i:05d}-of-00012.gguf" for i in range(1, 13)]
+
+
+# ---------------------------------------------------- a set a killed run published in part (issue 31, item 6)
+
+# The CLI, its publish slowed down (each part it renames is followed by a pause), so that a SIGKILL lands in it.
+SLOW_PUBLISH = """
+import sys, time
+import ckpt.io.publish as publish
+real = publish.Staging._rename_noreplace
+def slow(self):
+    real(self)
+    time.sleep(0.3)
+publish.Staging._rename_noreplace = slow
+from ckpt.cli.main import main
+sys.argv = ["ckpt", *sys.argv[1:]]
+main()
+"""
+
+
+def not_ours(folder: Path) -> dict:
+    """Files beside the output that no ckpt run wrote, which no cleanup may touch: name -> bytes (None: a folder)."""
+    before = set(os.listdir(folder))
+    hand_split(folder, flux_tensors(), [7], prefix="m")  # m-00001-of-00001.gguf: gguf's writer, no ckpt mark
+    hand_split(folder, flux_tensors(), [3, 4], prefix="o")  # another model's set
+    (folder / "m-notes.txt").write_text("mine")
+    (folder / ".m-00011-of-00012.gguf.ckpt-tmp-1-not-hex!").write_text("not ckpt's name")
+    (folder / f".m-00012-of-00012.gguf.ckpt-tmp-{os.getpid()}-aaaaaaaa").write_text("a live process's")
+    (folder / "m-00002-of-00003.gguf").mkdir()  # a folder named like a part
+    return {p.name: (p.read_bytes() if p.is_file() else None) for p in folder.iterdir() if p.name not in before}
+
+
+def still_there(folder: Path, kept: dict) -> None:
+    for name, data in kept.items():
+        p = folder / name
+        assert (p.is_dir() if data is None else p.read_bytes() == data), name
+
+
+def test_a_set_a_sigkilled_run_published_in_part_is_recognised_cleaned_and_replaced(tmp_path, run_ckpt):
+    """A real `ckpt convert --max-shard-size` killed (SIGKILL) during its publish leaves some parts published and a
+    temp file for each of the others. The next run with the same -o is refused without --overwrite (the partial set
+    is an existing output, named as such; nothing is touched); with --overwrite (here another --max-shard-size, so
+    other part names) it removes the temps and the partial set, says both, and leaves every file not ckpt's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save_file({f"double_blocks.{i}.img_attn.qkv.weight": torch.randn(512, 1024) for i in range(12)},
+              tmp_path / "flux.safetensors")
+    args = ["convert", str(tmp_path / "flux.safetensors"), "--to", "gguf-q8_0", "--max-shard-size", "1MB", "-q",
+            "-o", str(tmp_path / "m.gguf")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PUBLISH, *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "m-00004-of-00012.gguf").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "convert never published its fourth part"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    published = sorted(p.name for p in tmp_path.glob("m-*-of-00012.gguf"))
+    temps = sorted(p.name for p in tmp_path.glob(".m-*-of-00012.gguf.ckpt-tmp-*"))
+    assert 4 <= len(published) < 12 and len(published) + len(temps) == 12, (published, temps)
+    assert published == [f"m-{i:05d}-of-00012.gguf" for i in range(1, len(published) + 1)]  # in order
+    kept = not_ours(tmp_path)
+
+    first = tmp_path / "m-00001-of-00012.gguf"
+    assert_refused(run_ckpt, tmp_path, args, f"{first}: already exists: part of a split GGUF that a stopped ckpt run "
+                   f"published incompletely ({len(published)} of its 12 parts are here)", "pass --overwrite")
+    from ckpt.errors import CkptError
+
+    missing = f"part m-{len(published) + 1:05d}-of-00012.gguf of this split GGUF \\(12 parts\\) is missing"
+    with pytest.raises(CkptError, match=missing):  # a reader refuses the partial set, as it should
+        gguf_split_header(first)
+
+    code, out, err = run_ckpt("convert", tmp_path / "flux.safetensors", "--to", "gguf-q8_0", "--max-shard-size", "2MB",
+                              "-o", tmp_path / "m.gguf", "--overwrite")
+    assert code == 0, err
+    assert f"removed {len(temps)} temporary output{'s' if len(temps) > 1 else ''} that a stopped ckpt run left " \
+        f"beside the output ({temps[0]}" in err, err
+    assert f"removed {len(published)} parts of a split GGUF of this name that a stopped ckpt run published " \
+        f"incompletely ({published[0]}, {published[1]}, {published[2]}" in err, err
+    stay = next(line for line in err.splitlines() if "of another split of this name stay beside" in line)
+    assert "-of-00012" not in stay, stay  # the partial set does not stay: it was replaced
+    new = [f"m-{i:05d}-of-00004.gguf" for i in range(1, 5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["flux.safetensors", *new, *kept]), \
+        sorted(p.name for p in tmp_path.iterdir())
+    still_there(tmp_path, kept)
+    assert gguf.GGUFReader(tmp_path / new[0]).fields["split.count"].contents() == 4
+
+
+def gguf_split_header(path: Path):
+    from ckpt.io.gguf import read_gguf_header
+    from ckpt.io.tensors import FileHandles
+
+    return read_gguf_header(path, FileHandles(), path.name)
+
+
+def stopped_run(tmp_path: Path, run_ckpt, flux_src, keep: int) -> tuple[list[str], list[str]]:
+    """The exact state a run killed during its publish leaves: its first `keep` parts published, a temp file of a
+    dead process for each of the others. Returns (parts, temps)."""
+    code, _, err = run_ckpt("convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf", "-q")
+    assert code == 0, err
+    parts = sorted(p.name for p in tmp_path.glob("m-*-of-00005.gguf"))
+    temps = []
+    for name in parts[keep:]:
+        temps.append(f".{name}.ckpt-tmp-999999999-0123abcd")
+        os.rename(tmp_path / name, tmp_path / temps[-1])
+    return parts[:keep], temps
+
+
+def test_the_same_set_again_replaces_a_partial_one_with_overwrite(tmp_path, run_ckpt, flux_src):
+    parts, temps = stopped_run(tmp_path, run_ckpt, flux_src, 2)
+    kept = not_ours(tmp_path)
+    assert_refused(run_ckpt, tmp_path, ["convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf"],
+                   f"{tmp_path / parts[0]}: already exists: part of a split GGUF", "(2 of its 5 parts are here)")
+    code, _, err = run_ckpt("convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf", "-q", "--overwrite",
+                            "--report", tmp_path / "r.json")
+    assert code == 0, err
+    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    assert [n for n in notes if n.startswith("removed")] == [  # the summary (-q: in --report only)
+        f"removed 3 temporary outputs that a stopped ckpt run left beside the output ({', '.join(temps)})"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["flux.safetensors", "r.json", *[f"m-{i:05d}-of-00005.gguf" for i in range(1, 6)], *kept])
+    still_there(tmp_path, kept)
+    assert len(gguf_split_header(tmp_path / "m-00001-of-00005.gguf").tensors) == len(tiny_flux())
+
+
+def test_a_single_file_output_of_the_name_replaces_a_partial_set_too(tmp_path, run_ckpt, flux_src):
+    """`-o m.gguf` names the set `m-*-of-*.gguf` as well: a one-file run with --overwrite replaces a partial set of
+    that name (a dry run only says what it would do and touches nothing)."""
+    parts, temps = stopped_run(tmp_path, run_ckpt, flux_src, 3)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run_ckpt("convert", flux_src, "--to", "gguf-q8_0", "-o", tmp_path / "m.gguf", "--dry-run")
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == before, err
+    assert_refused(run_ckpt, tmp_path, ["convert", flux_src, "--to", "gguf-q8_0", "-o", tmp_path / "m.gguf"],
+                   f"{tmp_path / parts[0]}: already exists", "(3 of its 5 parts are here)")
+    code, _, err = run_ckpt("convert", flux_src, "--to", "gguf-q8_0", "-o", tmp_path / "m.gguf", "--overwrite")
+    assert code == 0, err
+    assert "removed 2 temporary outputs" in err and "removed 3 parts of a split GGUF of this name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flux.safetensors", "m.gguf"]
+
+
+@pytest.mark.parametrize("how", ["first part not ckpt's", "a later part holds other keys", "a part is a link"])
+def test_a_partial_set_that_is_not_ckpts_is_never_removed(tmp_path, run_ckpt, flux_src, how):
+    """Only a set whose first part carries ckpt's mark and whose other parts hold just the split keys ckpt writes
+    is a stopped run's; any other partial set of the name stays (said as parts of another split) and is not an
+    existing output of another part count."""
+    if how == "first part not ckpt's":
+        hand_split(tmp_path, flux_tensors(), [2, 2, 3], prefix="m")
+        (tmp_path / "m-00003-of-00003.gguf").unlink()
+    else:
+        parts, _ = stopped_run(tmp_path, run_ckpt, flux_src, 3)
+        for p in tmp_path.glob(".m-*ckpt-tmp-*"):
+            p.unlink()
+        second = tmp_path / "m-00002-of-00005.gguf"
+        if how == "a later part holds other keys":
+            total = len(tiny_flux())  # the split keys of ckpt's second part, and one key more
+            hand_split(tmp_path, flux_tensors(), [2, 5], prefix="x",
+                       p1=lambda k, p, a: ({**split_keys(1, 5, total), "general.name": ("x", V.STRING)}, p, a))
+            os.rename(tmp_path / "x-00002-of-00002.gguf", second)
+            (tmp_path / "x-00001-of-00002.gguf").unlink()
+        else:
+            os.rename(second, tmp_path / "elsewhere.gguf")
+            second.symlink_to("elsewhere.gguf")
+    kept = {p.name: p.read_bytes() for p in tmp_path.glob("*.gguf")}
+    code, _, err = run_ckpt("convert", flux_src, "--to", "gguf-q8_0", "--max-shard-size", "60kB", "-o",
+                            tmp_path / "m.gguf", "--overwrite")
+    assert code == 0, err
+    assert "removed" not in err and "of another split of this name stay beside the new ones" in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.gguf") if p.name in kept} == kept
+
+
+def test_overwrite_never_deletes_a_folder_swapped_in_at_a_parts_name(tmp_path, monkeypatch, run_ckpt, flux_src):
+    """--overwrite moves each existing part aside before renaming the new one in: what was moved is checked to be
+    the file that was there; a folder swapped in meanwhile is put back, never deleted, and the set rolled back."""
+    import ckpt.io.publish as publish
+
+    code, _, err = run_ckpt("convert", flux_src, *ARGS, "-o", tmp_path / "m.gguf", "-q")
+    assert code == 0, err
+    old = {p.name: p.read_bytes() for p in tmp_path.glob("m-*.gguf")}
+    real, done = os.rename, []
+
+    def rename(src, dst, **kw):
+        if src == "m-00003-of-00005.gguf" and str(dst).startswith(".m-00003-of-00005.gguf.ckpt-old-") and not done:
+            done.append((tmp_path / src).unlink())
+            (tmp_path / src).mkdir()
+            (tmp_path / src / "precious.txt").write_text("someone's")
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(publish.os, "rename", rename)
+    code, _, err = run_ckpt("convert", flux_src, "--to", "gguf-q4_0", "--max-shard-size", "20kB", "-o",
+                            tmp_path / "m.gguf", "--overwrite")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "m-00003-of-00005.gguf: was replaced during the publish; it is left as it is, nothing written" in err, err
+    assert (tmp_path / "m-00003-of-00005.gguf" / "precious.txt").read_text() == "someone's"
+    del old["m-00003-of-00005.gguf"]
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("m-*.gguf") if p.is_file()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["flux.safetensors", "m-00003-of-00005.gguf", *old])

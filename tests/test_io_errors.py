@@ -167,7 +167,7 @@ def case_index_unlisted_key(tmp):
 def case_index_invalid_json(tmp):
     d, _ = _sharded(tmp)
     (d / "model.safetensors.index.json").write_text("{not json")
-    return d, d / "model.safetensors.index.json", "not a valid index"
+    return d, d / "model.safetensors.index.json", "is not valid JSON"
 
 
 def case_index_escapes_folder(tmp):
@@ -206,7 +206,7 @@ def case_invalid_config_json(tmp):
     d.mkdir()
     save_file({"w": torch.ones(2)}, d / "model.safetensors")
     (d / "config.json").write_text("{oops")
-    return d, d / "config.json", "invalid JSON"
+    return d, d / "config.json", "is not valid JSON"
 
 
 def case_garbage_pickle(tmp):

@@ -351,3 +351,116 @@ def test_protocol_4_pickle_error_comes_without_torch_warning(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckpt.cli", "convert", str(src), "--to", "fp16"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and r.stderr.startswith(f"error: {src}: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+# ------------------------------------------------ --overwrite deletes only what it checked (issue 31, item 17)
+
+
+def previous_output(tmp_path: Path, run_ckpt) -> tuple[Path, Path, list[str]]:
+    """(SRC, OUT, OUT's files): a folder ckpt wrote, which --overwrite may replace."""
+    src = sharded(tmp_path)
+    out = tmp_path / "o"
+    code, _, err = run_ckpt("convert", src, "--to", "bf16", "-o", out, "-q")
+    assert code == 0, err
+    return src, out, sorted(p.name for p in out.iterdir())
+
+
+def at_the_swap(monkeypatch, out: Path, fallback: bool, action) -> None:
+    """Run `action()` in the publish itself: after the check of OUT, right before OUT is swapped out (renameat2's
+    RENAME_EXCHANGE, or the first of the two renames where there is none)."""
+    done = []
+    if fallback:
+        monkeypatch.setattr(publish, "_renameat2_fn", None)
+        real = os.rename
+
+        def rename(src, dst, **kw):
+            if src == out.name and str(dst).startswith(f".{out.name}.ckpt-old-") and not done:
+                done.append(action())
+            return real(src, dst, **kw)
+
+        monkeypatch.setattr(publish.os, "rename", rename)
+        return
+    real2 = publish._renameat2
+
+    def renameat2(dfd, old, new, flags):
+        if flags == publish._RENAME_EXCHANGE and not done:
+            done.append(action())
+        return real2(dfd, old, new, flags)
+
+    monkeypatch.setattr(publish, "_renameat2", renameat2)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "two-renames"])
+@pytest.mark.parametrize("when", ["during-the-run", "at-the-swap"])
+def test_overwrite_never_deletes_a_folder_swapped_in_by_a_race(tmp_path, monkeypatch, run_ckpt, when, fallback):
+    """The folder --overwrite replaces is moved aside, then deleted: what is deleted is the folder ckpt checked
+    (same device and inode), never one a race put at OUT meanwhile, whether during the run or between the check
+    and the swap (then it is swapped back); the run fails, nothing written, both folders intact."""
+    src, out, old = previous_output(tmp_path, run_ckpt)
+
+    def race(*_):
+        os.rename(out, tmp_path / "moved")
+        out.mkdir()
+        (out / "precious.txt").write_text("someone's")
+
+    if fallback and when == "during-the-run":
+        monkeypatch.setattr(publish, "_renameat2_fn", None)
+    if when == "during-the-run":
+        during_write(monkeypatch, 2, race)
+    else:
+        at_the_swap(monkeypatch, out, fallback, race)
+    code, stdout, err = run_ckpt("convert", src, "--to", "fp16", "-o", out, "--overwrite")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {out}: was replaced during the run by something ckpt did not check; it is left "
+                          "as it is, nothing written"), err
+    assert [p.name for p in out.iterdir()] == ["precious.txt"] and (out / "precious.txt").read_text() == "someone's"
+    assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == old
+    assert temps(tmp_path) == [] and stdout == ""
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "two-renames"])
+@pytest.mark.parametrize("when", ["during-the-run", "at-the-swap"])
+def test_overwrite_never_deletes_files_put_into_the_old_folder(tmp_path, monkeypatch, run_ckpt, when, fallback):
+    src, out, old = previous_output(tmp_path, run_ckpt)
+
+    def put(*_):
+        (out / "precious.txt").write_text("someone's")
+
+    if fallback and when == "during-the-run":
+        monkeypatch.setattr(publish, "_renameat2_fn", None)
+    if when == "during-the-run":
+        during_write(monkeypatch, 2, put)
+    else:
+        at_the_swap(monkeypatch, out, fallback, put)
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", out, "--overwrite")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {out}: files ckpt did not write appeared in it during the run (precious.txt)"), err
+    assert sorted(p.name for p in out.iterdir()) == sorted(old + ["precious.txt"])
+    assert load_file(out / "model-00001-of-00003.safetensors")["l0"].dtype == torch.bfloat16  # the old output
+    assert temps(tmp_path) == []
+
+
+def test_overwrite_never_deletes_a_folder_that_appeared_during_the_run(tmp_path, monkeypatch, run_ckpt):
+    src = sharded(tmp_path)
+    out = tmp_path / "o"
+
+    def appear(*_):
+        out.mkdir()
+        (out / "model-00001-of-00003.safetensors").write_text("someone's, named as ckpt names its files")
+
+    during_write(monkeypatch, 2, appear)
+    code, _, err = run_ckpt("convert", src, "--to", "fp16", "-o", out, "--overwrite")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {out}: appeared during the run, so ckpt did not check it"), err
+    assert [p.name for p in out.iterdir()] == ["model-00001-of-00003.safetensors"]
+    assert temps(tmp_path) == []
+
+
+def test_a_stale_temp_removed_is_said_in_the_summary(tmp_path, run_ckpt):
+    src = one_file(tmp_path)
+    stale = tmp_path / f".m-fp16.safetensors.ckpt-tmp-{dead_pid()}-0123abcd"
+    stale.write_bytes(b"partial")
+    code, _, err = run_ckpt("convert", src, "--to", "fp16")
+    assert code == 0, err
+    assert f"note: removed 1 temporary output that a stopped ckpt run left beside the output ({stale.name})" in err
+    assert not stale.exists()

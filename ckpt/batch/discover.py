@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
+from ckpt.io.small_inputs import check_regular, read_text
 
 WEIGHT_SUFFIXES = SAFETENSORS + PICKLES
 INDEX = re.compile(r"\.(safetensors|bin|pt|pth)\.index\.json$")
@@ -47,19 +48,26 @@ class Found:
 class Discovery:
     found: list[Found] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (rel, why)
+    # (path, rel, why): checkpoints that cannot be read at all (a FIFO or a device named like a weight file);
+    # each is a failed job of its own, never left out without a word
+    refused: list[tuple[Path, str, str]] = field(default_factory=list)
+    matched: int = 0  # checkpoints --glob matched (found, or ignored as an earlier output)
 
 
 def is_weight_file(p: Path) -> bool:
     return p.suffix in WEIGHT_SUFFIXES and not p.name.startswith(".") and not NOT_WEIGHTS.search(p.name)
 
 
-def _entries(d: Path) -> tuple[list[Path], list[Path]]:
-    """Visible files and folders of `d`, sorted (symlinked files count: the HF cache is made of them)."""
+def _entries(d: Path, special: list[Path] | None = None) -> tuple[list[Path], list[Path]]:
+    """Visible files and folders of `d`, sorted (symlinked files count: the HF cache is made of them); the
+    entries that are neither (a FIFO, a device, a socket, or a link to one) go to `special` when given."""
     files, dirs = [], []
     try:
         children = sorted(d.iterdir())
     except OSError as e:
-        raise CkptError(f"{d}: cannot list folder ({e.strerror or e})") from None
+        why = "permission denied (cannot list it)" if isinstance(e, PermissionError) else \
+            f"cannot list folder ({e.strerror or e})"
+        raise CkptError(f"{d}: {why}") from None
     for p in children:
         if p.name.startswith("."):
             continue
@@ -68,16 +76,21 @@ def _entries(d: Path) -> tuple[list[Path], list[Path]]:
                 dirs.append(p)
             elif p.is_file():
                 files.append(p)
+            elif special is not None and p.exists():  # not a link to nothing: something that is no file
+                special.append(p)
         except OSError as e:
             why = "permission denied (cannot enter it)" if isinstance(e, PermissionError) else (e.strerror or str(e))
             raise CkptError(f"{d}: {why}") from None
     return files, dirs
 
 
+MARKERS = ("config.json", "model_index.json")
+
+
 def _markers(files: list[Path]) -> set[str]:
     out = set()
     for p in files:
-        if p.name in ("config.json", "model_index.json"):
+        if p.name in MARKERS:
             out.add(p.name)
         elif INDEX.search(p.name):
             out.add("index")
@@ -108,15 +121,20 @@ def has_weights(d: Path) -> bool:
 
 
 def made_by_ckpt(path: Path) -> str | None:
-    """The `ckpt_operation` recorded in a safetensors file (or a folder's first one), else None.
-    An unreadable header is not ours: that input will fail with its own clear error later."""
+    """The `ckpt_operation` recorded in a safetensors file (or a folder's first one), or the `ckpt.operation`
+    of a GGUF file, else None. An unreadable header is not ours: that input will fail with its own clear
+    error later."""
     from ckpt.io.header import read_header
 
     if path.is_dir():
-        first = next(iter(sorted(path.rglob("*.safetensors"))), None)
+        first = next(iter(sorted(p for p in path.rglob("*.safetensors") if p.is_file())), None)
         if first is None:
             return None
         path = first
+    if not path.is_file():  # a FIFO or a device would block the read: not ours, and its job says what it is
+        return None
+    if path.suffix == ".gguf":
+        return _gguf_operation(path)
     if path.suffix != ".safetensors":
         return None
     try:
@@ -125,17 +143,47 @@ def made_by_ckpt(path: Path) -> str | None:
         return None
 
 
+def _gguf_operation(path: Path) -> str | None:
+    from ckpt.io.gguf import read_gguf_header
+    from ckpt.io.tensors import FileHandles
+
+    handles = FileHandles()
+    try:
+        op = read_gguf_header(path, handles, path.name, whole_set=False).value("ckpt.operation")
+    except (CkptError, OSError):
+        return None
+    finally:
+        handles.close()
+    return op if isinstance(op, str) else None
+
+
+def mirror_name(repo_dir: Path) -> str:
+    """The name a `models--org--name` cache folder is mirrored as: `org--name`; but the folder's own name
+    where what follows `models--` is no name of its own (`models--..`, `models--.`, `models--`): mirrored
+    as `..`, an output would land outside the batch's output folder."""
+    name = repo_dir.name[len("models--"):]
+    return name if safe_part(name) else repo_dir.name
+
+
+def safe_part(name: str) -> bool:
+    """Whether `name` is one path component that stays where it is put: not empty, `.` or `..`, no separator."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
 def _hf_snapshots(repo_dir: Path) -> list[tuple[Path, str]]:
     """(snapshot folder, mirror name) for a `models--org--name` cache folder: the snapshots its refs
     point at (all of them when refs are missing or point nowhere)."""
-    name = repo_dir.name[len("models--"):]
-    snaps = {p.name: p for p in sorted((repo_dir / "snapshots").iterdir()) if p.is_dir()}
+    name = mirror_name(repo_dir)
+    snaps = {p.name: p for p in _entries(repo_dir / "snapshots")[1]}
     refs: dict[str, str] = {}
     refs_dir = repo_dir / "refs"
     if refs_dir.is_dir():
         for r in sorted(refs_dir.rglob("*")):
             if r.is_file():
-                sha = r.read_text().strip()
+                try:
+                    sha = read_text(r, limit=4096).strip()
+                except CkptError:  # not a ref huggingface_hub wrote: the snapshots alone say what there is
+                    continue
                 if sha in snaps:
                     refs.setdefault(sha, str(r.relative_to(refs_dir)).replace("/", "-"))
     if not refs:
@@ -169,6 +217,7 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
     def add(path: Path, rel: str, is_folder: bool):
         if not matches(rel, pattern):
             return
+        result.matched += 1
         if skip_ckpt_outputs:
             op = made_by_ckpt(path)
             if op is not None:
@@ -186,13 +235,15 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
         if real in seen:  # a symlink back into the tree
             return
         seen.add(real)
-        files, dirs = _entries(d)
+        special: list[Path] = []
+        files, dirs = _entries(d, special)
         if d.name.startswith("models--") and (d / "snapshots").is_dir():
             parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
             for snap, name in _hf_snapshots(d):
                 visit(snap, f"{parent}/{name}" if parent else name)
             return
-        marks = _markers(files)
+        # a config.json that is a FIFO still says: a model folder (whose job then says why it fails)
+        marks = _markers(files + special)
         if not marks and _is_training_checkpoint(d, files, dirs):
             add(d, rel or d.resolve().name, True)
             return
@@ -206,6 +257,14 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
                 else:
                     result.ignored.append((here, "model folder without weight files"))
                 return
+        for f in special:  # a FIFO or a device named like a weight file: a job of its own that fails, in one line
+            here = f"{rel}/{f.name}" if rel else f.name
+            if is_weight_file(f) and matches(here, pattern):
+                result.matched += 1
+                try:
+                    check_regular(f)
+                except CkptError as e:
+                    result.refused.append((f, here, str(e)))
         for f in files:
             if is_weight_file(f):
                 add(f, f"{rel}/{f.name}" if rel else f.name, False)
@@ -214,6 +273,8 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
         for s in dirs:
             visit(s, f"{rel}/{s.name}" if rel else s.name)
 
+    if not root.is_dir() and not root.is_file():
+        check_regular(root)  # a FIFO or a device given as FOLDER: said as what it is
     if root.is_file():
         if root.suffix not in WEIGHT_SUFFIXES:
             raise CkptError(f"{root}: not a checkpoint file (expected {', '.join(WEIGHT_SUFFIXES)}) or a folder")

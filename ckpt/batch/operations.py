@@ -77,6 +77,11 @@ class Operation:
     def output_is_folder(self, item: Found) -> bool:
         return item.is_folder
 
+    @property
+    def ext(self) -> str:
+        """The file suffix of an output that is one file."""
+        return ".safetensors"
+
     def excluded_inputs(self) -> list[Path]:
         """Paths under FOLDER that are not jobs (merge-lora's fixed --lora or --base)."""
         return []
@@ -85,14 +90,12 @@ class Operation:
         raise NotImplementedError
 
     def mirrored_output(self, item: Found, outdir: Path) -> Path:
-        """OUTDIR/<the input's relative path>; a pickle becomes `.safetensors`, a file whose output is
-        a folder loses its suffix."""
+        """OUTDIR/<the input's relative path>; a pickle becomes `.safetensors` (`ext`: `.gguf` for a GGUF
+        output), a file whose output is a folder loses its suffix, a folder whose output is one file gains one."""
         p = outdir / item.rel
-        if item.is_folder:
-            return p
         if self.output_is_folder(item):
-            return p.with_suffix("")
-        return p.with_suffix(".safetensors")
+            return p if item.is_folder else p.with_suffix("")
+        return p.with_name(p.name + self.ext) if item.is_folder else p.with_suffix(self.ext)
 
     def estimate(self, item: Found) -> int:
         return header_estimate(item.path)
@@ -123,7 +126,9 @@ def _flag(name: str, value) -> str:
 
 
 class ConvertOp(Operation):
-    """params: ConvertOptions fields (to, keep, clamp, scaled, max_shard_size, device)."""
+    """params: ConvertOptions fields (to, keep, clamp, scaled, pure, layout, max_shard_size, device). Every
+    --to the single command takes, GGUF included, and --layout: each output is named and shaped (one file or
+    a folder) as `ckpt convert` names and shapes it."""
 
     name = "convert"
 
@@ -132,21 +137,47 @@ class ConvertOp(Operation):
 
         return ConvertOptions(**{**self.params, **extra})
 
+    def _target(self):
+        from ckpt.convert import targets
+
+        return targets.resolve(self.params.get("to"), bool(self.params.get("scaled")))
+
+    def check_available(self) -> None:
+        """What convert refuses before opening an input, refused once for the whole batch (nothing runs):
+        no --to and no --layout, an unknown --to, options its target refuses; and split GGUF parts, whose
+        names depend on each model's size (a batch plans every output name before it runs)."""
+        from ckpt.convert import targets
+
+        opts = self._options()
+        if opts.to is None and opts.layout is None:
+            raise CkptError("batch convert: give --to DTYPE, --layout diffusers|original, or both")
+        if opts.to is not None and targets.get(opts.to) is None:
+            raise CkptError(f"--to {opts.to}: unknown target (choose {', '.join(targets.unprefixed_names())})")
+        self._target().check(opts)
+        if opts.max_shard_size and self._target().fmt == "gguf":
+            raise CkptError(f"batch convert: --max-shard-size with --to {opts.to} writes split GGUF parts, whose "
+                            "names depend on each model's size; convert those models one by one")
+
     @property
     def signature(self) -> str:
         p = self.params
-        return ("convert" + _flag("--to", p.get("to")) + _flag("--keep", sorted(p.get("keep") or []))
-                + _flag("--clamp", p.get("clamp")) + _flag("--scaled", p.get("scaled"))
+        return ("convert" + _flag("--layout", p.get("layout")) + _flag("--to", p.get("to"))
+                + _flag("--keep", sorted(p.get("keep") or [])) + _flag("--clamp", p.get("clamp"))
+                + _flag("--scaled", p.get("scaled")) + _flag("--pure", p.get("pure"))
                 + _flag("--max-shard-size", p.get("max_shard_size")))
 
     @property
     def suffix(self) -> str:
-        from ckpt.convert import targets
-
+        """The default name's tag: `[LAYOUT-]TARGET`, as `ckpt convert` tags its output."""
         scaled = bool(self.params.get("scaled"))
-        target = targets.resolve(self.params["to"], scaled)
+        target = self._target()
         # a --scaled the target refuses still names the output as asked; each run fails with the refusal
-        return target.suffix + ("-scaled" if scaled and not target.is_scaled else "")
+        tag = target.suffix + ("-scaled" if scaled and not target.is_scaled else "")
+        return "-".join(x for x in (self.params.get("layout"), tag) if x)
+
+    @property
+    def ext(self) -> str:
+        return self._target().ext or ".safetensors"
 
     def provenance(self, item: Found) -> str:
         from ckpt.convert.command import convert_operation
@@ -154,12 +185,23 @@ class ConvertOp(Operation):
         return convert_operation(self._options())
 
     def output_is_folder(self, item: Found) -> bool:
-        return item.is_folder or bool(self.params.get("max_shard_size"))
+        """A GGUF is one file; `--layout diffusers` writes a model (or pipeline) folder, `--layout original`
+        one file (shards in a folder with --max-shard-size); otherwise the input's own shape."""
+        shards = bool(self.params.get("max_shard_size"))
+        if self._target().fmt == "gguf":
+            return False
+        layout = self.params.get("layout")
+        if layout == "diffusers":
+            return True
+        if layout == "original":
+            return shards
+        return item.is_folder or shards
 
     def default_output(self, item: Found) -> Path:
         from ckpt.run import default_output
 
-        return default_output(str(item.path), item.path, self.suffix, folder=self.output_is_folder(item))
+        return default_output(str(item.path), item.path, self.suffix, folder=self.output_is_folder(item),
+                              ext=self.ext)
 
     def estimate(self, item: Found) -> int:
         from ckpt.convert.command import plan_convert
@@ -280,8 +322,19 @@ class MergeLoraOp(Operation):
         return self.signature.split(" [", 1)[0].replace(str(path.resolve()), str(path)) + \
             self.signature.split("]", 1)[1]
 
+    @property
+    def gguf(self) -> bool:
+        """--to gguf-TYPE: the merged model as one .gguf file, as `ckpt merge-lora --to gguf-TYPE` writes it."""
+        return str(self.params.get("to") or "").startswith("gguf-")
+
+    @property
+    def ext(self) -> str:
+        return ".gguf" if self.gguf else ".safetensors"
+
     def output_is_folder(self, item: Found) -> bool:
         role, path = self.fixed
+        if self.gguf:
+            return False
         return item.is_folder if role == "lora" else path.is_dir()
 
     def _pair_name(self, item: Found) -> str:
@@ -292,14 +345,15 @@ class MergeLoraOp(Operation):
         name = f"{base_stem}+{lora_stem}"
         if name.lower().startswith("checkpoint"):  # never a name a trainer takes for its own (ckpt.run.tagged)
             name = f"merged-{name}"
-        return name if self.output_is_folder(item) else f"{name}.safetensors"
+        return name if self.output_is_folder(item) else f"{name}{self.ext}"
 
     def default_output(self, item: Found) -> Path:
         role, _ = self.fixed
         if role == "lora":  # the single command's default: BASE-merged beside BASE
             from ckpt.run import default_output
 
-            return default_output(str(item.path), item.path, "merged", folder=self.output_is_folder(item))
+            return default_output(str(item.path), item.path, "merged", folder=self.output_is_folder(item),
+                                  ext=self.ext)
         return item.path.parent / self._pair_name(item)
 
     def mirrored_output(self, item: Found, outdir: Path) -> Path:

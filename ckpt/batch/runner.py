@@ -29,6 +29,8 @@ from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, Record
 from ckpt.batch.operations import Operation
 from ckpt.batch.worker import command as worker_command
 from ckpt.errors import CkptError
+from ckpt.io.hub import local_path
+from ckpt.io.output import check_container, check_name, short_path
 from ckpt.io.publish import remove_stale_temps, temp_name
 
 
@@ -109,8 +111,8 @@ def _disambiguate(out: Path, item: Found) -> Path:
     """Two inputs that would share an output name (x.ckpt and x.safetensors): keep the input's
     extension in the later one's name."""
     tag = item.path.suffix.lstrip(".") or "dir"
-    if out.suffix == ".safetensors":
-        return out.with_name(f"{out.stem}-{tag}.safetensors")
+    if out.suffix in (".safetensors", ".gguf"):
+        return out.with_name(f"{out.stem}-{tag}{out.suffix}")
     return out.with_name(f"{out.name}-{tag}")
 
 
@@ -142,16 +144,57 @@ def _outputs(op: Operation, items: list[Found], outdir: Path | None) -> dict[Fou
     return outs
 
 
+def unplaceable(out: Path | None, outdir: Path | None, folder: bool) -> str | None:
+    """Why a job's output cannot be written where it is planned (one line), or None: it would lie outside
+    OUTDIR (`outside`), its name is one no file can have (`ckpt.io.output.check_name`), or it is a `folder`
+    named like a GGUF file (an input folder `m.gguf/`: `ckpt.io.output.check_container`)."""
+    if out is None:
+        return None
+    why = outside(out, outdir) if outdir is not None else None
+    if why is not None:
+        return f"{short_path(out)}: {why}"
+    try:
+        check_name(out)
+        if folder:
+            check_container(out, "folder", label=short_path(out),
+                            fix="rename the input folder (its output folder takes its name)")
+        local_path(out)  # a folder on the way that cannot be entered: "permission denied", this entry alone
+    except CkptError as e:
+        return str(e)
+    return None
+
+
+def outside(out: Path, outdir: Path) -> str | None:
+    """Why a mirrored output would not lie inside OUTDIR, or None. Every output of a batch with -o lies
+    inside OUTDIR whatever the input tree's names: as spelled (no `..` taking it up, never OUTDIR itself)
+    and once its folder is resolved (no symbolic link in OUTDIR's tree leading out of it)."""
+    n = len(outdir.parts)
+    tail = out.parts[n:] if out.parts[:n] == outdir.parts else None
+    if tail is None or ".." in tail:
+        return f"would lie outside -o {outdir} (`..` in its name); nothing written for it"
+    if not tail:
+        return f"would be -o {outdir} itself, not a path inside it; nothing written for it"
+    root, parent = outdir.resolve(), out.parent.resolve()  # a link at OUT itself is replaced, never followed
+    if parent != root and root not in parent.parents:
+        return f"would lie outside -o {outdir} (a symbolic link leads out of it); nothing written for it"
+    return None
+
+
 def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | None, overwrite: bool,
               manifest: Manifest | None) -> tuple[list[Job], list[Outcome], list[tuple[str, str]]]:
     """(jobs to run, skipped and refused outcomes, ignored paths with why)."""
     disc = discover(root, exclude=[outdir] if outdir is not None else [], pattern=pattern,
                     skip_ckpt_outputs=op.writes)
+    if pattern and not disc.matched:  # a mistyped pattern is a bad command line, not a batch with nothing to do
+        shown = pattern if len(pattern) <= 80 else pattern[:80] + "..."
+        raise CkptError(f"--glob {shown}: matches no checkpoint under {root}; nothing run, nothing written")
     ignored = list(disc.ignored)
     recorded = manifest.outputs() if manifest else set()
     inputs = {str(f.path.resolve()) for f in disc.found}
     jobs: list[Job] = []
-    done: list[Outcome] = []
+    # an input that is no file (a FIFO, a device): that job fails, in one line, before anything runs
+    done: list[Outcome] = [Outcome(Job(Found(path, rel, False), None, 0, 0, "refused"), "failed", why)
+                           for path, rel, why in disc.refused]
     fixed = {str(p.resolve()) for p in op.excluded_inputs()}
     items = []
     for item in disc.found:
@@ -168,6 +211,10 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
         size, mtime = fingerprint(item.path)
         out = outputs[item]
         job = Job(item, out, size, mtime, "new", overwrite=overwrite)
+        why = unplaceable(out, outdir, out is not None and op.output_is_folder(item))
+        if why is not None:  # refused alone: the other jobs run
+            done.append(Outcome(job, "failed", why))
+            continue
         if out is not None and str(out.resolve()) in inputs:
             done.append(Outcome(job, "failed", f"{item.path}: its output {out} is another input; "
                                                "pass -o OUTDIR to write elsewhere"))
@@ -397,10 +444,22 @@ def job_spec(op: Operation, job: Job, absolute: bool = False) -> dict:
 EXECUTORS = ("local", "ray")
 
 
-def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = None, *, pattern: str | None = None,
-              jobs: int | None = None, dry_run: bool = False, overwrite: bool = False, quiet: bool = False,
-              log=None, executor: str = "local", ray_address: str | None = None, plan_only: bool = False,
-              collect: bool = False) -> BatchResult:
+def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = None, **kw) -> BatchResult:
+    """Plan and run (`plan_and_run`). Every failure outside the jobs is one CkptError line, also for a Python
+    caller, whom no CLI callback checked the paths for: an OSError the checks did not foresee (a folder that
+    cannot be entered or listed, a scratch folder that cannot be made) names its path and the problem."""
+    try:
+        return plan_and_run(op, folder, outdir, **kw)
+    except OSError as e:
+        where = e.filename if e.filename is not None else folder
+        why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or str(e))
+        raise CkptError(f"{short_path(Path(os.fsdecode(where)))}: {why}") from None
+
+
+def plan_and_run(op: Operation, folder: str | Path, outdir: str | Path | None = None, *, pattern: str | None = None,
+                 jobs: int | None = None, dry_run: bool = False, overwrite: bool = False, quiet: bool = False,
+                 log=None, executor: str = "local", ray_address: str | None = None, plan_only: bool = False,
+                 collect: bool = False) -> BatchResult:
     """Plan and run; `log(line)` hears each finished job. Raises CkptError for a bad command line
     (nothing run); job failures are in the result. `jobs`: worker processes (local, default 1), or at
     most that many Ray tasks at once (default: as many as the cluster holds). `plan_only`: record the
@@ -427,8 +486,10 @@ def run_batch(op: Operation, folder: str | Path, outdir: str | Path | None = Non
         from ckpt.batch.ray_pool import RayPool
 
         pool = RayPool(op, todo, ray_address, jobs, lambda job: job_spec(op, job, absolute=True), log)
-    if manifest is not None:
+    if manifest is not None and (todo or plan_only or collect or any(o.recognised for o in done)):
         open_manifest(op, manifest, out_root, done, pool)
+    elif manifest is not None and not manifest.path.exists():  # nothing to run or record: nothing written
+        result.manifest = None
     if plan_only or collect:
         try:
             return _list_or_collect(op, result, manifest, plan_only, quiet)
@@ -464,12 +525,17 @@ def check_options(op: Operation, jobs: int | None, executor: str, ray_address: s
 
 
 def check_folders(folder: str | Path, outdir: str | Path | None) -> tuple[Path, Path | None]:
-    """(FOLDER, OUTDIR) as paths: FOLDER exists; OUTDIR, when given, neither contains FOLDER nor is a file."""
+    """(FOLDER, OUTDIR) as paths: FOLDER exists and can be read; OUTDIR, when given, can be looked at, neither
+    contains FOLDER nor is a file. The checks the CLI's callbacks make (`ckpt.cli.options`), made again for a
+    Python caller: a folder on the way that cannot be entered is "permission denied" in one line."""
+    from ckpt.io.hub import local_input, local_path
+
     root = Path(folder).expanduser()
-    if not root.exists():
+    if local_input(root) is None:
         raise CkptError(f"{root}: no such file or directory")
     out_root = Path(outdir).expanduser() if outdir is not None else None
     if out_root is not None:
+        local_path(out_root, "-o ")
         r, o = root.resolve(), out_root.resolve()
         if r == o or o in r.parents:
             raise CkptError(f"-o {out_root}: contains the input folder {root}; choose an output folder outside it")
@@ -510,7 +576,7 @@ def run_jobs(op: Operation, result: BatchResult, manifest: Manifest | None, pool
 
     todo, done = result.todo, len(result.outcomes)
     remove_stale_scratch()
-    for job in [*todo, *(o.job for o in result.outcomes)]:
+    for job in [*todo, *(o.job for o in result.outcomes if o.status != "failed")]:  # failed: refused as planned
         if job.output is not None:
             remove_stale_temps(job.output)
     bar = tqdm(total=sum(j.size for j in todo), desc=f"batch {op.name}", unit="B", unit_scale=True,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli.options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_TARGETS, CONVERT_TO_HELP, DEQUANT_TO, DEVICE,
-                              MERGE_TO, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
+from ckpt.cli.options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_OR_GGUF, DEQUANT_TO, DEVICE, LAYOUT,
+                              MERGE_TO, PURE, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
 from ckpt.report import plural
@@ -102,6 +102,10 @@ def _run(op_name: str, params: dict, folder, outdir, pattern, jobs, dry_run, ove
                    "run the same command again to resume", err=True)
         sys.exit(130)
     failed = result.of("failed")
+    if failed and dry_run:  # refused as planned: a real run would fail them, and run the rest
+        total = len(result.outcomes) - len(result.of("skipped")) + len(result.todo)
+        raise BatchFailed(f"{len(failed)} of {plural(total, 'checkpoint')} would fail (listed above); "
+                          "the others would run")
     if failed:
         ran = len(result.outcomes) - len(result.of('skipped'))
         raise BatchFailed(f"{len(failed)} of {plural(ran, 'checkpoint')} failed; "
@@ -118,16 +122,20 @@ def batch():
 @batch.command("convert")
 @_batch_options
 @OUTDIR
-@click.option("--to", "to", required=True, type=CONVERT_TARGETS, help=CONVERT_TO_HELP)
+@click.option("--to", "to", type=CONVERT_OR_GGUF,
+              help=CONVERT_OR_GGUF.help + " Optional with --layout (then each tensor keeps its dtype).")
+@LAYOUT
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype.")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
+@PURE
 @BATCH_MAX_SHARD_SIZE
 @DEVICE
-def convert_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, keep, clamp, scaled, max_shard_size,
-                device):
-    """`ckpt convert` on every checkpoint under FOLDER."""
-    params = dict(to=to, keep=list(keep), clamp=clamp, scaled=scaled, max_shard_size=max_shard_size, device=device)
+def convert_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, layout, keep, clamp, scaled, pure,
+                max_shard_size, device):
+    """`ckpt convert` on every checkpoint under FOLDER (every --to, GGUF included, and --layout)."""
+    params = dict(to=to, layout=layout, keep=list(keep), clamp=clamp, scaled=scaled, pure=pure,
+                  max_shard_size=max_shard_size, device=device)
     _run("convert", params, folder, outdir, pattern, jobs, dry_run, overwrite, quiet)
 
 

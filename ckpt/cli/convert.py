@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from ckpt.cli.options import (CONVERT_OR_GGUF, DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, OVERWRITE, QUIET,
-                              OneLineCommand, check_output, check_source_option)
+from ckpt.cli.options import (CONVERT_OR_GGUF, DEVICE, DRY_RUN, FORMAT, LAYOUT, MAX_SHARD_SIZE, OVERWRITE, PURE,
+                              QUIET, OneLineCommand, check_output, check_source_option)
 from ckpt.cli.report import REPORT, print_report, record
 from ckpt.interrupts import load
 from ckpt.io.hub import check_source
@@ -18,17 +18,14 @@ from ckpt.io.hub import check_source
               help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
 @click.option("--to", "to", type=CONVERT_OR_GGUF,
               help=CONVERT_OR_GGUF.help + " Optional with --layout (then each tensor keeps its dtype).")
-@click.option("--layout", type=click.Choice(["diffusers", "original"]),
-              help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
-                   "original layout (one file with the reference keys).")
+@LAYOUT
 @click.option("--config", "config", metavar="REF", callback=check_source_option,
               help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
                    "instead of the one derived from the shapes.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Glob on tensor names to leave in their dtype (repeatable).")
 @click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
 @click.option("--scaled", is_flag=True, help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
-@click.option("--pure", is_flag=True, help="With --to gguf-<quant>: every quantizable tensor in the one type, as "
-                                           "llama-quantize --pure (no per-tensor mix rules; row fallbacks apply).")
+@PURE
 @MAX_SHARD_SIZE
 @FORMAT
 @DRY_RUN

@@ -85,7 +85,8 @@ def check_output(ctx, param, value):
     """-o (and --csv): "permission denied" when a folder on the way cannot be entered or the place the
     output goes takes no new file, before anything is read or written. The place: an existing folder
     (outputs go in it); else the folder an existing file is replaced in (by a rename), or the nearest
-    existing folder above a new path, found as `ckpt.io.output.check_target` finds it."""
+    existing folder above a new path, found as `ckpt.io.output.check_target` finds it. A command that never
+    writes GGUF refuses `-o NAME.gguf` here (`ckpt.io.output.check_container`); one that may, once it knows."""
     if value is not None:
         from ckpt.io.hub import local_path
         from ckpt.io.publish import missing_parents
@@ -101,6 +102,11 @@ def check_output(ctx, param, value):
         why = unwritable(folder) if folder.is_dir() else None
         if why:
             raise CkptError(f"{what}{value}: cannot write in {folder} ({why})")
+        if param.name == "out" and Path(value).suffix.lower() == ".gguf":
+            from ckpt.io.output import check_container, running_command
+
+            if running_command()[1] is None:  # a command that never writes GGUF: -o NAME.gguf is refused at once
+                check_container(Path(value), None)
     return value
 
 DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
@@ -144,9 +150,13 @@ class TargetChoice(click.Choice):
         return super().convert(value, param, ctx)
 
 
-CONVERT_TARGETS = click.Choice(_targets().names(batch=True))  # what `ckpt batch convert` offers
 CONVERT_OR_GGUF = TargetChoice(_targets().names(), _targets().prefixes(), help=_targets().help_text(batch=False))
-CONVERT_TO_HELP = _targets().help_text(batch=True)
+LAYOUT = click.option("--layout", type=click.Choice(["diffusers", "original"]),
+                      help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
+                           "original layout (one file with the reference keys).")
+PURE = click.option("--pure", is_flag=True,
+                    help="With --to gguf-<quant>: every quantizable tensor in the one type, as llama-quantize --pure "
+                         "(no per-tensor mix rules; row fallbacks apply).")
 
 # dequant
 DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),

@@ -27,6 +27,16 @@ auto_convert branch (Nov 2025).
 Values are quantized from their fp32 values (`ckpt.quant.gguf.encode`: gguf's quantizers for the legacy types,
 ckpt's for the K-quants and IQ4; ComfyUI-GGUF's route first rounds F32 sources to F16; for BF16 and F16 sources
 the result is the same), band by band (blocks never cross a row).
+
+Two edges where llama.cpp's own tools have no sensible output, and what ckpt does instead:
+- a tensor without values (a dim of 0, `[256, 0]`): convert.py keeps it F32 (at most 1024 values), and ckpt keeps
+  it there. llama-quantize would divide by its row length (SIGFPE for rows of 0 values), gguf's quantize and
+  dequantize cannot reshape an empty row, while ggml's loader and gguf's reader read an empty F32 tensor. A
+  planner that gives such a tensor a block type anyway (the LLM exporter, whose reference crashes on it) is
+  refused in one line (`out_tensor`).
+- a finite value too large for its block's fp16 scale (|x| beyond about 65504 * the type's largest quant, or a
+  NaN/Inf in the block): llama.cpp writes an Inf/NaN scale and the whole block decodes as NaN/Inf. ckpt writes
+  the same bytes and counts those values per tensor (`nonfinite_decoded`, besides `nonfinite_input`).
 """
 
 from __future__ import annotations
@@ -165,6 +175,8 @@ def choose(name: str, t: Tensor, fam: Rules, m: Mix, img: ImageMix) -> Choice:
         return Choice(t1, shape, reshaped, "input/output layer kept unquantized")
     if any(s in name for s in NEVER_QUANTIZED):
         return Choice(t1, shape, reshaped, "never quantized by llama.cpp")
+    if n == 0:  # module docstring: nothing to quantize, and llama-quantize cannot (it divides by the row length)
+        return Choice(t1, shape, reshaped, "no values to quantize")
     chosen, why, fell = img.type_of(name, shape[-1])
     if fell is not None:
         return Choice(T[chosen], shape, reshaped, why, fallback=fell)
@@ -184,14 +196,39 @@ def _plain_type(name: str, dtype: torch.dtype) -> int:
     raise CkptError(f"tensor {name!r} is {short_name(dtype)}, which GGUF has no type for")
 
 
+# Every fp16 block scale of every GGUF block type is at most about the largest |value| of its block (K-quant super-
+# block scales are sub-block scales divided by 15..128; Q4_1/Q5_1 store the block's minimum itself): a band whose
+# values all lie within fp16's range cannot decode as NaN/Inf, and needs no further look (`_nonfinite`).
+FP16_MAX = 65504.0
+
+
+def _nonfinite(v: torch.Tensor, q: torch.Tensor, ggml_type: int, row_len: int) -> tuple[int, int]:
+    """(NaN/Inf input values, finite input values that decode as NaN/Inf) of one band `v` (rows of `row_len`)
+    encoded as `q`. One min/max pass over the band (NaN propagates through it); only a band with a NaN/Inf or a
+    value beyond fp16's range is decoded (gguf's dequantize, what every reader of the file gets) to count what its
+    overflowed or NaN block scales turned into NaN/Inf."""
+    if not v.numel():
+        return 0, 0
+    lo, hi = torch.aminmax(v)
+    if -FP16_MAX <= float(lo) and float(hi) <= FP16_MAX:
+        return 0, 0
+    from ckpt.quant.gguf import dequantize
+
+    finite = torch.isfinite(v).reshape(-1).cpu()
+    decoded = dequantize(q.reshape(-1), ggml_type, row_len)
+    return int((~finite).sum()), int((finite & ~torch.isfinite(decoded)).sum())
+
+
 def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
     from ckpt.quant.gguf import encode
 
     def cast(x, buffers):
         v = x.float() if x.dtype in FP8 else x
-        bad = int((~torch.isfinite(v)).sum()) if v.numel() else 0
+        q = encode(v.reshape(-1, row_len), ggml_type)
+        bad, decoded_bad = _nonfinite(v, q, ggml_type, row_len)
         report.count("nonfinite_input", name, bad)
-        return encode(v.reshape(-1, row_len), ggml_type)
+        report.count("nonfinite_decoded", name, decoded_bad)
+        return q
 
     return cast
 
@@ -202,6 +239,10 @@ def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Repor
     from ckpt.io.gguf import plain_types
 
     plain = plain_types().get(ggml_type)
+    if plain is None and not t.numel:  # module docstring: convert.py keeps these F32 (`choose`)
+        raise CkptError(f"tensor {name!r} has no values (shape {list(t.shape)}): llama.cpp cannot quantize it to "
+                        f"{_gguf().GGMLQuantizationType(ggml_type).name} (llama-quantize divides by its row length); "
+                        "--to gguf-f32, gguf-f16 or gguf-bf16 write it")
     if plain is not None:
         if is_float(t.dtype):
             caster = casters.setdefault(plain, Caster(plain, report))

@@ -263,7 +263,7 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
     if kind is not None:
         if layout == DIFFUSERS:
             raise CkptError(f"{ckpt.path}: already a diffusers pipeline")
-        return pipeline.plan_pipeline_to_file(ckpt, views, make, kind, operation, file_format)
+        return pipeline.plan_pipeline_to_file(ckpt, views, make, kind, operation, file_format, max_shard_size)
     if len(ckpt.components) == 1:
         kind = pipeline.single_file_kind(views[0].tensors)
         if kind is not None:
@@ -271,7 +271,7 @@ def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: s
                 raise CkptError(f"{ckpt.components[0].where}: already an all-in-one {kind} file (original layout)")
             if file_format != "safetensors":
                 raise CkptError("--layout diffusers writes safetensors (diffusers folders hold no torch pickles)")
-            return pipeline.plan_file_to_pipeline(ckpt, views, make, kind, operation, config_ref)
+            return pipeline.plan_file_to_pipeline(ckpt, views, make, kind, operation, config_ref, max_shard_size)
     if len(ckpt.components) != 1:
         raise CkptError(f"{ckpt.path}: --layout converts one model (a single file, a sharded set or a model "
                         f"folder); this holds {len(ckpt.components)} ({', '.join(c.subdir or '.' for c in ckpt.components)})")

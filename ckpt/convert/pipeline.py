@@ -24,7 +24,7 @@ from ckpt import families
 from ckpt.errors import CkptError
 from ckpt.families import DIFFUSERS, ORIGINAL
 from ckpt.families.pipelines import PIPELINES, PipelinePart
-from ckpt.convert.layout import DIFFUSERS_STEM, relayout
+from ckpt.convert.layout import DIFFUSERS_MAX_SHARD, DIFFUSERS_STEM, relayout
 from ckpt.io.wrapper import Renamed
 from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import Plan, plan_files
@@ -88,7 +88,10 @@ def _converted(tensors: dict[str, Tensor], part: PipelinePart, to: str) -> tuple
     return relayout(tensors, fam, DIFFUSERS if to == ORIGINAL else ORIGINAL, to)
 
 
-def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_format: str) -> Plan:
+def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_format: str,
+                          max_shard_size: int | None = None) -> Plan:
+    """One all-in-one file; with `max_shard_size`, transformers-named shards and their index in a folder, as
+    `--layout original` shards one model (`ckpt.convert.layout.plan_layout`)."""
     cls, parts = PIPELINES[kind]
     by_folder = {c.subdir: (c, v) for c, v in zip(ckpt.components, views)}
     missing = [p.folder for p in parts if p.folder not in by_folder]
@@ -108,8 +111,9 @@ def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_for
     others = [c.subdir for c in ckpt.components if c.subdir not in {p.folder for p in parts}]
     if others:
         notes.append(f"not part of a single file, not written: {', '.join(others)}")
-    files, _ = plan_files(outs, "", file_format, metadata={"format": "pt", **provenance(operation)})
-    plan = Plan(single_file=True, files=files)
+    files, indexes = plan_files(outs, "" if max_shard_size is None else TRANSFORMERS_STEM, file_format,
+                                max_shard_size, metadata={"format": "pt", **provenance(operation)})
+    plan = Plan(single_file=max_shard_size is None, files=files, indexes=indexes)
     plan.notes += [f"{cls} -> one {kind} single file ({plural(len(outs), 'tensor')})"] + notes
     return plan
 
@@ -136,12 +140,16 @@ def _ref_folder(ref: str | None, kind: str, where) -> Path:
     return p
 
 
-def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_ref: str | None) -> Plan:
+def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_ref: str | None,
+                          max_shard_size: int | None = None) -> Plan:
+    """A diffusers pipeline folder. Each component folder is sharded as its own library's `save_pretrained`
+    shards it, past `max_shard_size`: a diffusers model by default past diffusers' limit (`DIFFUSERS_MAX_SHARD`,
+    as `--layout diffusers` shards one model), a transformers text encoder only when asked."""
     cls, parts = PIPELINES[kind]
     comp, view = ckpt.components[0], views[0]
     ref = _ref_folder(config_ref, kind, comp.where)
     claimed: set[str] = set()
-    files, notes = [], []
+    files, indexes, notes = [], {}, []
     for p in sorted(parts, key=lambda p: -len(p.prefix)):
         tensors = {k[len(p.prefix):]: t for k, t in view.tensors.items()
                    if k.startswith(p.prefix) and k not in claimed and not BOOKKEEPING.search(k)}
@@ -149,10 +157,14 @@ def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_r
         if not tensors:
             raise CkptError(f"{comp.where}: no {p.folder} weights under {p.prefix!r}; not an all-in-one {kind} file")
         converted, one_sided = _converted(tensors, p, DIFFUSERS)
-        stem = TRANSFORMERS_STEM if p.naming == "hf" or p.family == "clip" else DIFFUSERS_STEM
+        hf = p.naming == "hf" or p.family == "clip"
+        stem = TRANSFORMERS_STEM if hf else DIFFUSERS_STEM
         outs = [o for name, t in converted.items() for o in make(Renamed(t, name))]
-        files += plan_files(outs, stem, "safetensors", metadata={"format": "pt", **provenance(operation)},
-                            prefix=f"{p.folder}/")[0]
+        part_files, part_index = plan_files(outs, stem, "safetensors",
+                                            max_shard_size if hf else max_shard_size or DIFFUSERS_MAX_SHARD,
+                                            metadata={"format": "pt", **provenance(operation)}, prefix=f"{p.folder}/")
+        files += part_files
+        indexes.update(part_index)
         if one_sided:
             notes.append(f"{p.folder}: {plural(len(one_sided), 'tensor')} of the single file only, not written")
     dropped = [k for k in view.tensors if BOOKKEEPING.search(k)]
@@ -164,7 +176,7 @@ def plan_file_to_pipeline(ckpt, views, make, kind: str, operation: str, config_r
     if dropped:
         notes.append(f"{plural(len(dropped), 'bookkeeping tensor')} (noise schedule, EMA, position ids) not written: "
                      + ", ".join(dropped[:4]))
-    plan = Plan(single_file=False, files=files)
+    plan = Plan(single_file=False, files=files, indexes=indexes)
     for f in sorted(ref.rglob("*")):  # everything but weights: model_index, configs, tokenizers, scheduler
         rel = f.relative_to(ref)
         if f.is_file() and not any(x.startswith(".") for x in rel.parts) and not WEIGHTS.search(f.name):

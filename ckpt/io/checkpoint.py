@@ -12,14 +12,16 @@ weight files left unused that way are noted and never copied unconverted into an
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.errors import file_error
 from ckpt.io.header import read_header
 from ckpt.io.pickles import load_pickle_state_dict
+from ckpt.io.small_inputs import check_regular, load_json
 from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
 
 SAFETENSORS = (".safetensors",)
@@ -119,6 +121,8 @@ def open_checkpoint(spec: str) -> Checkpoint:
         path = resolve_repo(spec)
     else:
         check_readable(path)
+    if not path.is_dir():
+        check_regular(path)  # a FIFO or a device (/dev/zero), or a link to one: said as what it is, never read
     handles = FileHandles()
     try:
         if path.is_file() and path.name.endswith(".index.json"):
@@ -130,6 +134,18 @@ def open_checkpoint(spec: str) -> Checkpoint:
     except BaseException:
         handles.close()
         raise
+
+
+def _check_entry(p: Path) -> None:
+    """Refuse an entry of an input folder that is neither a regular file nor a folder (a FIFO, a device, a
+    socket, or a link to one): a weight file, index or config.json that is one would block or be read without
+    end, and any other would be left out without a word. A link to nothing is not part of the checkpoint."""
+    try:
+        st = os.stat(p)
+    except OSError:
+        return
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        check_regular(p)
 
 
 def _open_folder(spec: str, root: Path, handles: FileHandles) -> Checkpoint:
@@ -172,7 +188,10 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> tuple[list
     out, state = [], []
     for p in sorted(root.rglob("*") if recursive else root.iterdir()):
         rel = p.relative_to(root)
-        if not p.is_file() or p in used or any(part.startswith(".") for part in rel.parts):
+        if p in used or any(part.startswith(".") for part in rel.parts):
+            continue
+        _check_entry(p)
+        if not p.is_file():
             continue
         if is_training_state(p):
             # Trainer state (optimizer, scheduler, RNG, progress) of a checkpoint-N folder is not part of a model.
@@ -190,7 +209,10 @@ def _sidecars(root: Path, comps: list[Component], recursive: bool) -> tuple[list
 def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component | None:
     """The weights directly in `folder`: an index wins, then safetensors files, then pickles."""
     subdir = "" if folder == root else str(folder.relative_to(root))
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    for p in entries:
+        _check_entry(p)
+    files = [p for p in entries if p.is_file()]
     indexes = [p for p in files if p.name.endswith(".safetensors.index.json")]
     if not indexes:
         indexes = [p for p in files if re.search(r"\.(bin|pt|pth)\.index\.json$", p.name)]
@@ -239,14 +261,9 @@ def _config(folder: Path) -> dict | None:
     reads it with `.get`, so a file that is not a JSON object (a list, a string, broken JSON, unreadable)
     is refused here, once, naming the file, rather than failing later as an AttributeError."""
     p = folder / "config.json"
-    if not p.is_file():
+    if not (p.exists() or p.is_symlink()):
         return None
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise file_error(p, f"invalid JSON ({type(e).__name__ if isinstance(e, RecursionError) else e})") from None
-    except OSError as e:
-        raise file_error(p, f"cannot be read ({e.strerror or e})") from None
+    cfg = load_json(p)  # a regular file of a sane size, valid UTF-8 JSON (`ckpt.io.small_inputs`)
     if not isinstance(cfg, dict):
         raise file_error(p, f"holds a JSON {_json_kind(cfg)}, not the JSON object a model config is")
     return cfg
@@ -337,11 +354,10 @@ def _component_from_files(folder: Path, paths: list[Path], handles, subdir: str)
 
 
 def _component_from_index(folder: Path, index: Path, handles, subdir: str) -> Component:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
-        raise file_error(index, "not a valid index (needs a JSON object with a weight_map)") from None
+    value = load_json(index)  # a regular file of a sane size, valid UTF-8 JSON (`ckpt.io.small_inputs`)
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict):
+        raise file_error(index, "not a valid index (needs a JSON object with a weight_map)")
     tensors: dict[str, Tensor] = {}
     notes: list[str] = []
     files = []
@@ -352,8 +368,9 @@ def _component_from_index(folder: Path, index: Path, handles, subdir: str) -> Co
         if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard in ("", ".", ".."):
             raise file_error(index, f"names shard {shard!r}, which is not a file name in its folder")
         p = folder / shard
-        if not p.is_file():
+        if not (p.exists() or p.is_symlink()):
             raise file_error(index, f"names shard {shard!r}, which does not exist")
+        check_regular(p)  # a shard that is a FIFO or a device: said as what it is
         files.append(_load_file(p, shard, handles, tensors, notes))
     for name, shard in weight_map.items():
         t = tensors.get(name)

@@ -20,15 +20,27 @@ part of another model (its `general.architecture` differs). A file with `split.c
 Writing (`split_gguf_plan`): a one-file GGUF plan becomes a `SplitPlan` of parts in that layout; one part
 only is the plain file without split keys, as gguf-py's writer does. The parts are siblings, not a folder:
 `ckpt.io.output` writes each to a temp name beside it and publishes them as a set (`ckpt.io.publish.publish_set`).
+
+What a stopped run leaves (a SIGKILL or a power loss cannot be deferred; the publish renames part after part, in
+order): the parts published so far, and a temp file for each of the others. A GGUF output named OUT (`m.gguf`) is
+the set `m-NNNNN-of-MMMMM.gguf` of any count too (`set_member`), so the next run writing OUT removes the set's
+stale temps as it removes OUT's own (`ckpt.io.publish.remove_stale_temps`), and recognises the parts of a set a ckpt
+run published but not all (`partial_sets`: the first part carries ckpt's mark, every part there holds the split
+keys ckpt writes for its place and nothing else, and a part is missing). Such a set is an existing output of OUT:
+without --overwrite the run is refused (`check_partial_sets`), with it the set is replaced: after the new output is
+published, its parts that the new one did not overwrite are removed (`PartialSet.remove`, each checked to be the
+file that was recognised). Parts of a set that is not recognised as ckpt's are never removed.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.errors import file_error
+from ckpt.errors import CkptError, file_error
 from ckpt.io.plan import OutFile, Plan
 
 KEY_NO, KEY_COUNT, KEY_TENSORS = "split.no", "split.count", "split.tensors.count"
@@ -147,12 +159,17 @@ class SplitPlan(Plan):
         return part_paths(out, len(self.files))
 
 
+def _set_stem(out: Path) -> str:
+    """The PREFIX of the set an output named `out` is (`m.gguf` and `m-00001-of-00002.gguf` -> `m`)."""
+    name = Path(out).name
+    stem = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return set_prefix(stem + ".gguf") or stem
+
+
 def part_paths(out: Path, count: int) -> list[Path]:
     """The parts of a set named OUT (`m.gguf`; a part's own name `m-00001-of-00002.gguf` names its set too)."""
     out = Path(out)
-    stem = out.name[: -len(".gguf")] if out.name.endswith(".gguf") else out.name
-    stem = set_prefix(stem + ".gguf") or stem
-    return [out.with_name(part_name(stem, i, count)) for i in range(count)]
+    return [out.with_name(part_name(_set_stem(out), i, count)) for i in range(count)]
 
 
 def _padded(n: int) -> int:
@@ -191,3 +208,124 @@ def split_gguf_plan(plan: Plan, max_bytes: int) -> Plan:
     return SplitPlan(single_file=True, files=files, indexes=dict(plan.indexes), copies=list(plan.copies),
                      json_edits=dict(plan.json_edits), generated=dict(plan.generated), notes=list(plan.notes),
                      busy_stage=plan.busy_stage)
+
+
+# ------------------------------------------------------------------------------- what stopped runs left
+
+
+def set_member(out: Path):
+    """A test on file names: the parts of any split set of the GGUF output named `out` (`m-NNNNN-of-MMMMM.gguf`
+    for `m.gguf`); None for an output that is not a GGUF file name."""
+    if not Path(out).name.endswith(".gguf"):
+        return None
+    stem = _set_stem(out)
+
+    def member(name: str) -> bool:
+        m = PART_RE.fullmatch(name)
+        return m is not None and m["prefix"] == stem
+
+    return member
+
+
+@dataclass
+class PartialSet:
+    """The parts of a split GGUF named OUT that a ckpt run published but not all (`partial_sets`)."""
+
+    count: int
+    parts: dict[Path, tuple[int, int]] = field(default_factory=dict)  # the parts there -> (device, inode)
+
+    def describe(self) -> str:
+        return (f"part of a split GGUF that a stopped ckpt run published incompletely ({len(self.parts)} of its "
+                f"{self.count} parts are here)")
+
+    def remove(self, keep) -> None:
+        """Delete the parts that are still the files recognised (`ckpt.io.publish.remove_checked`), but those in
+        `keep` (the new output's own names, which the publish replaced); each is recorded in `CLEANED`."""
+        from ckpt.io.publish import CLEANED, remove_checked
+
+        keep = {Path(k).absolute() for k in keep}
+        for path, ident in self.parts.items():
+            if path.absolute() not in keep and remove_checked(path, ident):
+                CLEANED.append(("part", path))
+
+
+_MAX_LISTED = 100_000  # entries of OUT's folder looked at (-o in a huge folder)
+
+
+def _kv_count(header) -> int:
+    return sum(1 for k in header.fields if not k.startswith("GGUF."))
+
+
+def _ours(paths: dict[int, Path], count: int) -> dict[Path, tuple[int, int]] | None:
+    """(path -> identity) of parts `paths` (number from 1 -> path) if they are a ckpt run's parts of a set of
+    `count`, else None: the first is there and carries ckpt's mark, and every part there is a regular file whose
+    split keys are those ckpt writes for its place (the first part's model metadata, the others nothing else)."""
+    from ckpt.io.gguf import read_gguf_header
+    from ckpt.io.previous_output import written_by_ckpt
+    from ckpt.io.tensors import FileHandles
+
+    if 1 not in paths or not written_by_ckpt(paths[1]):
+        return None
+    out, total = {}, None
+    handles = FileHandles()
+    try:
+        for no, p in sorted(paths.items()):
+            try:
+                st = os.lstat(p)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                h = read_gguf_header(p, handles, p.name, whole_set=False)
+                keys = (h.value(KEY_NO), h.value(KEY_COUNT), h.value(KEY_TENSORS))
+            except (OSError, CkptError):
+                return None
+            if keys[:2] != (no - 1, count) or not isinstance(keys[2], int) or (no > 1 and _kv_count(h) != 3):
+                return None
+            if total is None:
+                total = keys[2]
+            elif keys[2] != total:
+                return None
+            out[p] = (st.st_dev, st.st_ino)
+    finally:
+        handles.close()
+    return out
+
+
+def partial_sets(out: Path) -> list[PartialSet]:
+    """The split sets of the GGUF output named `out` (any count) whose parts a ckpt run published but not all: what
+    a run stopped during its publish (SIGKILL, power loss) left, recognised as the module docstring says."""
+    member = set_member(out)
+    if member is None:
+        return []
+    folder = Path(out).absolute().parent
+    found: dict[int, dict[int, Path]] = {}
+    try:
+        with os.scandir(folder) as it:
+            for i, entry in enumerate(it):
+                if i >= _MAX_LISTED:
+                    break
+                if member(entry.name):
+                    m = PART_RE.fullmatch(entry.name)
+                    found.setdefault(int(m["count"]), {})[int(m["no"])] = folder / entry.name
+    except OSError:
+        return []
+    sets = []
+    for count, paths in sorted(found.items()):
+        if count < 2 or len(paths) >= count or any(not 1 <= no <= count for no in paths):
+            continue
+        ours = _ours(paths, count)
+        if ours:
+            sets.append(PartialSet(count, ours))
+    return sets
+
+
+def check_partial_sets(plan, out: Path, overwrite: bool, dry_run: bool = False) -> list[PartialSet]:
+    """The partial sets (`partial_sets`) of a GGUF output named `out`: an existing output of OUT, so without
+    --overwrite the run is refused (a dry run is not, as for any existing output); with it they are returned, to
+    remove once the new output is published. Outputs that are no GGUF file have none."""
+    if not (plan.single_file and plan.files and plan.files[0].format == "gguf"):
+        return []
+    sets = partial_sets(out)
+    if sets and not overwrite and not dry_run:
+        s = sets[0]
+        raise CkptError(f"{next(iter(s.parts))}: already exists: {s.describe()}; pass --overwrite to replace it")
+    return sets

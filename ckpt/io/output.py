@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
+from ckpt.io.gguf_split import check_partial_sets
 from ckpt.io.plan import OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
-from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set
+from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set, temp_name
 from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.tensors import Tensor, row_bands, sub_ranges
 from ckpt.io.writer import SafetensorsWriter
@@ -50,14 +51,55 @@ def _exists(out: Path) -> bool:
     return out.exists() or out.is_symlink()
 
 
+NAME_MAX = 255  # bytes of one name where the filesystem does not say (ext4, xfs, btrfs, tmpfs: 255)
+# What the hidden temp name an output is written under (`ckpt.io.publish.temp_name`) adds to its name: ".",
+# ".ckpt-tmp-", a process id (at most 7 digits on Linux), "-" and 8 hex digits.
+TEMP_EXTRA = len(temp_name("")) - len(str(os.getpid())) + 7
+
+
+def _name_max(out: Path) -> int:
+    folder = next((p for p in Path(os.path.abspath(out)).parents if os.path.isdir(p)), Path("/"))
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
+
+
+def short_path(path: Path, keep: int = 60) -> str:
+    """`path` for an error line: a name longer than `keep` characters is cut (`name...`)."""
+    parts = [p if len(p) <= keep else p[:keep] + "..." for p in Path(path).parts]
+    return str(Path(*parts)) if parts else str(path)
+
+
+def check_name(out: Path) -> None:
+    """Refuse an OUT with a name no file can have here (more bytes than the filesystem's NAME_MAX, the last
+    one with its temp name's `TEMP_EXTRA`: it is first written under that) in one line, before any look at
+    it: a `stat` of such a name is an OSError, not an answer. A default output name grows its input's
+    (`x.pt` -> `x-fp16.safetensors`), so an input of a legal name may still give one."""
+    out = Path(out)
+    limit = _name_max(out)
+    for part in out.parts:
+        if len(os.fsencode(part)) > limit:
+            raise CkptError(f"{short_path(out)}: name too long ({len(os.fsencode(part))} bytes in one name; "
+                            f"at most {limit})")
+    size = len(os.fsencode(out.name))
+    if size + TEMP_EXTRA > limit:
+        raise CkptError(f"{short_path(out)}: name too long ({size} bytes; at most {limit - TEMP_EXTRA}, for the "
+                        f"temporary name it is written under first)")
+
+
 def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bool | None = None,
-                 dry_run: bool = False, planned: set[str] | None = None) -> None:
+                 dry_run: bool = False, planned: set[str] | None = None, fmt: str | None = None) -> None:
     """Refuse an OUT that is, contains or replaces an input, or lies inside an input folder; that is or
     holds another file this run writes (the --report file, `ckpt.io.publish.OTHER_WRITES`); that exists
     (without --overwrite; a dry run only reports it, see `target_state`); that is a folder a single file
     would replace, or a folder holding files ckpt did not write and the new output (`planned` relpaths)
     does not rewrite (`ckpt.io.previous_output`); or whose nearest existing parent is not a writable
-    folder. Missing parent folders are fine: `execute` creates them."""
+    folder; or whose name is too long (`check_name`); or whose suffix names another container than the one
+    written (`check_container`; `fmt` the plan's format, else a file of safetensors or a folder as `single_file`
+    says). Missing parent folders are fine: `execute` creates them."""
+    check_name(out)
+    check_container(out, fmt or ("folder" if single_file is False else "safetensors"))
     out_r = out.resolve()
     check_not_input(out, str(out), inputs)
     for p, what in list(OTHER_WRITES.items()):
@@ -85,6 +127,43 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool, single_file: bo
         raise CkptError(f"{out}: cannot write in {home} ({why})")
 
 
+GGUF_SUFFIX = ".gguf"
+
+
+def check_container(out: Path, fmt: str | None, label: str | None = None, fix: str | None = None) -> None:
+    """The suffix of -o picks the container, or is refused: one rule for every writing command. An OUT named
+    `.gguf` is a GGUF file, which only a GGUF target writes (`--to gguf-TYPE`, or `--keep-format` on a GGUF
+    input); with any other output (`fmt`: "safetensors", "torch", "folder", or None where it is not planned
+    yet) it is refused before anything is written, rather than a file being written under a name ckpt itself
+    then refuses to read. The other direction, a GGUF output named otherwise, is refused by the GGUF targets
+    (`ckpt.run.check_gguf_output`). `label`: how the message names OUT (default `-o OUT`); `fix`: what to
+    do instead of adding --to gguf-TYPE (default: the name to give)."""
+    out = Path(out)
+    if fmt == "gguf" or out.suffix.lower() != GGUF_SUFFIX:
+        return
+    command, how = running_command()
+    what = {None: "safetensors", "folder": "a folder"}.get(fmt, fmt)
+    fix = fix or {"folder": "name a folder", "torch": f"name it {out.stem}.pth"}.get(
+        fmt, f"name it {out.stem}.safetensors")
+    label = label or f"-o {out}"
+    if how:
+        raise CkptError(f"{label}: names a GGUF file, but {command} writes {what} here; add {how} to write GGUF, "
+                        f"or {fix}")
+    raise CkptError(f"{label}: names a GGUF file, but {command} writes {what}, never GGUF; {fix}")
+
+
+def running_command() -> tuple[str, str | None]:
+    """(the running command's name, how it writes GGUF or None where it never does): what the command line
+    that runs declares (`writes_gguf` on its click command, set in `ckpt.cli.main`), so that the refusal
+    names what the user can do. A Python caller (no command line) hears of --to gguf-TYPE."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return "this command", "--to gguf-TYPE (convert, merge-lora)"
+    return ctx.command_path, getattr(ctx.command, "writes_gguf", None)
+
+
 def targets(plan: Plan, out: Path) -> list[Path]:
     """The paths the plan publishes: OUT, or the parts of a split GGUF beside it (`ckpt.io.gguf_split`)."""
     parts = getattr(plan, "part_paths", None)
@@ -102,10 +181,13 @@ def target_state(out: Path, overwrite: bool) -> str:
 def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False, dry_run: bool = False) -> int:
     """Every check `execute` makes before writing (also what --dry-run runs); returns bytes needed."""
     out = Path(out)
+    formats = {f.format for f in plan.files}
+    fmt = "gguf" if "gguf" in formats else "folder" if not plan.single_file else next(iter(formats), "safetensors")
     name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
+    check_partial_sets(plan, out, overwrite, dry_run)  # a split GGUF of OUT's name a stopped run left
     for target in targets(plan, out):
-        check_target(target, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan))
+        check_target(target, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan), fmt)
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
     missing = missing_parents(out)
     free = shutil.disk_usage(missing[0].parent if missing else out.absolute().parent).free
@@ -128,8 +210,10 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
     plan of byte copies never imports torch)."""
     out = Path(out)
     preflight(plan, out, inputs=inputs, overwrite=overwrite)
+    replaced = check_partial_sets(plan, out, overwrite) if overwrite else []  # removed once OUT is published
     if hasattr(plan, "part_paths"):
-        return _execute_parts(plan, out, overwrite, device, progress)
+        _execute_parts(plan, out, overwrite, device, progress)
+        return _remove_partial_sets(replaced, plan, out)
     stage = Staging(out, plan.single_file)
     try:
         stage.open()
@@ -150,6 +234,12 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
         raise CkptError(f"{out}: write failed, nothing written ({e.strerror or e})") from None
     finally:
         stage.close()
+    _remove_partial_sets(replaced, plan, out)
+
+
+def _remove_partial_sets(replaced: list, plan: Plan, out: Path) -> None:
+    for s in replaced:
+        s.remove(keep=targets(plan, out))
 
 
 def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress) -> None:

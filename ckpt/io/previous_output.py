@@ -102,11 +102,11 @@ def foreign_files(folder: Path, planned: set[str]) -> list[str]:
 
 
 def _index_of(index: Path, folder: Path, ours: set[str]) -> bool:
-    import json
+    from ckpt.io.small_inputs import load_json
 
     try:
-        files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = set(load_json(index)["weight_map"].values())
+    except (CkptError, KeyError, TypeError, AttributeError):  # unreadable, too large, or no index: not ours
         return False
     base = index.parent.relative_to(folder)
     return bool(files) and all(isinstance(f, str) and (base / f).as_posix() in ours for f in files)

@@ -3,9 +3,11 @@
 Every writing command ends here (through `ckpt.io.output.execute`). The rules it keeps:
 
 - The temp output is `.OUT.ckpt-tmp-PID-XXXXXXXX` beside OUT (same filesystem, so the rename is atomic),
-  created exclusively and locked (`flock`) by its owner for as long as it lives. A later run removes
-  such leftovers only when they are provably stale: the name is ckpt's, the process PID is gone and
-  nobody holds the lock (`remove_stale_temps`).
+  created exclusively and locked (`flock`) by its owner for as long as it lives. A later run writing OUT
+  removes such leftovers only when they are provably stale: the name is ckpt's, the process PID is gone and
+  nobody holds the lock (`remove_stale_temps`); for a GGUF OUT also those of every part of a split set of
+  its name (`ckpt.io.gguf_split.set_member`: a run killed while it wrote or published a set leaves one per
+  part). What it removed is recorded in `CLEANED`, which the run's summary says (`cleanup_notes`).
 - Everything inside the temp output is created relative to directory descriptors opened once
   (`O_EXCL`, `O_NOFOLLOW`, never `mkdir(parents=True)` by path): if the temp output, one of its
   folders or OUT's parent folder is removed or replaced during the run, a later step fails or the
@@ -14,6 +16,12 @@ Every writing command ends here (through `ckpt.io.output.execute`). The rules it
   `RENAME_NOREPLACE`; where the filesystem lacks it: `link` + `unlink` for a file, an exclusive `mkdir`
   placeholder for a folder): of two runs racing for one OUT, exactly one wins and the other fails with
   "already exists". With --overwrite a folder is swapped in one step (`RENAME_EXCHANGE`) where possible.
+- --overwrite deletes only what the run checked: the entry at OUT when the temp output was opened (right
+  after `ckpt.io.output.check_target` refused folders holding someone else's files). At the publish, the
+  entry there must still be that one (same `st_dev`/`st_ino`) and a folder must still hold only ckpt's files
+  and files the new output rewrites (`ckpt.io.previous_output.foreign_files`); once swapped out, the same is
+  checked again before it is deleted, and a failed check swaps it back: a folder swapped in by a race, or
+  files put into it meanwhile, are never deleted; the run fails with nothing written.
 - Missing parent folders of OUT are created (as `save_pretrained` does) and removed again if the run
   fails before publishing.
 - `PUBLISHED` lists what this process published, recorded in the same signal-free step as the rename:
@@ -21,7 +29,9 @@ Every writing command ends here (through `ckpt.io.output.execute`). The rules it
 - Sibling files that make one output (the parts of a split GGUF, `ckpt.io.gguf_split`) each get a
   single-file `Staging` and are published together by `publish_set`: all renamed in one signal-free step,
   or, if one rename fails, every part renamed so far taken back (and any part an --overwrite moved aside
-  put back).
+  put back). Each part moved aside is checked to be the file that was there (a folder swapped in is put
+  back, never deleted). Parts of an earlier set a stopped run published incompletely are recognised by
+  `ckpt.io.gguf_split.partial_sets` and removed with `remove_checked` (moved aside, checked, deleted).
 """
 
 from __future__ import annotations
@@ -46,8 +56,16 @@ PUBLISHED: list[Path] = []  # every output this process published, in order
 # never be swapped away with (or written into) the temp output that replaces it.
 OTHER_WRITES: dict[Path, str] = {}
 
+# ckpt's own leftovers this process removed beside its outputs, in order: ("temp", path) for a stale temp output
+# (`remove_stale_temps`), ("part", path) for a part of a split GGUF a stopped run published incompletely that an
+# --overwrite run replaced (`ckpt.io.gguf_split.PartialSet.remove`). `cleanup_notes` says them in the summary.
+CLEANED: list[tuple[str, Path]] = []
+
 # `.NAME.ckpt-tmp-PID-8hex` (a temp output) and `.NAME.ckpt-old-PID-8hex` (a replaced output being removed)
 _TEMP_TAIL = re.compile(r"ckpt-(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+# `.NAME.ckpt-kept-PID-8hex`: someone else's entry a failed publish could not put back at OUT, under a name no
+# stale-temp sweep removes (`_keep_aside`)
+_KEPT = "kept"
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -169,11 +187,26 @@ def _owner_gone(dir_fd: int, name: str, pid: int) -> bool:
         os.close(fd)
 
 
-def remove_stale_temps(out: Path) -> list[str]:
+def _stale_name(name: str, member) -> int | None:
+    """The PID in `name` if it is a temp name (`.X.ckpt-tmp-PID-8hex`, `.X.ckpt-old-PID-8hex`) of an output X that
+    `member` accepts, else None."""
+    if not name.startswith("."):
+        return None
+    head, sep, tail = name[1:].rpartition(".ckpt-")
+    m = _TEMP_TAIL.fullmatch("ckpt-" + tail) if sep else None
+    return int(m["pid"]) if m and member(head) else None
+
+
+def remove_stale_temps(out: Path, siblings: bool = True) -> list[str]:
     """Remove ckpt's own leftovers beside OUT (`.OUT.ckpt-tmp-PID-X`, `.OUT.ckpt-old-PID-X`) whose
-    process is gone: what a SIGKILL or a power loss left. Returns the names removed. Never raises."""
+    process is gone: what a SIGKILL or a power loss left. With `siblings`, also those of the files that make
+    one output with OUT (the parts of a split GGUF named OUT, any count: `ckpt.io.gguf_split.set_member`).
+    Returns the names removed (also recorded in `CLEANED`). Never raises."""
+    from ckpt.io.gguf_split import set_member
+
     out = Path(out).absolute()
-    prefix = f".{out.name}."
+    of_set = set_member(out) if siblings else None
+    member = (lambda n: n == out.name or of_set(n)) if of_set is not None else (lambda n: n == out.name)
     removed = []
     try:
         dfd = os.open(out.parent, _DIR_FLAGS)
@@ -181,17 +214,89 @@ def remove_stale_temps(out: Path) -> list[str]:
         return removed
     try:
         for entry in os.scandir(dfd):
-            if not entry.name.startswith(prefix):
-                continue
-            m = _TEMP_TAIL.fullmatch(entry.name[len(prefix):])
-            if m and _owner_gone(dfd, entry.name, int(m["pid"])):
+            pid = _stale_name(entry.name, member)
+            if pid is not None and _owner_gone(dfd, entry.name, pid):
                 _remove_at(dfd, entry.name)
-                removed.append(entry.name)
+                if _lstat_at(dfd, entry.name) is None:
+                    removed.append(entry.name)
+                    CLEANED.append(("temp", out.parent / entry.name))
     except OSError:
         pass
     finally:
         os.close(dfd)
     return removed
+
+
+def remove_checked(path: Path, ident: tuple[int, int]) -> bool:
+    """Delete the regular file `path` only if it is still the file `ident` names (device, inode): it is first
+    renamed aside (`.NAME.ckpt-old-PID-X`), then checked there, so what is deleted is what was checked, never an
+    entry swapped in meanwhile (which is put back). Returns whether it was deleted. Never raises."""
+    path = Path(path).absolute()
+    try:
+        dfd = os.open(path.parent, _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        st = _lstat_at(dfd, path.name)
+        if st is None or _ident(st) != ident or not stat.S_ISREG(st.st_mode):
+            return False
+        old = temp_name(path.name, "old")
+        with signals_deferred():
+            try:
+                os.rename(path.name, old, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError:
+                return False
+            st = _lstat_at(dfd, old)
+            if st is None or _ident(st) != ident or not stat.S_ISREG(st.st_mode):
+                _put_back_at(dfd, old, path.name)
+                return False
+            try:
+                os.unlink(old, dir_fd=dfd)
+            except OSError:
+                _put_back_at(dfd, old, path.name)
+                return False
+        return True
+    finally:
+        os.close(dfd)
+
+
+def _put_back_at(dfd: int, name: str, home: str) -> None:
+    """Someone else's entry, moved aside by a publish, back at `home` where nothing should be now; where that fails
+    (something took `home` meanwhile), under a `.HOME.ckpt-kept-` name that no stale-temp sweep removes."""
+    try:
+        _renameat2(dfd, name, home, _RENAME_NOREPLACE)
+        return
+    except OSError as e:
+        if not _unsupported(e):
+            return _keep_aside(dfd, name, home)
+    if _lstat_at(dfd, home) is None:
+        try:
+            os.rename(name, home, src_dir_fd=dfd, dst_dir_fd=dfd)
+            return
+        except OSError:
+            pass
+    _keep_aside(dfd, name, home)
+
+
+def _keep_aside(dfd: int, name: str, home: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rename(name, temp_name(home, _KEPT), src_dir_fd=dfd, dst_dir_fd=dfd)
+
+
+def cleanup_notes(since: int) -> list[str]:
+    """The summary lines of what `CLEANED` gained since `since` (its length before the run)."""
+    from ckpt.report import listed, plural
+
+    notes = []
+    temps = sorted(p.name for kind, p in CLEANED[since:] if kind == "temp")
+    parts = sorted(p.name for kind, p in CLEANED[since:] if kind == "part")
+    if temps:
+        notes.append(f"removed {plural(len(temps), 'temporary output')} that a stopped ckpt run left beside the "
+                     f"output ({listed(temps, 3)})")
+    if parts:
+        notes.append(f"removed {plural(len(parts), 'part')} of a split GGUF of this name that a stopped ckpt run "
+                     f"published incompletely ({listed(parts, 3)}): --overwrite replaces it")
+    return notes
 
 
 # ----------------------------------------------------------------------------------------- staging
@@ -217,6 +322,7 @@ class Staging:
         self.dir_fds: dict[str, int] = {}  # "" and created subfolders -> open descriptor
         self.published = False
         self.old: str | None = None  # the previous OUT, moved aside by an --overwrite publish
+        self.out_id: tuple[int, int] | None = None  # what was at OUT when the run checked it (`open`)
 
     @property
     def tmp(self) -> Path:
@@ -231,6 +337,8 @@ class Staging:
             self.created.append(p)
         self.pfd = os.open(self.out.parent, _DIR_FLAGS)
         self.parent_id = _ident(os.fstat(self.pfd))
+        st = _lstat_at(self.pfd, self.out.name)  # checked just before (`ckpt.io.output.check_target`)
+        self.out_id = _ident(st) if st is not None else None
         remove_stale_temps(self.out)
         if self.single_file:
             self.lock_fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
@@ -366,20 +474,52 @@ class Staging:
         if self.single_file or st is None:
             os.rename(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
             return None
+        self._check_replaced(self.out.name)
         try:  # one step: the temp folder and OUT swap places
             _renameat2(self.pfd, self.name, self.out.name, _RENAME_EXCHANGE)
-            return self.name
         except OSError as e:
             if not _unsupported(e):
                 raise
+        else:
+            try:  # what was swapped out is what was checked: else it goes back, and nothing is written
+                self._check_replaced(self.name)
+            except CkptError:
+                try:
+                    _renameat2(self.pfd, self.name, self.out.name, _RENAME_EXCHANGE)
+                except OSError:  # short of an I/O error, cannot happen: ours stays published, theirs is kept
+                    _keep_aside(self.pfd, self.name, self.out.name)
+                    return None
+                raise
+            return self.name
         old = temp_name(self.out.name, "old")
         os.rename(self.out.name, old, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
         try:
+            self._check_replaced(old)
             os.rename(self.name, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
         except BaseException:
-            os.rename(old, self.out.name, src_dir_fd=self.pfd, dst_dir_fd=self.pfd)
+            _put_back_at(self.pfd, old, self.out.name)
             raise
         return old
+
+    def _check_replaced(self, name: str) -> None:
+        """Refuse (CkptError) to delete the entry `name` in OUT's folder (OUT itself, or the previous OUT
+        swapped out to `name`) unless it is what was at OUT when the run checked it (`self.out_id`: same device
+        and inode) and, a folder, still holds only ckpt's files and files the new output rewrites."""
+        st = _lstat_at(self.pfd, name)
+        if self.out_id is None:
+            raise CkptError(f"{self.out}: appeared during the run, so ckpt did not check it; it is left as it is, "
+                            "nothing written (run again to replace it)")
+        if st is None or _ident(st) != self.out_id:
+            raise CkptError(f"{self.out}: was replaced during the run by something ckpt did not check; it is left "
+                            "as it is, nothing written")
+        if stat.S_ISDIR(st.st_mode):
+            from ckpt.io.previous_output import MAX_LISTED, foreign_files
+            from ckpt.report import listed
+
+            foreign = foreign_files(self.out.parent / name, set(self.ids))
+            if foreign:
+                raise CkptError(f"{self.out}: files ckpt did not write appeared in it during the run "
+                                f"({listed(foreign, MAX_LISTED)}); it is left as it is, nothing written")
 
     def close(self) -> None:
         """Release descriptors (and with them the lock); remove the temp output unless it was published."""
@@ -436,6 +576,11 @@ def publish_set(stages: list[Staging], overwrite: bool) -> None:
                     if st is not None:
                         old = temp_name(s.out.name, "old")
                         os.rename(s.out.name, old, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)
+                        moved = _lstat_at(s.pfd, old)
+                        if moved is None or _ident(moved) != _ident(st) or stat.S_ISDIR(moved.st_mode):
+                            _put_back_at(s.pfd, old, s.out.name)  # swapped in meanwhile: never deleted
+                            raise CkptError(f"{s.out}: was replaced during the publish; it is left as it is, "
+                                            "nothing written")
                         s.old = old
                     try:
                         os.rename(s.name, s.out.name, src_dir_fd=s.pfd, dst_dir_fd=s.pfd)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import Component
 from ckpt.io.tensors import Tensor
-from ckpt.quant.common import DecodeContext
+from ckpt.quant.common import DecodeContext, quant_config
 
 
 @dataclass
@@ -53,6 +53,35 @@ UNSUPPORTED = {
 }
 
 
+# Stored data a decoder reads only when the config names its method (or, for MXFP4 without one, gpt-oss's own
+# names): format -> (is `key` its data, given the keys left, the quant_method that decodes it). Left over while
+# quantization_config names another method, the config contradicts the tensors: said in one line, rather than
+# "nothing quantized" or the packed bytes copied as if they were weights.
+CONFIGURED = {
+    "MXFP4 blocks": (lambda key, keys: key.endswith("_blocks") and key[: -len("_blocks")] + "_scales" in keys,
+                     "mxfp4"),
+    "GPTQ/AWQ int packs": (lambda key, keys: key.endswith((".qweight", ".qzeros", ".g_idx")), "gptq or awq"),
+}
+
+
+def _contradiction(component: Component, ctx: DecodeContext) -> None:
+    """Refuse stored data of one format under a quantization_config naming another (`CONFIGURED`)."""
+    qc = quant_config(ctx)
+    if not qc:  # no quantization_config: the decoders go by the tensors' own names
+        return
+    method = qc.get("quant_method")
+    for key in ctx.remaining:
+        for fmt, (found, decoded_by) in CONFIGURED.items():
+            if not found(key, ctx.remaining):
+                continue
+            if method is None:
+                raise CkptError(f"{component.where}: config.json's quantization_config names no quant_method, but "
+                                f"the tensors are {fmt} ({key!r}; quant_method {decoded_by}); nothing was written")
+            shown = str(method) if len(str(method)) <= 40 else str(method)[:40] + "..."
+            raise CkptError(f"{component.where}: config.json's quant_method {shown!r} contradicts the tensors, "
+                            f"which are {fmt} ({key!r}; quant_method {decoded_by}); nothing was written")
+
+
 def logical_view(component: Component, options: dict | None = None) -> View:
     metadata: dict[str, str] = {}
     for f in component.files:
@@ -80,6 +109,7 @@ def logical_view(component: Component, options: dict | None = None) -> View:
         tensors.update(d.tensors)
         anchors.update(d.anchors)
         config = d.config if d.config is not None else config
+    _contradiction(component, ctx)
     for key in ctx.remaining:
         for fmt, (pattern, why) in UNSUPPORTED.items():
             if pattern.search(key):

@@ -95,8 +95,8 @@ def llama_cpp_tree() -> Path:
     return tree
 
 
-def _build(root: Path) -> Path:
-    lib = root / "libggml-quants.so"
+def _build(root: Path, release: bool = False) -> Path:
+    lib = root / ("libggml-quants-release.so" if release else "libggml-quants.so")
     if lib.exists():
         return lib
     tgz = _sdist(root)
@@ -117,8 +117,9 @@ def _build(root: Path) -> Path:
     stubs = root / "stubs.c"
     stubs.write_text(STUBS.replace("%BLCK%", " ".join(f"case {TYPE_IDS[t]}: return {b};" for t, (b, _) in BLOCKS.items()))
                      .replace("%BYTES%", " ".join(f"case {TYPE_IDS[t]}: return {n};" for t, (_, n) in BLOCKS.items())))
-    tmp_lib = root / f"libggml-quants.so.{os.getpid()}"
-    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", str(tree / "include"), "-I", str(tree / "src"),
+    tmp_lib = root / f"{lib.name}.{os.getpid()}"
+    r = subprocess.run([cc, "-O2", *(["-DNDEBUG"] if release else []), "-shared", "-fPIC", "-I", str(tree / "include"),
+                        "-I", str(tree / "src"),
                         str(tree / "src" / "ggml-quants.c"), str(stubs), "-lm", "-o", str(tmp_lib)],
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -127,27 +128,33 @@ def _build(root: Path) -> Path:
     return lib
 
 
-def library() -> ctypes.CDLL:
+def library(release: bool = False) -> ctypes.CDLL:
+    """The library; `release`: built with -DNDEBUG as llama.cpp's release builds are (CMake's Release type, the
+    published binaries and wheels), whose asserts are off: `nearest_int`'s |x| <= 4194303 aborts the default build
+    on rows of values too large for their block scales (1e7 beside small values, 3e38), where a release
+    llama-quantize writes what its arithmetic gives."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(str(_build(_folder())))
+        _LIB = {}
+    if release not in _LIB:
+        lib = ctypes.CDLL(str(_build(_folder(), release)))
         for t in BLOCKS:
             fn = getattr(lib, f"quantize_{t}")
             fn.restype = ctypes.c_size_t
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        _LIB = lib
-    return _LIB
+        _LIB[release] = lib
+    return _LIB[release]
 
 
-def quantize(type_name: str, rows: np.ndarray) -> bytes:
+def quantize(type_name: str, rows: np.ndarray, release: bool = False) -> bytes:
     """The bytes `llama-quantize` writes for these fp32 rows (2-D, row length a multiple of the block size) in
-    `type_name` (ggml's spelling: q4_K, iq4_xs, ...), without an importance matrix."""
+    `type_name` (ggml's spelling: q4_K, iq4_xs, ...), without an importance matrix (`release`: `library`)."""
     x = np.ascontiguousarray(rows, dtype=np.float32)
     nrow, n = x.shape
     blk, nbytes = BLOCKS[type_name]
     if n % blk:
         raise ValueError(f"{type_name}: rows of {n} are not a multiple of {blk}")
     out = np.zeros(nrow * (n // blk) * nbytes, dtype=np.uint8)
-    written = getattr(library(), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n, None)
+    written = getattr(library(release), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n, None)
     assert written == out.nbytes, (written, out.nbytes)
     return out.tobytes()
