@@ -65,12 +65,33 @@ def _restore_log(lc) -> None:
         lc.llama_log_set(ctypes.cast(None, lc.llama_log_callback), ctypes.c_void_p(0))
 
 
+def load(model_path: Path | str, **kwargs):
+    """`llama_cpp.Llama(model_path, **kwargs)` on the CPU without ggml's extra buffer types (weight repacking and
+    the AMX kernels): on an Intel CPU with AMX, a source build of 0.3.36 enables them and its Q8_0 matrix
+    products crash the process inside a VM (seen on a Sapphire Rapids VM, with the kernel granting the tile
+    permission). The plain CPU kernels compute the same model; both files under test go through them."""
+    lc = llama_cpp()
+    low = lc.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    with _LOCK:
+        low.llama_model_default_params = params
+        try:
+            return lc.Llama(model_path=str(model_path), n_gpu_layers=0, verbose=False, **kwargs)
+        finally:
+            low.llama_model_default_params = default
+
+
 def logits(model_path: Path | str, token_ids: list[int], n_ctx: int | None = None) -> np.ndarray:
     """llama.cpp's logits for every position of `token_ids` (one batch from an empty context, CPU), as float32
     [n_tokens, n_vocab]: row i scores the token after token_ids[: i + 1]."""
-    lc = llama_cpp()
-    llm = lc.Llama(model_path=str(model_path), logits_all=True, n_ctx=n_ctx or max(32, len(token_ids)),
-                   n_batch=max(32, len(token_ids)), n_threads=2, n_gpu_layers=0, verbose=False)
+    llm = load(model_path, logits_all=True, n_ctx=n_ctx or max(32, len(token_ids)),
+               n_batch=max(32, len(token_ids)), n_threads=2)
     try:
         llm.eval(list(token_ids))
         return np.array(llm.scores[: len(token_ids)], dtype=np.float32)
