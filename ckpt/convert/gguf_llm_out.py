@@ -39,20 +39,25 @@ The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`co
   `ckpt.version` and `ckpt.operation`.
 
 Refused in one line before anything is written: an architecture outside `ckpt.families.llm.EXPORTS`, a folder
-without config.json or a tokenizer, a BPE pre-tokenizer llama.cpp does not know, a tensor with no GGUF name.
+without config.json or a tokenizer, a BPE pre-tokenizer llama.cpp does not know, a tensor with no GGUF name. The
+inputs are checked first, where the reference takes them on trust: config.json's values for type, range and
+agreement with the tensors (`ckpt.families.llm.config_keys`, on the file as written and again on the values
+transformers fills in), every tokenizer file (`gguf_vocab.check_tokenizer`), and the token list written against
+the embedding rows, so that what is written is a GGUF llama.cpp loads.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ckpt import __version__
 from ckpt.errors import CkptError
-from ckpt.families.llm import EXPORTS, LLMArch
+from ckpt.families.llm import EXPORTS, LLMArch, config_keys
 from ckpt.io.plan import OutFile, Plan
 from ckpt.io.tensors import ComputedTensor, RowSlice, Tensor
 from ckpt.report import Report, plural
@@ -89,15 +94,20 @@ class Shifted(Tensor):
         return self.base.read(start, stop, device, scratch).to(self.dtype) + self.shift
 
 
+def _first_class(value) -> str | None:
+    return value[0] if isinstance(value, list) and value and isinstance(value[0], str) else None
+
+
 def _architecture(cfg: dict | None) -> str | None:
-    """get_model_architecture: `architectures[0]`, a text_config's own where it has one."""
+    """get_model_architecture: `architectures[0]`, a text_config's own where it has one (None where there is no
+    list of class names)."""
     if not isinstance(cfg, dict):
         return None
-    arch = (cfg.get("architectures") or [None])[0]
+    arch = _first_class(cfg.get("architectures"))
     text = cfg.get("text_config")
-    if isinstance(text, dict) and text.get("architectures"):
-        arch = text["architectures"][0]
-    return arch if isinstance(arch, str) else None
+    if isinstance(text, dict) and _first_class(text.get("architectures")) is not None:
+        arch = _first_class(text["architectures"])
+    return arch
 
 
 def applies(ckpt, views) -> bool:
@@ -131,23 +141,46 @@ def _folder(ckpt) -> Path:
     return root / comp.subdir
 
 
-def load_hparams(folder: Path, cfg: dict) -> dict:
-    """ModelBase.load_hparams + TextModel.__init__: the config as transformers fills it in, text_config merged."""
-    try:
-        from transformers import AutoConfig
-
-        with _quiet():
-            hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
-    except ImportError:
-        hparams = dict(cfg)
-    except Exception:  # the reference falls back to config.json as it is
-        hparams = dict(cfg)
+def text_merged(cfg: dict) -> dict:
+    """TextModel.__init__: a multimodal config's language model config (`text_config` or an alias) merged over it."""
+    hparams = dict(cfg)
     for key in ("llm_config", "lm_config", "language_config"):
         if key in hparams:
             hparams["text_config"] = hparams[key]
     if isinstance(hparams.get("text_config"), dict):
         hparams = {**hparams, **hparams["text_config"]}
     return hparams
+
+
+def load_hparams(folder: Path, cfg: dict) -> dict:
+    """ModelBase.load_hparams + TextModel.__init__: the config as transformers fills it in, text_config merged.
+    (Called once config.json's own values are checked: transformers' config classes build per-layer lists.)"""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return text_merged(cfg)
+    try:
+        with _quiet():
+            hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
+    except Exception as e:  # the reference falls back to config.json as it is ...
+        if _known_model_type(cfg.get("model_type")):  # ... but transformers knows this config and refuses its values
+            from ckpt.families.llm.tokenizer_files import brief
+
+            raise CkptError(f"{folder / 'config.json'}: transformers' config class for model_type "
+                            f"{cfg['model_type']!r} refuses it ({type(e).__name__}: {brief(str(e))})") from None
+        hparams = dict(cfg)
+    return text_merged(hparams)
+
+
+def _known_model_type(model_type) -> bool:
+    """Whether transformers has a config class for `model_type` (where it has none, as for a remote-code model,
+    the reference uses config.json as it is; where it has one that refuses the file, so would its tokenizer and
+    every loader of the model)."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return False
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
 def _find(hparams: dict, keys, optional=True):
@@ -237,11 +270,11 @@ def _gemma3_parameters(w, hparams: dict, rope: dict) -> None:
     w.add_head_count_kv(hparams.get("num_key_value_heads", 4))
 
 
-def _phi3_rope(hparams: dict, rope: dict) -> tuple[int, int, int]:
+def _phi3_rope(hparams: dict, rope: dict, where="config.json") -> tuple[int, int, int]:
     n_embd = _find(hparams, ["hidden_size", "n_embd"], optional=False)
     n_head = _find(hparams, ["num_attention_heads", "n_head"], optional=False)
-    if "original_max_position_embeddings" not in rope:
-        raise CkptError("config.json has no original_max_position_embeddings, which llama.cpp's Phi-3 converter needs")
+    if rope.get("original_max_position_embeddings") is None:
+        raise CkptError(f"{where}: has no original_max_position_embeddings, which llama.cpp's Phi-3 converter needs")
     return n_embd, n_head, int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
 
 
@@ -262,25 +295,30 @@ def _phi3_parameters(w, hparams: dict, rope: dict, n_block: int, ftype: int) -> 
     w.add_sliding_window(hparams.get("sliding_window") or 0)
 
 
-def phi3_rope_factors(hparams: dict, rope: dict):
+def phi3_rope_factors(hparams: dict, rope: dict, where="config.json"):
     """Phi3MiniModel.generate_extra_tensors: (attention factor, long factors, short factors) of a long-context
     model, None without long factors."""
-    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope)
+    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope, where)
     long, short = rope.get("long_factor"), rope.get("short_factor")
     if not long:
         return None
     orig = rope["original_max_position_embeddings"]
     scale = _find(hparams, ["n_positions", "max_position_embeddings"], optional=False) / orig
     kind = str(rope.get("rope_type", "")).lower()
+    if scale > 1.0 and orig < 2 and kind in ("su", "longrope"):
+        raise CkptError(f"{where}: original_max_position_embeddings is {orig}; Phi-3's long-context attention factor "
+                        "divides by its logarithm")
     if kind in ("su", "longrope"):
         attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
     elif kind == "yarn":
         attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
     else:
-        raise CkptError(f"config.json rope type {kind!r} with long_factor: llama.cpp's Phi-3 converter supports "
-                        "longrope, su and yarn")
+        raise CkptError(f"{where}: rope type {config_keys.show(kind)} with long_factor: llama.cpp's Phi-3 converter "
+                        "supports longrope, su and yarn")
     if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
-        raise CkptError(f"config.json long_factor and short_factor must both have {rope_dims // 2} values")
+        raise CkptError(f"{where}: long_factor has {len(long)} values and short_factor "
+                        f"{len(short) if short is not None else 'none'}; each must have {rope_dims // 2} (half of "
+                        "the rotary dimensions)")
     return attn, torch.tensor(long, dtype=torch.float32), torch.tensor(short, dtype=torch.float32)
 
 
@@ -358,11 +396,12 @@ def llama3_rope_factors(rope: dict, hparams: dict) -> torch.Tensor | None:
     params = rope.get("full_attention", rope)
     if not params or str(params.get("rope_type", "")).lower() != "llama3":
         return None
-    base = params.get("rope_theta", 10000.0)
+    # (floats: config_keys lets an integer 1e30 through as a number, and torch.pow takes no int past int64)
+    base = float(params.get("rope_theta", 10000.0))
     dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = params.get("factor", 8.0)
-    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    factor = float(params.get("factor", 8.0))
+    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
     old = params.get("original_max_position_embeddings", 8192)
     low_wavelen, high_wavelen = old / low, old / high
     out = []
@@ -478,20 +517,29 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     if (header := _gguf_llm_source(comp)) is not None:
         return plan_from_gguf(comp, header, view, mix, pure, report)
     folder = _folder(ckpt)
+    where = folder / "config.json"
     hf_arch = _architecture(comp.config)
     if comp.config is None:
         raise CkptError(f"{folder}: no config.json beside the weights; a llama.cpp GGUF is made from the model's "
                         "config (architecture, heads, RoPE): copy the model's config.json into the folder")
-    arch = EXPORTS.get(hf_arch or "")
+    for cfg in (comp.config, comp.config.get("text_config")):
+        if isinstance(cfg, dict) and "architectures" in cfg and _first_class(cfg["architectures"]) is None:
+            raise CkptError(f"{where}: architectures is {config_keys.show(cfg['architectures'])}, not a list of "
+                            "model class names")
+    if hf_arch is None:
+        raise CkptError(f"{where}: has no architectures (the model class, which decides the GGUF architecture "
+                        f"llama.cpp's converter writes)")
+    arch = EXPORTS.get(hf_arch)
     if arch is None:
         raise CkptError(f"{folder}: architecture {hf_arch!r} cannot be written as a llama.cpp GGUF by ckpt (supported: "
                         f"{', '.join(EXPORTS)}); use llama.cpp's convert_hf_to_gguf.py")
     gguf_vocab.check_tokenizer(folder)
+    shapes = {n: tuple(t.shape) for n, t in view.tensors.items()}
+    stated = text_merged(comp.config)
+    config_keys.check(stated, shapes, arch, str(where))  # before transformers' config class builds anything
     hparams = load_hparams(folder, comp.config)
-    n_block = _find(hparams, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"], optional=False)
-    n_head = _find(hparams, ["n_heads", "num_attention_heads"], optional=False)
-    n_head_kv = _find(hparams, ["n_kv_heads", "num_key_value_heads"], optional=False)
-    n_expert = _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"]) or 0
+    sizes = config_keys.check(hparams, shapes, arch, str(where), stated=stated)
+    n_block, n_head, n_head_kv, n_expert = sizes.blocks, sizes.heads, sizes.kv_heads, sizes.experts
     if n_expert and not arch.experts:
         raise CkptError(f"{folder}: {hf_arch} with experts (num_experts {n_expert}) is not a variant ckpt writes; use "
                         "llama.cpp's convert_hf_to_gguf.py")
@@ -506,7 +554,7 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
     if factors is not None:
         sources.append(("rope_freqs.weight", ComputedTensor("rope_freqs.weight", lambda f=factors: f, torch.float32,
                                                             tuple(factors.shape))))
-    phi3 = phi3_rope_factors(hparams, rope) if arch.params == "phi3" else None
+    phi3 = phi3_rope_factors(hparams, rope, where) if arch.params == "phi3" else None
     if phi3 is not None:
         for gname, f in (("rope_factors_long.weight", phi3[1]), ("rope_factors_short.weight", phi3[2])):
             sources.append((gname, ComputedTensor(gname, lambda f=f: f, torch.float32, tuple(f.shape))))
@@ -579,7 +627,13 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
         w = gguf.GGUFWriter(path=None, arch=arch.arch)
         if phi3 is not None:  # set while the reference prepares its tensors, before its metadata
             w.add_rope_scaling_attn_factors(phi3[0])
-        notes = _metadata(w, gguf, arch, folder, hparams, rope, n_block, mix, sources)
+        notes, n_tokens, vocab_file = _metadata(w, gguf, arch, folder, hparams, rope, n_block, mix, sources)
+    embd = next((t for g, t in sources if g == "token_embd.weight"), None)
+    if embd is not None and embd.shape and n_tokens != embd.shape[0]:
+        raise CkptError(f"{vocab_file}: the tokenizer has {n_tokens} tokens but {embd.name} has {embd.shape[0]} rows; "
+                        "llama.cpp needs one embedding row per token")
+    for warning in config_keys.token_id_warnings(stated, n_tokens, str(where)):
+        report.warn(warning)
 
     fields = from_gguf_writer(w)
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize sets these two last (gguf_set_val_u32 re-adds a key)
@@ -605,22 +659,33 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report) -> Plan:
                 busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)
 
 
-def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n_block: int, mix, sources) -> list[str]:
-    """ModelBase.prepare_metadata + TextModel.prepare_metadata: the key-values after general.architecture."""
+def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n_block: int, mix, sources):
+    """ModelBase.prepare_metadata + TextModel.prepare_metadata: the key-values after general.architecture; returns
+    (notes, the number of tokens written, the tokenizer file they came from)."""
     from ckpt.convert import gguf_vocab
+    from ckpt.families.llm.tokenizer_files import read_json
+    from ckpt.io.small_inputs import read_text
 
     w.add_type(gguf.GGUFType.MODEL)
     total, shared, expert, n_expert = _param_counts(sources)
-    meta = gguf.Metadata.load(None, folder, None, total)
-    if meta.name is None:
-        meta.name = folder.name
-    if meta.size_label is None and total > 0:
-        meta.size_label = gguf.size_label(total, shared, expert, n_expert)
-    meta.set_gguf_meta_model(w)
+    # gguf's Metadata reads generation_config.json and README.md itself: each read here first (a regular file of
+    # a bounded size), the sampling defaults checked, and what its YAML model card reader raises said in one line
+    if (gen := read_json(folder, "generation_config.json")) is not None:
+        config_keys.check_generation(gen, str(folder / "generation_config.json"))
+    card = folder / "README.md"
+    if card.exists() or card.is_symlink():
+        read_text(card)
+    with gguf_vocab.read_by(card, "gguf's model card reader") if card.exists() else nullcontext():
+        meta = gguf.Metadata.load(None, folder, None, total)
+        if meta.name is None:
+            meta.name = folder.name
+        if meta.size_label is None and total > 0:
+            meta.size_label = gguf.size_label(total, shared, expert, n_expert)
+        meta.set_gguf_meta_model(w)
     notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    gguf_vocab.set_vocab(w, arch.vocab, folder, hparams)
-    return notes
+    n_tokens, vocab_file = gguf_vocab.set_vocab(w, arch.vocab, folder, hparams)
+    return notes, n_tokens, vocab_file
 
 
 class _quiet:

@@ -5,8 +5,15 @@ tokenizer files beside the weights.
 The calls go to an in-memory `gguf.GGUFWriter` (no file: `kv_data` only), the object the reference calls, so key
 names, value types and the special-token, merges and chat-template handling are gguf's own (`gguf.SpecialVocab`,
 `gguf.LlamaHfVocab`, the installed gguf package). Token lists are read as the reference reads them: SentencePiece
-pieces, scores and types through `sentencepiece`, a BPE vocabulary through `transformers.AutoTokenizer` (imported
-here only, lazily: it is a test extra, and only BPE vocabularies need it).
+pieces, scores and types through `sentencepiece`, a BPE vocabulary through `transformers.AutoTokenizer` (both
+imported here only, lazily: they are the `gguf` extra, `INSTALL`, which only GGUF export needs).
+
+The tokenizer files are input: `check_tokenizer` reads and checks every one of them first
+(`ckpt.families.llm.tokenizer_files`), the files this module reads itself are read through
+`ckpt.io.small_inputs`, and what the libraries still refuse (a tokenizer.model that is no SentencePiece model, a
+merge naming an unknown token) is one line naming the file. The token list written must be one llama.cpp
+loads: its tokens unique (llama.cpp asserts it), and as many as the model's embedding rows (the exporter
+checks that against the tensor).
 
 `tokenizer.ggml.pre` of a BPE vocabulary names llama.cpp's pre-tokenizer, which it cannot infer: the reference
 hashes the token ids of a check text and looks the hash up in a table that `convert_hf_to_gguf_update.py`
@@ -18,11 +25,18 @@ returns) is kept. A hash not in the table is refused: llama.cpp would not know h
 
 from __future__ import annotations
 
-import json
+import re
+from contextlib import contextmanager
 from hashlib import sha256
 from pathlib import Path
 
 from ckpt.errors import CkptError
+from ckpt.families.llm.tokenizer_files import brief, check_folder, read_json
+from ckpt.io.small_inputs import read_small
+
+# What GGUF export needs beyond ckpt's runtime dependencies (pyproject.toml's `gguf` extra: sentencepiece,
+# transformers, jinja2): the one place the install hint is spelt, should the distribution be renamed.
+INSTALL = "pip install 'ckpt[gguf]'"
 
 CHECK_TEXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 PRE_TOKENIZERS = {
@@ -129,15 +143,62 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 def has_tokenizer(folder: Path) -> bool:
-    return any((folder / n).is_file() for n in ("tokenizer.model", "tokenizer.json"))
+    return _has_spm(folder) or (folder / "tokenizer.json").is_file()
 
 
 def check_tokenizer(folder: Path) -> None:
-    """Refuse, before anything is read, a model folder without a tokenizer: a llama.cpp GGUF carries its
-    vocabulary, and llama.cpp cannot run a file without one."""
+    """Refuse, before anything else reads them, tokenizer files the converter's readers would fail on or turn
+    into a GGUF llama.cpp does not load (`tokenizer_files.check_folder`), and a model folder without a
+    tokenizer: a llama.cpp GGUF carries its vocabulary, and llama.cpp cannot run a file without one."""
+    check_folder(folder)
     if not has_tokenizer(folder):
         raise CkptError(f"{folder}: no tokenizer (tokenizer.model or tokenizer.json) beside the weights; a llama.cpp "
                         "GGUF carries the vocabulary: copy the model's tokenizer files into the folder")
+
+
+@contextmanager
+def read_by(path: Path, reader: str):
+    """A tokenizer library parsing `path`: what it raises is the file's problem, said in one line naming it (the
+    `tokenizers` library raises a bare Exception for a malformed file, sentencepiece a RuntimeError)."""
+    try:
+        yield
+    except CkptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure of the library is this input's
+        raise CkptError(f"{path}: {reader} cannot read it ({type(e).__name__}: {brief(str(e))})") from None
+
+
+def sentencepiece(folder: Path):
+    """tokenizer.model as a loaded `SentencePieceProcessor` (read through small_inputs, parsed from memory)."""
+    path = folder / "tokenizer.model"
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        raise CkptError(f"{path}: a SentencePiece tokenizer is read with the sentencepiece package, which is not "
+                        f"installed: {INSTALL}") from None
+    data = read_small(path)
+    sp = SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(data)
+    except Exception as e:  # noqa: BLE001 - sentencepiece's RuntimeError (or whatever its binding raises)
+        why = str(e).strip()  # "INTERNAL: src/x.cc(109) [check that failed] " or a reason ("unk is not defined.")
+        why = "its model proto does not parse" if "ParseFromArray" in why else re.sub(r"^[A-Z_]+: ", "", why)
+        raise CkptError(f"{path}: not a SentencePiece model ({brief(why)})") from None
+    return sp
+
+
+def _add_tokens(w, tokens: list, source: Path) -> int:
+    """`w.add_token_list(tokens)` after checking they are unique: llama.cpp maps each token's text to its id
+    and asserts none is lost (llama_vocab::impl::load), so a duplicate makes a GGUF it aborts on."""
+    seen: dict[bytes, int] = {}
+    for i, t in enumerate(tokens):
+        key = t if isinstance(t, bytes) else str(t).encode("utf-8")
+        if key in seen:
+            raise CkptError(f"{source}: token {brief(repr(t), 40)} is in the vocabulary twice (ids {seen[key]} and "
+                            f"{i}); llama.cpp cannot load a GGUF whose tokens are not unique")
+        seen[key] = i
+    w.add_token_list(tokens)
+    return len(tokens)
 
 
 def pre_tokenizer(tokenizer, folder: Path) -> str:
@@ -177,9 +238,9 @@ def _spm_pieces(sp, vocab_size: int, folder: Path):
         elif sp.IsByte(i):
             t = BYTE
         tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), t
-    added = folder / "added_tokens.json"
-    if added.is_file():
-        for key, i in json.loads(added.read_text(encoding="utf-8")).items():
+    added = read_json(folder, "added_tokens.json")
+    if added is not None:
+        for key, i in added.items():
             if i < vocab_size:
                 tokens[i], scores[i], types[i] = key.encode("utf-8"), -1000.0, USER_DEFINED
     return tokens, scores, types
@@ -187,16 +248,13 @@ def _spm_pieces(sp, vocab_size: int, folder: Path):
 
 def _sentencepiece(folder: Path, hparams: dict):
     """_create_vocab_sentencepiece: (tokens, scores, types)."""
-    from sentencepiece import SentencePieceProcessor
-
-    sp = SentencePieceProcessor()
-    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    sp = sentencepiece(folder)
     vocab_size = next((hparams[k] for k in ("vocab_size_per_layer_input", "vocab_size") if k in hparams), None) \
         or sp.vocab_size()
     tokens, scores, types = _spm_pieces(sp, vocab_size, folder)
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
-        for i, data in json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder", {}).items():
+    config = read_json(folder, "tokenizer_config.json")
+    if config is not None:
+        for i, data in (config.get("added_tokens_decoder") or {}).items():
             i, token = int(i), data["content"]
             if i >= vocab_size:
                 continue
@@ -248,10 +306,10 @@ def add_special_vocab(w, folder: Path, **kw) -> None:
             super()._load(path)
             self.add_special_token = dict(self.add_special_token)
 
-    special = SpecialVocab(folder, **kw)
-    tokenizer, flags = {}, {}
-    if (folder / "tokenizer.json").is_file():
-        tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    with read_by(folder, "gguf's SpecialVocab"):
+        special = SpecialVocab(folder, **kw)
+    flags = {}
+    if (tokenizer := read_json(folder, "tokenizer.json")) is not None:
         if post := tokenizer.get("post_processor"):
             if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
                 special.add_special_token.setdefault("bos", False)
@@ -264,166 +322,188 @@ def add_special_vocab(w, folder: Path, **kw) -> None:
             w.add_bool(f"tokenizer.ggml.normalizer.{k}", bool(flags[k]))
 
 
-def _set_sentencepiece(w, folder: Path, hparams: dict) -> None:
+def _set_sentencepiece(w, folder: Path, hparams: dict) -> int:
     tokens, scores, types = _sentencepiece(folder, hparams)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
+    n = _add_tokens(w, tokens, folder / "tokenizer.model")
     w.add_token_scores(scores)
     w.add_token_types(types)
     add_special_vocab(w, folder, n_vocab=len(tokens))
+    return n
 
 
-def _set_llama_hf(w, folder: Path) -> None:
+def _set_llama_hf(w, folder: Path) -> int:
     """_set_vocab_llama_hf: a SentencePiece vocabulary stored as tokenizer.json (raises TypeError otherwise)."""
     import gguf
 
-    vocab = gguf.LlamaHfVocab(folder)
-    tokens, scores, types = zip(*vocab.all_tokens()) if vocab.vocab_size else ((), (), ())
+    path = folder / "tokenizer.json"
+    try:
+        vocab = gguf.LlamaHfVocab(folder)
+    except (FileNotFoundError, TypeError):
+        raise  # the reference's signal: not this kind of tokenizer.json (set_vocab goes on to BPE)
+    except ImportError:
+        raise CkptError(f"{path}: this tokenizer is read through transformers, which is not installed: {INSTALL}") \
+            from None
+    except Exception as e:  # noqa: BLE001 - transformers' / tokenizers' parse of the file
+        raise CkptError(f"{path}: transformers cannot read it ({type(e).__name__}: {brief(str(e))})") from None
+    with read_by(path, "gguf's LlamaHfVocab"):
+        tokens, scores, types = zip(*vocab.all_tokens()) if vocab.vocab_size else ((), (), ())
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
-    w.add_token_list(list(tokens))
+    n = _add_tokens(w, list(tokens), path)
     w.add_token_scores(list(scores))
     w.add_token_types(list(types))
     add_special_vocab(w, folder, n_vocab=len(tokens))
+    return n
 
 
 def _vocab_base(folder: Path, hparams: dict):
     """get_vocab_base: (tokens, types, pre-tokenizer name) of a BPE tokenizer, through transformers."""
+    path = folder / "tokenizer.json"
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise CkptError(f"{folder}: a BPE tokenizer (tokenizer.json) is read through transformers' AutoTokenizer, as "
-                        "llama.cpp's converter reads it: pip install transformers") from None
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    vocab_size = hparams.get("vocab_size", len(tokenizer.vocab))
-    if max(tokenizer.vocab.values()) >= vocab_size:
-        raise CkptError(f"{folder}: the tokenizer has ids up to {max(tokenizer.vocab.values())}, beyond the model's "
-                        f"vocab_size {vocab_size}")
-    pre = pre_tokenizer(tokenizer, folder)
-    reverse = {i: t for t, i in tokenizer.vocab.items()}
-    added = tokenizer.get_added_vocab()
-    decoder = tokenizer.added_tokens_decoder
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(UNUSED)
-            continue
-        token = reverse[i]
-        if token in added:
-            if not decoder[i].normalized:
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            if decoder[i].special or _does_token_look_special(token):
-                types.append(CONTROL)
+        raise CkptError(f"{path}: a BPE tokenizer is read through transformers' AutoTokenizer, as llama.cpp's "
+                        f"converter reads it, and transformers is not installed: {INSTALL}") from None
+    with read_by(path, "transformers' AutoTokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer.vocab
+    vocab_size = hparams.get("vocab_size", len(ids))
+    top = max(ids.values(), default=-1)
+    if top >= vocab_size:
+        token = next(t for t, i in ids.items() if i == top)
+        raise CkptError(f"{path}: token {brief(repr(token), 40)} has id {top}, beyond the model's vocab_size "
+                        f"{vocab_size}")
+    with read_by(path, "transformers' AutoTokenizer"):
+        pre = pre_tokenizer(tokenizer, folder)
+        reverse = {i: t for t, i in tokenizer.vocab.items()}
+        added = tokenizer.get_added_vocab()
+        decoder = tokenizer.added_tokens_decoder
+        tokens, types = [], []
+        for i in range(vocab_size):
+            if i not in reverse:
+                tokens.append(f"[PAD{i}]")
+                types.append(UNUSED)
+                continue
+            token = reverse[i]
+            if token in added:
+                if not decoder[i].normalized:
+                    token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+                if decoder[i].special or _does_token_look_special(token):
+                    types.append(CONTROL)
+                else:
+                    token = token.replace("\u2581", " ")
+                    types.append(USER_DEFINED)
             else:
-                token = token.replace("\u2581", " ")
-                types.append(USER_DEFINED)
-        else:
-            types.append(NORMAL)
-        tokens.append(token)
+                types.append(NORMAL)
+            tokens.append(token)
     return tokens, types, pre
 
 
-def _set_gpt2(w, folder: Path, hparams: dict) -> None:
+def _set_gpt2(w, folder: Path, hparams: dict) -> int:
     tokens, types, pre = _vocab_base(folder, hparams)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
+    n = _add_tokens(w, tokens, folder / "tokenizer.json")
     w.add_token_types(types)
     add_special_vocab(w, folder, load_merges=True)
+    return n
 
 
 def _phi3_sentencepiece(folder: Path, hparams: dict):
     """Phi3MiniModel.set_vocab's own SentencePiece reading: added tokens from tokenizer_config.json and
     tokenizer.json are USER_DEFINED (CONTROL when special), without the shared reader's normalizations."""
-    from sentencepiece import SentencePieceProcessor
-
-    sp = SentencePieceProcessor()
-    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    sp = sentencepiece(folder)
     vocab_size = hparams.get("vocab_size", sp.vocab_size())
     if sp.vocab_size() > vocab_size:
-        raise CkptError(f"{folder}: tokenizer.model has {sp.vocab_size()} pieces, more than the model's vocab_size "
+        raise CkptError(f"{folder / 'tokenizer.model'}: {sp.vocab_size()} pieces, more than the model's vocab_size "
                         f"{vocab_size}")
     tokens, scores, types = _spm_pieces(sp, vocab_size, folder)
     entries = []
-    if (folder / "tokenizer_config.json").is_file():
-        decoder = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder", {})
-        entries += [(int(i), d) for i, d in decoder.items()]
-    if (folder / "tokenizer.json").is_file():
-        added_tokens = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
-        entries += [(int(d["id"]), d) for d in added_tokens]
-    for i, d in entries:
+    if (config := read_json(folder, "tokenizer_config.json")) is not None:
+        entries += [(int(i), d, "tokenizer_config.json") for i, d in (config.get("added_tokens_decoder") or {}).items()]
+    if (tokenizer := read_json(folder, "tokenizer.json")) is not None:
+        entries += [(d["id"], d, "tokenizer.json") for d in tokenizer.get("added_tokens", [])]
+    for i, d, name in entries:
         if i >= vocab_size:
-            raise CkptError(f"{folder}: added token {d['content']!r} has id {i}, beyond the model's vocab_size "
-                            f"{vocab_size}")
+            raise CkptError(f"{folder / name}: added token {brief(repr(d['content']), 40)} has id {i}, beyond the "
+                            f"model's vocab_size {vocab_size}")
         tokens[i], scores[i] = d["content"].encode("utf-8"), -1000.0
         types[i] = CONTROL if d.get("special") else USER_DEFINED
     return tokens, scores, types
 
 
+def _has_spm(folder: Path) -> bool:
+    """A tokenizer.model is there (anything by that name: `sentencepiece` says what is wrong with it)."""
+    path = folder / "tokenizer.model"
+    return path.exists() or path.is_symlink()
+
+
 def _needs_spm(folder: Path, style: str) -> None:
-    if not (folder / "tokenizer.model").is_file():
+    if not _has_spm(folder):
         raise CkptError(f"{folder}: no tokenizer.model; llama.cpp's converter reads this architecture's vocabulary "
                         f"({style}) from the SentencePiece model")
 
 
 def vocab_rows(folder: Path, hparams: dict) -> int:
     """Gemma3Model.modify_tensors' n_vocab_real: the tokenizer's size (token_embd rows beyond it are cut)."""
-    if (folder / "tokenizer.model").is_file():
+    if _has_spm(folder):
         return len(_sentencepiece(folder, hparams)[0])
-    tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    return len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"])
+    tokenizer = read_json(folder, "tokenizer.json") or {}  # (check_tokenizer saw its model and added_tokens)
+    return len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))
 
 
-def set_vocab(w, style: str, folder: Path, hparams: dict) -> None:
+def set_vocab(w, style: str, folder: Path, hparams: dict) -> tuple[int, Path]:
     """The reference's `set_vocab` of the model class `style` names (`LLMArch.vocab`: LlamaModel, Qwen2Model,
-    Gemma2Model, Gemma3Model, Phi3MiniModel), called on the writer `w`."""
+    Gemma2Model, Gemma3Model, Phi3MiniModel), called on the writer `w` once `check_tokenizer(folder)` has
+    passed; returns the number of tokens written and the file they came from."""
     import gguf
 
-    check_tokenizer(folder)
+    spm, json_file = folder / "tokenizer.model", folder / "tokenizer.json"
     if style == "llama":
-        config = folder / "tokenizer_config.json"
-        if config.is_file():
-            add_prefix_space = json.loads(config.read_text(encoding="utf-8")).get("add_prefix_space")
-            if add_prefix_space is not None:
-                w.add_add_space_prefix(add_prefix_space)
-        if (folder / "tokenizer.model").is_file():
-            _set_sentencepiece(w, folder, hparams)
+        config = read_json(folder, "tokenizer_config.json")
+        if config is not None and (add_prefix_space := config.get("add_prefix_space")) is not None:
+            w.add_add_space_prefix(add_prefix_space)
+        if _has_spm(folder):
+            out = _set_sentencepiece(w, folder, hparams), spm
         else:
             try:
-                _set_llama_hf(w, folder)
+                out = _set_llama_hf(w, folder), json_file
             except (FileNotFoundError, TypeError):
-                _set_gpt2(w, folder, hparams)  # Llama 3
+                out = _set_gpt2(w, folder, hparams), json_file  # Llama 3
         if hparams.get("vocab_size", 32000) == 32016:  # CodeLlama
-            special = gguf.SpecialVocab(folder, load_merges=False, special_token_types=["prefix", "suffix", "middle",
-                                                                                        "eot"])
+            with read_by(folder, "gguf's SpecialVocab"):
+                special = gguf.SpecialVocab(folder, load_merges=False,
+                                            special_token_types=["prefix", "suffix", "middle", "eot"])
             for typ, i in (("prefix", 32007), ("suffix", 32008), ("middle", 32009), ("eot", 32010)):
                 special._set_special_token(typ, i)
             special.add_to_gguf(w, quiet=True)
         if hparams.get("vocab_size", 32000) == 49152:  # granite small models
             w.add_add_bos_token(False)
-    elif style == "gemma2":
+        return out
+    if style == "gemma2":
         _needs_spm(folder, "Gemma 2")
-        _set_sentencepiece(w, folder, hparams)
+        out = _set_sentencepiece(w, folder, hparams), spm
         w.add_add_space_prefix(False)
-    elif style == "gemma3" and (folder / "tokenizer.model").is_file():
-        _set_sentencepiece(w, folder, hparams)
+        return out
+    if style == "gemma3" and _has_spm(folder):
+        out = _set_sentencepiece(w, folder, hparams), spm
         w.add_add_space_prefix(False)
-    elif style == "phi3":
-        config = folder / "tokenizer_config.json"
-        if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") == "GPT2Tokenizer":
-            _set_gpt2(w, folder, hparams)  # Phi-4
-            return
+        return out
+    if style == "phi3":
+        config = read_json(folder, "tokenizer_config.json")
+        if config is not None and config.get("tokenizer_class") == "GPT2Tokenizer":
+            return _set_gpt2(w, folder, hparams), json_file  # Phi-4
         _needs_spm(folder, "Phi-3")
         tokens, scores, types = _phi3_sentencepiece(folder, hparams)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
+        n = _add_tokens(w, tokens, spm)
         w.add_token_scores(scores)
         w.add_token_types(types)
         add_special_vocab(w, folder, n_vocab=len(tokens))
-    elif style == "qwen2" and (folder / "tokenizer.model").is_file():  # Qwen2Model.set_vocab
-        _set_sentencepiece(w, folder, hparams)
-    else:
-        _set_gpt2(w, folder, hparams)
+        return n, spm
+    if style == "qwen2" and _has_spm(folder):  # Qwen2Model.set_vocab
+        return _set_sentencepiece(w, folder, hparams), spm
+    return _set_gpt2(w, folder, hparams), json_file

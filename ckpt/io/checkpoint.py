@@ -21,7 +21,7 @@ from pathlib import Path
 from ckpt.errors import file_error
 from ckpt.io.header import read_header
 from ckpt.io.pickles import load_pickle_state_dict
-from ckpt.io.small_inputs import check_regular, load_json
+from ckpt.io.small_inputs import check_regular, json_kind, load_json
 from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
 
 SAFETENSORS = (".safetensors",)
@@ -265,12 +265,8 @@ def _config(folder: Path) -> dict | None:
         return None
     cfg = load_json(p)  # a regular file of a sane size, valid UTF-8 JSON (`ckpt.io.small_inputs`)
     if not isinstance(cfg, dict):
-        raise file_error(p, f"holds a JSON {_json_kind(cfg)}, not the JSON object a model config is")
+        raise file_error(p, f"holds a JSON {json_kind(cfg)}, not the JSON object a model config is")
     return cfg
-
-
-def _json_kind(v) -> str:
-    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(v), "null")
 
 
 def sniff(path: Path) -> str | None:

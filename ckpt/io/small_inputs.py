@@ -122,6 +122,8 @@ def load_json(path, label: str | None = None, limit: int = LIMIT):
         raise CkptError(f"{label}: is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except RecursionError:
         raise CkptError(f"{label}: is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise CkptError(f"{label}: is not valid JSON ({' '.join(str(e).split())[:80]})") from None
 
 
 def load_json_object(path, label: str | None = None, limit: int = LIMIT) -> dict:
@@ -129,8 +131,14 @@ def load_json_object(path, label: str | None = None, limit: int = LIMIT) -> dict
     label = _label(path, label)
     value = load_json(path, label, limit)
     if not isinstance(value, dict):
-        raise CkptError(f"{label}: holds a JSON {type(value).__name__}, not an object")
+        raise CkptError(f"{label}: holds a JSON {json_kind(value)}, not an object")
     return value
 
 
-__all__ = ["CONFIG_LIMIT", "LIMIT", "check_regular", "load_json", "load_json_object", "read_small", "read_text"]
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (a list, a string, a number, a boolean, null)."""
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+__all__ = ["CONFIG_LIMIT", "LIMIT", "check_regular", "json_kind", "load_json", "load_json_object", "read_small",
+           "read_text"]

@@ -10,6 +10,11 @@ modules only.
 
 The GGUF names themselves are not listed: gguf's tensor-name tables (`gguf.get_tensor_name_map`) map
 each HF module path below to llama.cpp's name, as llama.cpp's convert_hf_to_gguf.py does.
+
+Beside them, what an HF LLM folder must hold to be written as a GGUF llama.cpp loads, for every architecture
+here: `config_keys` (each config.json key's type, range and the tensor shapes it must agree with) and
+`tokenizer_files` (the structure of the tokenizer files and chat templates); `quant_mix` is llama-quantize's
+per-tensor type choice.
 """
 
 from __future__ import annotations
