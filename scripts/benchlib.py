@@ -101,7 +101,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "torch": _version("torch"),
         "safetensors": _version("safetensors"),
-        "ckpt": _version("ckpt"),
+        "ckpt": _version("ckpt-toolkit"),
     }
 
 

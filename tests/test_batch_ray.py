@@ -248,7 +248,7 @@ def test_ray_missing_is_one_line_with_the_install_command(tmp_path, run_ckpt, mo
     small_models(root)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is not installed
     code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", tmp_path / "out", "--executor", "ray")
-    assert code == 2 and err == "error: --executor ray needs Ray: pip install 'ckpt[ray]' (or pip install ray) " \
+    assert code == 2 and err == "error: --executor ray needs Ray: pip install ray (the ckpt-toolkit[ray] extra) " \
                                 "on every node\n", err
     assert not (tmp_path / "out").exists()
     for bad, why in ((["--ray-address", "x:1"], "--ray-address: only with --executor ray"),

@@ -272,7 +272,7 @@ def test_without_sentencepiece_says_what_to_install(folders, tmp_path, run_ckpt,
     folder = folders["llama"]
     assert_refused(run_ckpt, tmp_path, ("convert", folder, "--to", "gguf-f16", "-o", tmp_path / "m.gguf"),
                    str(folder / "tokenizer.model"), f"sentencepiece package, which is not installed: {INSTALL}")
-    assert INSTALL == "pip install 'ckpt[gguf]'"
+    assert INSTALL == "pip install sentencepiece transformers jinja2 (the ckpt-toolkit[gguf] extra)"
 
 
 def test_without_transformers_says_what_to_install(folders, tmp_path, run_ckpt, monkeypatch):

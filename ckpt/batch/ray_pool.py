@@ -21,7 +21,7 @@ Ray's own connection timeouts are set (before ray is imported) so that one attem
 Ray retries that attempt once, not 20 times (~14 minutes). Ray's core prints its retries straight to
 stderr: that output is held while connecting, and shown only if the connection succeeds.
 
-Ray is imported only here, and only with `--executor ray` (an optional extra: `pip install ckpt[ray]`).
+Ray is imported only here, and only with `--executor ray` (an optional extra: `pip install ray`, the `ckpt-toolkit[ray]` extra).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import threading
 import time
 from pathlib import Path
 
-from ckpt import env
+from ckpt import DIST, env
 from ckpt.errors import CkptError
 from ckpt.report import plural
 
-INSTALL_HINT = "--executor ray needs Ray: pip install 'ckpt[ray]' (or pip install ray) on every node"
+INSTALL_HINT = f"--executor ray needs Ray: pip install ray (the {DIST}[ray] extra) on every node"
 POLL_S = 0.2  # ray.wait timeout: a Ctrl-C is delivered between polls
 STOP_TIMEOUT_S = 60  # how long cancelled tasks get to remove their temp outputs before they are killed
 KILL_TIMEOUT_S = 20  # how long a killed task's worker gets to be gone (its temp output removed then)

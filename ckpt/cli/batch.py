@@ -39,7 +39,7 @@ def _executor_options(f):
                           "CKPT_RAY_TIMEOUT seconds (default 30) without an answer.")(f)
     f = click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
                      expose_value=False, callback=_remember,
-                     help="Where jobs run: worker processes here, or one Ray task each (pip install 'ckpt[ray]').")(f)
+                     help="Where jobs run: worker processes here, or one Ray task each (pip install ray: the ckpt-toolkit[ray] extra).")(f)
     return f
 
 

@@ -30,13 +30,14 @@ from contextlib import contextmanager
 from hashlib import sha256
 from pathlib import Path
 
+from ckpt import DIST
 from ckpt.errors import CkptError
 from ckpt.families.llm.tokenizer_files import brief, check_folder, read_json
 from ckpt.io.small_inputs import read_small
 
 # What GGUF export needs beyond ckpt's runtime dependencies (pyproject.toml's `gguf` extra: sentencepiece,
 # transformers, jinja2): the one place the install hint is spelt, should the distribution be renamed.
-INSTALL = "pip install 'ckpt[gguf]'"
+INSTALL = f"pip install sentencepiece transformers jinja2 (the {DIST}[gguf] extra)"
 
 CHECK_TEXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 PRE_TOKENIZERS = {
