@@ -52,8 +52,8 @@ class Report:
             self.warned.append(text)
 
     DESCRIBE = {  # kind -> (one, several)
-        "overflow": ("value overflowed to inf in the target dtype (use --clamp to saturate)",
-                     "values overflowed to inf in the target dtype (use --clamp to saturate)"),
+        "overflow": ("value overflowed to inf in the target dtype (convert --to fp16|bf16 --clamp saturates them instead)",
+                     "values overflowed to inf in the target dtype (convert --to fp16|bf16 --clamp saturates them instead)"),
         "clamped": ("value was clamped to the target dtype's finite range",
                     "values were clamped to the target dtype's finite range"),
         "clamped_to_grid": ("value fell outside the base's integer grid and was clamped to its ends (its scales are "

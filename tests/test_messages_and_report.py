@@ -86,7 +86,7 @@ def test_counts_of_one_are_singular(tmp_path, run_ckpt):
     p = write(tmp_path / "m.safetensors", {"x": torch.tensor([1e6, 1.0])})
     code, out, err = run_ckpt("convert", p, "--to", "fp16")
     assert code == 0
-    assert "warning: 1 value overflowed to inf in the target dtype (use --clamp to saturate) in 1 tensor: x (1)" in err
+    assert "warning: 1 value overflowed to inf in the target dtype (convert --to fp16|bf16 --clamp saturates them instead) in 1 tensor: x (1)" in err
     base = write(tmp_path / "b.safetensors", {"a.weight": torch.zeros(4, 4)})
     lora = write(tmp_path / "l.safetensors", {"a.lora_down.weight": torch.zeros(1, 4),
                                               "a.lora_up.weight": torch.zeros(4, 1)})
