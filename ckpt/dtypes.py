@@ -63,7 +63,7 @@ ST_UNSUPPORTED = {"F4": "packed fp4", "F6_E2M3": "packed fp6", "F6_E3M2": "packe
 FP8: tuple[torch.dtype, ...] = LazyTable(lambda: tuple(ST_TO_TORCH[n] for n in ST_FP8))
 
 # The plain float dtypes by name: dequant's and merge-lora's --to (convert's --to targets are the
-# registry ckpt.convert.targets).
+# registry ckpt.targets).
 TARGETS: dict[str, torch.dtype] = LazyTable(lambda: {
     "fp32": torch.float32,
     "fp16": torch.float16,

@@ -3,9 +3,10 @@
     python scripts/compare_outputs.py BASELINE_COMMIT [--workdir DIR] [--keep]
 
 Builds a set of tiny inputs once (a Flux.1 transformer in both layouts, a plain fp32 file, a sharded model
-folder, a quanto checkpoint, a kohya LoRA, a PEFT LoRA for an LLM-shaped model), then runs the same
-representative commands (every convert target, --layout both ways, dequant, merge-lora plain and
---keep-format, the four lora commands, inspect --json) with the BASELINE checkout (a `git worktree` of the
+folder, a quanto checkpoint, a kohya LoRA, a PEFT LoRA for an LLM-shaped model, tiny Llamas to merge, a GPTQ
+folder, a Llama folder with a tokenizer and its GGUF, PEFT LoRAs for those), then runs the same
+representative commands (every convert target, --layout both ways, dequant, merge-lora plain, --keep-format and
+to GGUF, ckpt merge in every output mode, the four lora commands, HF LLM -> GGUF and back, batch, inspect --json) with the BASELINE checkout (a `git worktree` of the
 commit, made and removed here) and with this checkout, each in a fresh folder, and compares exit codes,
 stdout/stderr (paths normalised) and every output file byte for byte. Prints one line per command and
 exits 1 on any difference. Needs the test extras (diffusers, optimum-quanto) to build the inputs.
@@ -69,6 +70,31 @@ COMMANDS = [
                            "--base", "in/flux1-diffusers", "-o", "out"]),
     ("inspect json", ["inspect", "in/flux1-fp8.safetensors", "--json"]),
     ("inspect gguf", ["inspect", "in/flux1-q8_0.gguf"]),
+    # ckpt merge: plain, a method with statistics, the reference's encoding kept, the other layout, flags
+    ("merge linear", ["merge", "in/merge-linear.yaml", "-o", "out"]),
+    ("merge ties bf16", ["merge", "in/merge-ties.yaml", "--to", "bf16", "-o", "out"]),
+    ("merge flags fp8 keep", ["merge", "in/flux1-fp8.safetensors", "in/flux1-tuned.safetensors", "--alpha", "0.3",
+                              "--keep-format", "-o", "out.safetensors"]),
+    ("merge flags layout", ["merge", "in/flux1.safetensors", "in/flux1-tuned.safetensors", "--alpha", "0.3",
+                            "--layout", "diffusers", "--config", "in/flux1-diffusers", "-o", "out"]),
+    ("merge gguf keep", ["merge", "in/flux1-q8_0.gguf", "in/flux1-tuned.safetensors", "--keep-format",
+                         "-o", "out.gguf"]),
+    # quantized LLMs: decode, inspect, keep-format merge; HF LLM folders to GGUF and back
+    ("dequant gptq", ["dequant", "in/gptq", "-o", "out"]),
+    ("dequant gptq fp32", ["dequant", "in/gptq", "--to", "fp32", "-o", "out"]),
+    ("dequant comfy nvfp4", ["dequant", "in/flux1-nvfp4.safetensors", "-o", "out.safetensors"]),
+    ("inspect gptq", ["inspect", "in/gptq", "--json"]),
+    ("convert gptq bf16", ["convert", "in/gptq", "--to", "bf16", "-o", "out"]),
+    ("merge-lora gptq keep", ["merge-lora", "in/gptq", "in/peft-gptq", "--keep-format", "-o", "out"]),
+    ("merge-lora gptq plain", ["merge-lora", "in/gptq", "in/peft-gptq", "-o", "out"]),
+    ("convert llm gguf q4_k_m", ["convert", "in/llama", "--to", "gguf-q4_k_m", "-o", "out.gguf"]),
+    ("convert llm gguf f16 split", ["convert", "in/llama", "--to", "gguf-f16", "--max-shard-size", "200KB",
+                                    "-o", "out.gguf"]),
+    ("merge-lora llm gguf", ["merge-lora", "in/llama", "in/peft-llama", "--to", "gguf-q8_0", "-o", "out.gguf"]),
+    ("convert gguf back", ["convert", "in/llama-f16.gguf", "--to", "bf16", "-o", "out"]),
+    ("batch convert", ["batch", "convert", "in/sharded", "--to", "fp16", "-o", "out"]),
+    ("refused dequant gguf -o", ["dequant", "in/gptq", "-o", "out.gguf"]),
+    ("refused merge to", ["merge", "in/merge-linear.yaml", "--to", "nvfp4", "-o", "out"]),
 ]
 
 
@@ -127,10 +153,37 @@ def build_inputs(d: Path, ckpt_python: str, checkout: Path) -> None:
               d / "peft" / "adapter_model.safetensors")
     (d / "peft" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA"}))
 
+    from helpers import gptq_base, hf_llm
+    from helpers.merge_oracle import variants
+
+    ms = variants(d / "llms", 3)
+    (d / "merge-linear.yaml").write_text(f"merge_method: linear\nmodels:\n  - model: {ms[1]}\n    parameters: "
+                                         f"{{weight: 0.7}}\n  - model: {ms[2]}\n    parameters: {{weight: 0.3}}\n"
+                                         "dtype: float32\n")
+    (d / "merge-ties.yaml").write_text(f"merge_method: ties\nbase_model: {ms[0]}\nmodels:\n  - model: {ms[1]}\n"
+                                       f"    parameters: {{weight: 1, density: 0.5}}\n  - model: {ms[2]}\n"
+                                       "    parameters: {weight: 1, density: 0.5}\ndtype: float32\n")
+    gptq_base.build(d / "gptq", bits=4, group=32)
+    hf_llm.model_folder(d / "llama", "llama")
+    for name, folder in (("peft-gptq", d / "gptq"), ("peft-llama", d / "llama")):
+        cfg = json.loads((folder / "config.json").read_text())
+        h = cfg["hidden_size"]
+        (d / name).mkdir()
+        save_file({f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_{ab}.weight":
+                   torch.randn(*((2, h) if ab == "A" else (h if p == "q" else cfg.get("num_key_value_heads",
+                               cfg["num_attention_heads"]) * (h // cfg["num_attention_heads"]), 2)),
+                               generator=g) * 0.05
+                   for p in "qv" for ab in "AB"}, d / name / "adapter_model.safetensors")
+        (d / name / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA",
+                                                                  "target_modules": ["q_proj", "v_proj"]}))
+
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     for argv, name in ((["convert", "flux1.safetensors", "--to", "fp8_e4m3fn", "--scaled", "-o",
                          "flux1-fp8.safetensors", "-q"], "fp8"),
-                       (["convert", "flux1.safetensors", "--to", "gguf-q8_0", "-o", "flux1-q8_0.gguf", "-q"], "gguf")):
+                       (["convert", "flux1.safetensors", "--to", "gguf-q8_0", "-o", "flux1-q8_0.gguf", "-q"], "gguf"),
+                       (["convert", "flux1.safetensors", "--to", "nvfp4", "-o", "flux1-nvfp4.safetensors", "-q"],
+                        "nvfp4"),
+                       (["convert", "llama", "--to", "gguf-f16", "-o", "llama-f16.gguf", "-q"], "llm gguf")):
         r = subprocess.run([ckpt_python, "-m", "ckpt.cli", *argv], cwd=d, env=env, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"building the {name} input failed: {r.stderr.strip()}")
@@ -152,8 +205,22 @@ def same_tree(a: Path, b: Path) -> list[str]:
         return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and "in" != p.relative_to(root).parts[0]}
     fa, fb = files(a), files(b)
     diff = sorted(fa ^ fb)
-    diff += [f for f in sorted(fa & fb) if not filecmp.cmp(a / f, b / f, shallow=False)]
+    diff += [f for f in sorted(fa & fb) if not (filecmp.cmp(a / f, b / f, shallow=False) or _same_manifest(a / f, b / f))]
     return diff
+
+
+VOLATILE = ("finished", "seconds", "started_ns", "mtime_ns", "input", "output")  # when and where a batch job ran
+
+
+def _same_manifest(a: Path, b: Path) -> bool:
+    """Two batch manifests (`ckpt-batch.jsonl`) that record the same jobs, times and run folders aside."""
+    if a.name != "ckpt-batch.jsonl":
+        return False
+    def jobs(p):
+        return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE} | {
+                 "input": Path(json.loads(line)["input"]).name, "output": Path(json.loads(line)["output"] or "").name}
+                for line in p.read_text().splitlines()]
+    return jobs(a) == jobs(b)
 
 
 def main() -> int:

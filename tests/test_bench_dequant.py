@@ -29,7 +29,7 @@ def source(tmp_path_factory):
 
 
 def test_source_is_a_gptq_llm_and_the_oracle_way_equals_ckpt(source, tmp_path):
-    from ckpt.quant.dequant import DequantOptions, dequant
+    from ckpt.dequant.command import DequantOptions, dequant
 
     src, info = source
     cfg = json.loads((src / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""`ckpt convert --to`'s targets have one source, the registry `ckpt.convert.targets`: the CLI's choices and
+"""`ckpt convert --to`'s targets have one source, the registry `ckpt.targets`: the CLI's choices and
 help, `ckpt batch convert`'s choices and output names, and the messages that list targets all read it, and
 a new target is a new module in that package (no table to edit). The K-quant encoders and the GGUF LLM
 exporter will arrive that way, so the last test adds a target from a module file alone and runs it."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.convert import targets
+from ckpt import targets
 
 # Every target, its default-name suffix and the file suffix it writes (None: safetensors, or torch by
 # --format / -o). These names are users' file names: a change here is a change users see.
@@ -76,7 +76,7 @@ def test_default_output_names(tmp_path):
 
 FAKE = '''
 """A target from one file: bf16 under another name."""
-from ckpt.convert.targets.casts import Cast
+from ckpt.targets.casts import Cast
 
 ORDER = 99
 HELP = "or fake16 (a test's target)"
@@ -85,7 +85,7 @@ TARGETS = (Cast("fake16", "bfloat16"),)
 
 PROBE = textwrap.dedent('''
     import json, sys
-    import ckpt.convert.targets as t
+    import ckpt.targets as t
     t.__path__.append(sys.argv[1])  # the fake module's folder, as if it were in the package
     from ckpt.cli import main
     code = 0

@@ -364,7 +364,7 @@ def test_bench_source_and_quanto_baseline_agree_with_ckpt(tmp_path, qtype, dtype
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_dequant
 
-    from ckpt.quant.dequant import DequantOptions, dequant
+    from ckpt.dequant.command import DequantOptions, dequant
 
     src, ref = tmp_path / "src", tmp_path / "quanto"
     info = bench_dequant.write_source(str(src), 0.002, qtype, dtype)

@@ -64,7 +64,7 @@ def test_convert_auto_asks_for_a_gpu_only_for_decoding(tmp_path, monkeypatch, ru
 
 
 AUTO_CASES = [  # (argv after the command, module that resolves the device, does the run do GPU-worthy math)
-    (["dequant", "{f}", "-o", "{o}"], "ckpt.quant.dequant", True),
+    (["dequant", "{f}", "-o", "{o}"], "ckpt.dequant.command", True),
     (["merge-lora", "{f}", "{f}", "-o", "{o}"], "ckpt.merge_lora.command", True),
     (["lora", "extract", "{f}", "{f}", "--rank", "4", "-o", "{o}"], "ckpt.lora.extract", True),
     (["lora", "resize", "{f}", "--rank", "4", "-o", "{o}"], "ckpt.lora.resize", True),

@@ -13,7 +13,7 @@ import pytest
 
 import ckpt.families as families_pkg
 from ckpt import families
-from ckpt.convert import gguf_out
+from ckpt.targets.planners import gguf_out
 from ckpt.errors import CkptError
 from ckpt.families.spec import Family
 
@@ -136,7 +136,7 @@ def test_llm_architecture_facts_are_the_families():
 
 
 def test_pipeline_parts_name_registered_families():
-    from ckpt.convert import pipeline
+    from ckpt.layout import pipeline
     from ckpt.families.pipelines import PIPELINES
 
     assert pipeline.PIPELINES is PIPELINES

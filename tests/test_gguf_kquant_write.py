@@ -1,6 +1,6 @@
 """`convert --to gguf-q4_k_m` (and every llama-quantize mix) for a diffusion model: ComfyUI-GGUF's image mix
 (`img_tensor_get_type` of its tools/lcpp.patch, transcribed by hand below from the patch, independently of
-ckpt.convert.gguf_mixes) picks each tensor's type, and every quantized tensor's bytes are what llama.cpp's own
+ckpt.targets.planners.gguf_mixes) picks each tensor's type, and every quantized tensor's bytes are what llama.cpp's own
 quantizer (ggml-quants.c, compiled by the `ggml_lib` fixture) writes for the source's values."""
 
 from __future__ import annotations

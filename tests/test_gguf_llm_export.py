@@ -1,5 +1,5 @@
 """`ckpt convert ./my-llm --to gguf-<type>`: Hugging Face causal LM folders as llama.cpp GGUFs
-(`ckpt.convert.gguf_llm_out`, `ckpt.convert.gguf_vocab`), held to llama.cpp's own converter.
+(`ckpt.targets.planners.gguf_llm_out`, `ckpt.targets.planners.gguf_vocab`), held to llama.cpp's own converter.
 
 Oracles: llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python 0.3.36's vendored tree, run in a subprocess with
 its own gguf-py: `helpers.hf_llm.reference`), transformers' GGUF loader (weights and tokenizer), ckpt's own
@@ -67,7 +67,7 @@ def folders(tmp_path_factory):
 @pytest.fixture
 def registered(folders, monkeypatch):
     """The test BPE vocabularies' hashes in ckpt's pre-tokenizer table."""
-    from ckpt.convert import gguf_vocab
+    from ckpt.targets.planners import gguf_vocab
 
     for _, pre in folders.values():
         if pre:
@@ -194,7 +194,7 @@ def _copy(src, dst, drop=()):
 
 
 def test_refusals(folders, run_ckpt, tmp_path, monkeypatch):
-    from ckpt.convert import gguf_vocab
+    from ckpt.targets.planners import gguf_vocab
 
     llama, _ = folders["llama"]
     qwen, pre = folders["qwen2"]
@@ -245,7 +245,7 @@ def test_mix_is_llama_quantize_of_the_reference_file(name, mix, pure, folders, r
     an F32 model ckpt quantizes the F32 values, where the two-step route rounds them to F16 first.)"""
     from helpers import llama_ref
 
-    from ckpt.convert.gguf_mixes import mix as mix_of
+    from ckpt.targets.planners.gguf_mixes import mix as mix_of
 
     llama_ref.llama_cpp()
     folder, pre = folders[name]
@@ -275,7 +275,7 @@ def test_gguf_source_is_llama_quantize(name, mix, folders, registered, run_ckpt,
     quantized file is not requantized into another type (llama-quantize's --allow-requantize)."""
     from helpers import llama_ref
 
-    from ckpt.convert.gguf_mixes import mix as mix_of
+    from ckpt.targets.planners.gguf_mixes import mix as mix_of
 
     llama_ref.llama_cpp()
     folder, _ = folders[name]

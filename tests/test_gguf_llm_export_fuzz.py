@@ -221,7 +221,7 @@ def test_mutants_are_refused_in_one_line_or_written_as_a_gguf_llama_cpp_loads(ba
                                                                             monkeypatch):
     from helpers import llama_ref
 
-    from ckpt.convert import gguf_vocab
+    from ckpt.targets.planners import gguf_vocab
 
     llama_ref.llama_cpp()  # skips, saying why, where llama-cpp-python does not import
     for h, name in pre_tokenizers(bases).items():

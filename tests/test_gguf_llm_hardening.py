@@ -31,7 +31,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def registered(folders, monkeypatch):
     """The test BPE vocabularies' hashes in ckpt's pre-tokenizer table (see tests/test_gguf_llm_export.py)."""
-    from ckpt.convert import gguf_vocab
+    from ckpt.targets.planners import gguf_vocab
 
     for h, name in pre_tokenizers(folders).items():
         monkeypatch.setitem(gguf_vocab.PRE_TOKENIZERS, h, name)
@@ -266,7 +266,7 @@ def test_a_fifo_for_tokenizer_json_is_refused_without_blocking(folders, tmp_path
 
 
 def test_without_sentencepiece_says_what_to_install(folders, tmp_path, run_ckpt, monkeypatch):
-    from ckpt.convert.gguf_vocab import INSTALL
+    from ckpt.targets.planners.gguf_vocab import INSTALL
 
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` raises ImportError
     folder = folders["llama"]
@@ -276,7 +276,7 @@ def test_without_sentencepiece_says_what_to_install(folders, tmp_path, run_ckpt,
 
 
 def test_without_transformers_says_what_to_install(folders, tmp_path, run_ckpt, monkeypatch):
-    from ckpt.convert.gguf_vocab import INSTALL
+    from ckpt.targets.planners.gguf_vocab import INSTALL
 
     for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -557,8 +557,8 @@ def test_an_hf_llm_converted_with_max_shard_size_runs_in_llama_cpp(tmp_path, run
     from helpers.llama_ref import llama_cpp, logits
 
     llama_cpp()
-    if importlib.util.find_spec("ckpt.convert.gguf_llm_out") is None:
-        pytest.skip("no LLM GGUF exporter (ckpt.convert.gguf_llm_out) in this tree")
+    if importlib.util.find_spec("ckpt.targets.planners.gguf_llm_out") is None:
+        pytest.skip("no LLM GGUF exporter (ckpt.targets.planners.gguf_llm_out) in this tree")
     from helpers.hf_llm import model_folder
 
     hf = model_folder(tmp_path / "hf", "llama")

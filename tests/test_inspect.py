@@ -209,7 +209,7 @@ def test_causal_lm_keys_under_model_are_no_bundle_prefix(tmp_path, run_ckpt, wra
     assert [(p["prefix"], p["family_id"], p["tensors"]) for p in c["parts"]] == [("", "hf_causal_lm", len(sd))]
     assert rep["warnings"] == [] and not [n for n in c["notes"] if "prefix" in n]
 
-    from ckpt.merge_lora.keymap import build_keymap
+    from ckpt.adapters.keymap import build_keymap
 
     km = build_keymap({k: tuple(v.shape) for k, v in sd.items()})  # PEFT names the wrapped module in full
     t = km.lookup(f"base_model.model.{wrap}model.layers.0.self_attn.q_proj")

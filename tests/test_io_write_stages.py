@@ -110,7 +110,7 @@ def test_merges_read_in_order_on_one_thread_whatever_the_depth(tmp_path, monkeyp
     lo = tmp_path / "l.safetensors"
     save_file(lora, lo)
     readers, outs = set(), []
-    import ckpt.merge_lora.merged as merged
+    import ckpt.adapters.merged as merged
 
     real = merged.MergedTensor.read
 
@@ -237,7 +237,7 @@ def test_a_read_error_stops_the_stages(tmp_path, monkeypatch, run_ckpt):
 def test_a_cast_that_reads_tensors_stays_on_the_reading_thread(tmp_path, monkeypatch, run_ckpt):
     """Scaled fp8 output computes each weight's scale with a pass over the weight, lazily, from its cast:
     such casts are not `stateless` and run on the reading thread, in order."""
-    import ckpt.convert.fp8_out as fp8_out
+    import ckpt.targets.planners.fp8_out as fp8_out
 
     g = torch.Generator().manual_seed(2)
     tensors = {f"blocks.{i}.w.weight": torch.randn(48, 16, generator=g) for i in range(3)}

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ckpt.families import get
-from ckpt.merge_lora.keymap import build_keymap
-from ckpt.merge_lora.targets import Target
+from ckpt.adapters.keymap import build_keymap
+from ckpt.adapters.placement import Target
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 logging.getLogger("diffusers").setLevel(logging.ERROR)

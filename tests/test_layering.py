@@ -19,13 +19,15 @@ from pathlib import Path
 import ckpt
 
 ROOT = Path(ckpt.__file__).parent
-# Commands and what composes them: nothing below may import these.
-COMMANDS = ("ckpt.convert", "ckpt.merge_lora", "ckpt.lora", "ckpt.batch", "ckpt.inspect", "ckpt.cli", "ckpt.cli.options",
-            "ckpt.cli.report", "ckpt.run")
-LOWER = ("ckpt.io", "ckpt.quant", "ckpt.families", "ckpt.report", "ckpt.errors", "ckpt.dtypes", "ckpt.cast",
-         "ckpt.progress", "ckpt.interrupts")
-# `ckpt dequant` is a command that lives beside the decoders it drives.
-LOWER_EXCEPT = ("ckpt.quant.dequant",)
+# The commands: each one package, composed by the CLI and by batch; no command imports another.
+COMMAND_PACKAGES = ("ckpt.convert", "ckpt.dequant", "ckpt.inspect", "ckpt.lora", "ckpt.merge", "ckpt.merge_lora")
+COMPOSERS = ("ckpt.batch", "ckpt.cli")  # run commands (batch: one per job); may import any of them
+COMMANDS = COMMAND_PACKAGES + COMPOSERS
+# Nothing below may import a command: reading, decoding, the output side and the write run (`ckpt.run`), family
+# and adapter knowledge.
+LOWER = ("ckpt.io", "ckpt.quant", "ckpt.families", "ckpt.adapters", "ckpt.targets", "ckpt.layout", "ckpt.run",
+         "ckpt.options", "ckpt.report", "ckpt.errors", "ckpt.dtypes", "ckpt.cast", "ckpt.progress", "ckpt.interrupts")
+LOWER_EXCEPT = ()
 
 
 def _modules() -> dict[str, Path]:
@@ -152,4 +154,17 @@ def test_lower_layers_import_no_command():
     knots = [f"{m} imports {n}" for m, p in MODULES.items()
              if _under(m, LOWER) and m not in LOWER_EXCEPT
              for n in sorted(_imports(m, p, top_only=False)) if _under(n, COMMANDS)]
+    assert not knots, "\n".join(knots)
+
+
+def test_no_command_imports_another_command():
+    """A shared engine lives in a lower package (`ckpt.adapters`, `ckpt.layout`, `ckpt.targets`, ...), never in the
+    command that happened to need it first."""
+    knots = []
+    for m, p in MODULES.items():
+        own = next((c for c in COMMAND_PACKAGES if _under(m, (c,))), None)
+        if own is None:
+            continue
+        knots += [f"{m} imports {n}" for n in sorted(_imports(m, p, top_only=False))
+                  if _under(n, COMMAND_PACKAGES) and not _under(n, (own,))]
     assert not knots, "\n".join(knots)

@@ -170,9 +170,9 @@ def test_old_diffusers_spellings(tmp_path, run_ckpt):
 def test_row_bands_equal_whole_reads():
     """MergedTensor read band by band gives the same rows as one whole read (every row-local family)."""
     from ckpt.io.tensors import ComputedTensor
-    from ckpt.merge_lora.adapters import make_adapter
-    from ckpt.merge_lora.loading import group_modules
-    from ckpt.merge_lora.merged import MergedTensor, Patch
+    from ckpt.adapters.kinds import make_adapter
+    from ckpt.adapters.loading import group_modules
+    from ckpt.adapters.merged import MergedTensor, Patch
 
     W = rnd(12, 6)
     parts = {"l.lora_down.weight": rnd(2, 6), "l.lora_up.weight": rnd(12, 2), "l.dora_scale": rnd(12, 1).abs(),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from ckpt.io.tensors import Tensor
-from ckpt.merge_lora.merged import MergedTensor, Patch, Patched
+from ckpt.adapters.merged import MergedTensor, Patch, Patched
 from ckpt.merge_lora.strategies import KeepFormat, LitGPT, Plain, choose
 
 

@@ -38,7 +38,7 @@ def test_convert_writes_what_batch_compares(tmp_path, params):
 @pytest.mark.parametrize("to", [None, "bf16"])
 def test_dequant_writes_what_batch_compares(tmp_path, to):
     quanto = pytest.importorskip("optimum.quanto")
-    from ckpt.quant.dequant import DequantOptions, dequant
+    from ckpt.dequant.command import DequantOptions, dequant
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 8))
@@ -65,12 +65,12 @@ def _peft_lora(path: Path, seed: int) -> None:
 
 @pytest.mark.parametrize("extra", [{}, {"ratios": [0.5]}, {"to": "bf16"}])
 def test_merge_lora_writes_what_batch_compares_for_either_fixed_side(tmp_path, extra):
-    from ckpt.merge_lora.command import MergeOptions, merge_lora
+    from ckpt.merge_lora.command import MergeLoraOptions, merge_lora
 
     base, lora = tmp_path / "base.safetensors", tmp_path / "loras" / "style.safetensors"
     st(base, 1, **{"lin.weight": (8, 4)})
     _peft_lora(lora, 2)
-    out, _ = merge_lora(str(base), [str(lora)], tmp_path / "out.safetensors", MergeOptions(**extra, quiet=True))
+    out, _ = merge_lora(str(base), [str(lora)], tmp_path / "out.safetensors", MergeLoraOptions(**extra, quiet=True))
     written = made_by_ckpt(out)
     one_lora = make_operation("merge-lora", {"lora": str(lora), **extra})  # the LoRA fixed, bases discovered
     assert written == one_lora.provenance(_found(base)) and one_lora.owns(written, _found(base))

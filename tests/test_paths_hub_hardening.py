@@ -104,7 +104,7 @@ def _empty_cache(monkeypatch, tmp_path, offline: bool):
 
 
 def test_offline_miss_says_offline_mode_and_not_cached(tmp_path, run_ckpt, monkeypatch):
-    from ckpt.convert.layout import load_config_ref
+    from ckpt.layout.relayout import load_config_ref
     from ckpt.errors import CkptError
 
     _empty_cache(monkeypatch, tmp_path, offline=True)
@@ -261,7 +261,7 @@ def test_hub_that_never_answers_end_to_end(tmp_path):
 # ----------------------------------------------------------------------------- 3. permission denied
 
 PRELOAD = ("ckpt.cli", "ckpt.batch.runner", "ckpt.batch.operations", "ckpt.batch.worker", "ckpt.convert",
-           "ckpt.quant.dequant", "ckpt.merge_lora.command", "ckpt.inspect", "ckpt.io.output", "ckpt.io.publish",
+           "ckpt.dequant.command", "ckpt.merge_lora.command", "ckpt.inspect", "ckpt.io.output", "ckpt.io.publish",
            "huggingface_hub", "shlex", "tqdm")
 
 
@@ -448,7 +448,7 @@ def test_default_names_carry_target_and_format(tmp_path, run_ckpt):
     from ckpt.run import default_output
 
     # targets that need a model family to plan, named as convert names them
-    from ckpt.convert.gguf_out import default_suffix
+    from ckpt.targets.planners.gguf_out import default_suffix
 
     assert default_output(str(src), src, "nvfp4", folder=False).name == "x-nvfp4.safetensors"
     assert default_output(str(src), src, default_suffix("gguf-q8_0"), folder=False, ext=".gguf").name == "x-Q8_0.gguf"

@@ -138,7 +138,7 @@ class ConvertOp(Operation):
         return ConvertOptions(**{**self.params, **extra})
 
     def _target(self):
-        from ckpt.convert import targets
+        from ckpt import targets
 
         return targets.resolve(self.params.get("to"), bool(self.params.get("scaled")))
 
@@ -146,7 +146,7 @@ class ConvertOp(Operation):
         """What convert refuses before opening an input, refused once for the whole batch (nothing runs):
         no --to and no --layout, an unknown --to, options its target refuses; and split GGUF parts, whose
         names depend on each model's size (a batch plans every output name before it runs)."""
-        from ckpt.convert import targets
+        from ckpt import targets
 
         opts = self._options()
         if opts.to is None and opts.layout is None:
@@ -229,7 +229,7 @@ class DequantOp(Operation):
     name = "dequant"
 
     def _options(self, **extra):
-        from ckpt.quant.dequant import DequantOptions
+        from ckpt.dequant.command import DequantOptions
 
         return DequantOptions(**{**self.params, **extra})
 
@@ -240,7 +240,7 @@ class DequantOp(Operation):
                 + _flag("--qtype", p.get("qtype")) + _flag("--max-shard-size", p.get("max_shard_size")))
 
     def provenance(self, item: Found) -> str:
-        from ckpt.quant.dequant import dequant_operation
+        from ckpt.dequant.command import dequant_operation
 
         return dequant_operation(self._options())
 
@@ -255,7 +255,7 @@ class DequantOp(Operation):
 
     def estimate(self, item: Found) -> int:
         from ckpt.io.checkpoint import PICKLES, open_checkpoint
-        from ckpt.quant.dequant import plan_dequant
+        from ckpt.dequant.command import plan_dequant
 
         if any(f.suffix in PICKLES for f in _weight_files(item.path)):
             return header_estimate(item.path)
@@ -267,22 +267,22 @@ class DequantOp(Operation):
         return plan_estimate(plan) if plan is not None else FIXED_BYTES
 
     def run(self, src, out, overwrite):
-        from ckpt.quant.dequant import dequant
+        from ckpt.dequant.command import dequant
 
         return (*dequant(str(src), out, self._options(overwrite=overwrite, quiet=True)), None)
 
 
 class MergeLoraOp(Operation):
     """params: `lora` (that one LoRA merged into every discovered base) or `base` (every discovered LoRA
-    merged into that base), and MergeOptions fields (ratios: one value, to, allow_unmatched, device)."""
+    merged into that base), and MergeLoraOptions fields (ratios: one value, to, allow_unmatched, device)."""
 
     name = "merge-lora"
     OWN = ("lora", "base")
 
     def _options(self, **extra):
-        from ckpt.merge_lora.command import MergeOptions
+        from ckpt.merge_lora.command import MergeLoraOptions
 
-        return MergeOptions(**{k: v for k, v in self.params.items() if k not in self.OWN}, **extra)
+        return MergeLoraOptions(**{k: v for k, v in self.params.items() if k not in self.OWN}, **extra)
 
     def check_available(self):
         role, path = self.fixed

@@ -29,8 +29,8 @@ def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, o
     """optimum-quanto, bitsandbytes, ComfyUI comfy_quant and FP8-scaled checkpoints back to plain X.weight
     tensors."""
     check_source(src)
-    load("ckpt.quant.dequant")
-    from ckpt.quant.dequant import DequantOptions, dequant as run
+    load("ckpt.dequant.command")
+    from ckpt.dequant.command import DequantOptions, dequant as run
 
     opts = DequantOptions(to=to, shapes_from=shapes_from, qtype=qtype, max_shard_size=max_shard_size, device=device,
                           overwrite=overwrite, quiet=quiet, dry_run=dry_run)

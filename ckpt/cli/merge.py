@@ -100,9 +100,9 @@ def merge(inputs, out, method, base, alpha, weight, density, params, dtype, toke
     for r in recipe.refs:
         check_source(r.spec)
     load("ckpt.merge.command")
-    from ckpt.merge.command import MergeModelsOptions, merge_models
+    from ckpt.merge.command import ModelMergeOptions, merge_models
 
-    opts = MergeModelsOptions(to=to, device=device, allow_missing=allow_missing, dry_run=dry_run,
+    opts = ModelMergeOptions(to=to, device=device, allow_missing=allow_missing, dry_run=dry_run,
                               overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format, layout=layout,
                               max_shard_size=max_shard_size, seed=seed, config=config_ref)
     path, report = merge_models(recipe, out, opts, default_from=config)

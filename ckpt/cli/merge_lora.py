@@ -44,14 +44,15 @@ def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_
     for spec in loras:
         check_lora(spec)
     load("ckpt.merge_lora.command")
-    from ckpt.merge_lora.command import MergeError, MergeOptions, merge_lora as run
+    from ckpt.adapters.matching import MatchError
+    from ckpt.merge_lora.command import MergeLoraOptions, merge_lora as run
 
-    opts = MergeOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
+    opts = MergeLoraOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
                         allow_unmatched=allow_unmatched, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
                         format=fmt, keep_format=keep_format)
     try:
         path, report = run(base, list(loras), out, opts)
-    except MergeError as e:
+    except MatchError as e:
         for line in e.report.summary:
             click.echo(line)
         raise

@@ -125,12 +125,12 @@ FORMAT = click.option("--format", "fmt", type=click.Choice(["safetensors", "torc
                            "lit_model.pth). Default: from -o's suffix (.pth/.pt/.bin/.ckpt = torch), else safetensors.")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Plan and report only; write nothing.")
 
-# convert: the --to names and their help come from the target registry (ckpt.convert.targets), which imports
+# convert: the --to names and their help come from the target registry (ckpt.targets), which imports
 # no torch; a new target module shows up here, in `ckpt batch convert` and in the messages by itself.
 
 
 def _targets():
-    from ckpt.convert import targets
+    from ckpt import targets
 
     return targets
 

@@ -2,7 +2,7 @@
 ComfyUI format or GGUF, and/or rename it to another layout.
 
 `ConvertOptions` and `convert` are loaded on first use (PEP 562): the CLI reads the target registry
-(`ckpt.convert.targets`) while parsing options, which imports this package, and that must not import
+(`ckpt.targets`) while parsing options, which imports this package, and that must not import
 torch (tests/test_startup.py)."""
 
 _LAZY = ("ConvertOptions", "convert")

@@ -2,44 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt.convert import targets
+from ckpt import targets
 from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
+from ckpt.options import WriteOptions
 from ckpt.quant import logical_view
 from ckpt.report import Report
 from ckpt.run import decoded_notes, default_output, file_ext, output_path, write
 
 
 @dataclass
-class ConvertOptions:
-    to: str | None  # None: keep each tensor's dtype (only with layout)
-    keep: list[str] = field(default_factory=list)
-    clamp: bool = False
-    scaled: bool = False
-    pure: bool = False  # --to gguf-*: llama-quantize --pure
-    max_shard_size: str | None = None
-    device: str = "cpu"
-    overwrite: bool = False
-    quiet: bool = False
-    dry_run: bool = False
-    format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else safetensors
-    layout: str | None = None  # "diffusers" | "original": rename to that layout (ckpt.convert.layout)
-    config: str | None = None  # --config REF: the diffusers config.json for --layout diffusers
+class ConvertOptions(WriteOptions):
+    """convert's options are the writing options (`to` None: keep each tensor's dtype, only with --layout)."""
 
 
 def convert_operation(opts: ConvertOptions) -> str:
     """The `ckpt_operation` convert records in its outputs' metadata (`ckpt.io.checkpoint_plan.provenance`). The one
     spelling of it: batch's resume recognises a killed run's finished outputs by comparing with this."""
-    return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {opts.to}" if opts.to else "")
+    to = targets.canonical(opts.to)
+    return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {to}" if to else "")
             + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else ""))
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
-    """The output's Plan and the inputs' logical views. Every kind of --to (ckpt.convert.targets) checks its
+    """The output's Plan and the inputs' logical views. Every kind of --to (ckpt.targets) checks its
     options and plans behind one interface; the quantized inputs it decodes are noted here, for all."""
     if opts.to is None and opts.layout is None:
         raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
@@ -48,7 +38,7 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
     target = targets.resolve(opts.to, opts.scaled)
     target.check(opts)
     views = [logical_view(c) for c in ckpt.components]
-    plan = target.plan(ckpt, views, opts, report, file_format)
+    plan = target.plan(ckpt, views, opts, report, file_format, convert_operation(opts))
     plan.notes += decoded_notes(ckpt, views)
     return plan, views
 

@@ -1,5 +1,5 @@
 """LitGPT checkpoints (`lit_model.pth`: `transformer.h.N.attn.qkv`, older `attn.attn`): one naming.
-The merge of LitGPT LoRAs is `ckpt.merge_lora.litgpt`; this module only recognises the layout."""
+The merge of LitGPT LoRAs is `ckpt.adapters.litgpt`; this module only recognises the layout."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ from ckpt.lazy import torch
 from ckpt.dtypes import FP8, ST_FLOAT, ST_FP8, ST_ITEMSIZE, is_float, short_name, st_short_name
 from ckpt.errors import CkptError
 from ckpt import families
-from ckpt.inspect.detect import family_from_config, lora_modules, mostly_lora, split_parts
+from ckpt.families.identify import family_from_config, lora_modules, mostly_lora, split_parts
 from ckpt.inspect.encodings import detect_encodings, quantized_layers
 from ckpt.io.checkpoint import Checkpoint, Component, open_checkpoint
 from ckpt.io.gguf import GGUFStored

@@ -117,7 +117,7 @@ def check_source(spec: str, what: str = "") -> None:
 
 def check_lora(spec: str) -> None:
     """Refuse a LoRA that does not exist (LoRAs are local files or folders): the first check of
-    `ckpt.merge_lora.loading.load_lora`, made by the CLI before torch is imported, as `check_source` is."""
+    `ckpt.adapters.loading.load_lora`, made by the CLI before torch is imported, as `check_source` is."""
     if local_input(spec) is None:
         raise CkptError(f"{spec}: no such LoRA file or folder")
 

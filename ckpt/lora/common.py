@@ -13,14 +13,15 @@ import torch
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
 from ckpt.lora.svd import DYNAMIC, RankRule, SvdOptions
-from ckpt.merge_lora.checks import finite
+from ckpt.options import RunOptions
+from ckpt.adapters.checks import finite
 from ckpt.report import Report, listed, plural
 
 SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
-class LoraOptions:
+class LoraOptions(RunOptions):
     rank: int | None = None
     conv_rank: int | None = None
     dynamic: str | None = None
@@ -30,11 +31,7 @@ class LoraOptions:
     format: str | None = None
     lowrank: bool = False
     niter: int = 2
-    device: str = "cpu"
-    dry_run: bool = False
-    overwrite: bool = False
-    quiet: bool = False
-    alphas: tuple[float, ...] = ()  # --alpha: for modules whose file gives none (ckpt.merge_lora.checks.alphas)
+    alphas: tuple[float, ...] = ()  # --alpha: for modules whose file gives none (ckpt.adapters.checks.alphas)
     skip_nonfinite: bool = False  # leave out (and count) modules with NaN/Inf instead of refusing them
 
     def check(self, rank_required: bool = True) -> None:

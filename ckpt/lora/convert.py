@@ -53,7 +53,7 @@ from ckpt.lora.naming import Naming
 from ckpt.lora.operations import lora_convert_operation
 from ckpt.lora.store import FactorStore
 from ckpt.lora.unflatten import unflatten
-from ckpt.merge_lora.checks import alphas as check_alphas
+from ckpt.adapters.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write

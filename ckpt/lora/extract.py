@@ -42,7 +42,7 @@ from ckpt.lora.modules import to_layout
 from ckpt.lora.naming import Naming
 from ckpt.lora.operations import lora_extract_operation
 from ckpt.lora.store import FactorStore
-from ckpt.merge_lora.checks import finite
+from ckpt.adapters.checks import finite
 from ckpt.progress import progress_bar
 from ckpt.quant import logical_view
 from ckpt.report import listed, plural

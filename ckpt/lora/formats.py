@@ -136,7 +136,7 @@ class Layout:
 
     @classmethod
     def like(cls, lora) -> Layout:
-        """The layout of an input LoRA (`ckpt.merge_lora.adapter_files.LoraFile`)."""
+        """The layout of an input LoRA (`ckpt.adapters.files.LoraFile`)."""
         from pathlib import Path
 
         from ckpt.io.small_inputs import CONFIG_LIMIT, load_json_object

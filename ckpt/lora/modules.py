@@ -1,6 +1,6 @@
 """Input LoRA modules as the `ckpt lora` commands see them: their stored keys by role, their factors
-or delta, and the shapes their output factors take. Reading is `ckpt.merge_lora.loading`'s; the math per
-adapter kind is `ckpt.merge_lora.adapters`'; this only adds what rewriting a LoRA (rather than merging it)
+or delta, and the shapes their output factors take. Reading is `ckpt.adapters.loading`'s; the math per
+adapter kind is `ckpt.adapters.kinds`'; this only adds what rewriting a LoRA (rather than merging it)
 needs to know."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 
 from ckpt.errors import CkptError
 from ckpt.lora.formats import OutModule, alpha_tensor
-from ckpt.merge_lora.adapters import make_adapter
-from ckpt.merge_lora.checks import settle_alphas
-from ckpt.merge_lora.loading import load_lora
+from ckpt.adapters.kinds import make_adapter
+from ckpt.adapters.checks import settle_alphas
+from ckpt.adapters.loading import load_lora
 
 
 def open_lora(spec: str, alpha: float | None = None, report=None):
     """The LoRA file, with modules that carry no alpha given `alpha` (--alpha) or, with a warning in
-    `report`, alpha = rank, as merge-lora does (`ckpt.merge_lora.checks.settle_alphas`)."""
+    `report`, alpha = rank, as merge-lora does (`ckpt.adapters.checks.settle_alphas`)."""
     f = load_lora(spec)
     if f.litgpt is not None:
         f.close()

@@ -2,7 +2,7 @@
 naming of the chosen format, from the family registry (`ckpt.families`).
 
 The base is split into its models as the merge key map splits it (diffusion model, text encoders,
-VAE... `ckpt.merge_lora.keymap.base_parts`), each recognised by the registry (family and layout). A format
+VAE... `ckpt.adapters.keymap.base_parts`), each recognised by the registry (family and layout). A format
 names modules in one layout of that family:
 
 - peft: the model's own names (a PEFT adapter wraps the model object the base holds);
@@ -18,7 +18,7 @@ original weight may become several modules (BFL `img_attn.qkv` -> `to_q`, `to_k`
 its delta), several diffusers weights one module (`to_q/k/v` -> `img_attn.qkv`: their deltas stacked and
 decomposed together), a transform may apply (`swap_halves`). Each output module is a `Group`: the base
 weights whose deltas are stacked by rows, and the `Piece`s cut from that stack. Every name is checked
-to resolve back through the merge key map (`ckpt.merge_lora.keymap`) to exactly those weights and rows:
+to resolve back through the merge key map (`ckpt.adapters.keymap`) to exactly those weights and rows:
 what `ckpt lora extract` writes, `ckpt merge-lora` merges into the same base, by construction.
 
 A weight without a name in the chosen naming keeps the reason; it is an error only when that weight
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ckpt.families import DIFFUSERS, ORIGINAL, Transform, module_of
-from ckpt.merge_lora.keymap import base_parts, build_keymap
-from ckpt.merge_lora.targets import Target
+from ckpt.adapters.keymap import base_parts, build_keymap
+from ckpt.adapters.placement import Target
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ckpt.io.plan import Plan
 from ckpt.io.publish import temp_name
 from ckpt.lora.common import LoraOptions, LoraReport, early_target_check
 from ckpt.lora.store import ScratchDir
-from ckpt.merge_lora.checks import alphas as check_alphas
+from ckpt.adapters.checks import alphas as check_alphas
 from ckpt.report import plural
 from ckpt.run import default_output, output_path
 

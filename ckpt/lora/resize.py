@@ -33,7 +33,7 @@ from ckpt.lora.formats import Layout, OutModule, plan_lora
 from ckpt.lora.modules import Source, as_stored, open_lora, to_layout
 from ckpt.lora.operations import lora_resize_operation
 from ckpt.lora.store import FactorStore
-from ckpt.merge_lora.checks import alphas as check_alphas
+from ckpt.adapters.checks import alphas as check_alphas
 from ckpt.progress import progress_bar
 from ckpt.report import plural
 from ckpt.run import default_output, output_path, write

@@ -6,7 +6,7 @@ A flattened name cannot be split on `_` by rule (`img_attn.qkv` but `img_mod.lin
 (two digit tokens in a row are always `.`-separated: `input_blocks.4.1`), all candidates of all
 modules are handed, with the shapes the LoRA's factors imply, to the family's own `pairs`, and a
 candidate is the module's path when the family names exactly that tensor. The family and its layout
-come from `ckpt.families.detect`, whose signatures read flattened names as well.
+come from `ckpt.families.identify`, whose signatures read flattened names as well.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from ckpt.merge.methods.base import INPUT, Job
 from ckpt.merge.params import resolve
 from ckpt.merge.recipe import OUT_DTYPES, Recipe
 from ckpt.merge.sources import Model, aligned, open_model, original_names
+from ckpt.options import WriteOptions
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
 
@@ -34,19 +35,9 @@ RECIPE_KEY = "ckpt_merge_recipe"  # safetensors __metadata__ key holding the res
 
 
 @dataclass
-class MergeModelsOptions:
-    to: str | None = None
-    device: str = "cpu"
+class ModelMergeOptions(WriteOptions):
     allow_missing: bool = False
-    dry_run: bool = False
-    overwrite: bool = False
-    quiet: bool = False
-    format: str | None = None
-    keep_format: bool = False
-    layout: str | None = None
-    max_shard_size: str | None = None
     seed: int | None = None
-    config: str | None = None  # --layout diffusers: the config.json to write (else derived from the shapes)
 
 
 @dataclass
@@ -70,7 +61,7 @@ def merge_models_operation(recipe: Recipe) -> str:
     return f"merge {recipe.method} " + " ".join(Path(r.text).name for r in recipe.refs)
 
 
-def merge_models(recipe: Recipe, out: str | Path | None, opts: MergeModelsOptions, *, default_from: str | None = None,
+def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions, *, default_from: str | None = None,
                  report: ModelMergeReport | None = None) -> tuple[Path, ModelMergeReport]:
     """Run `recipe`; returns (output path, report). Raises CkptError on bad input (nothing written).
     `default_from`: what the default output is named after (the config file; else the reference model)."""
@@ -109,7 +100,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: MergeModelsOption
         path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge",
                      device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     if opts.keep_format:
-        from ckpt.merge_lora.keep_format import summarize
+        from ckpt.targets.planners.keep_format import summarize
 
         lines, facts = summarize(report.meters)
         report.summary += lines[:1] if opts.dry_run else lines
@@ -255,7 +246,7 @@ def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
     max_shard = parse_size(opts.max_shard_size, "--max-shard-size") if opts.max_shard_size else None
     if opts.keep_format:
         from ckpt.merge.tensor import MergedModelTensor
-        from ckpt.merge_lora.keep_format import container, plan_keep_format
+        from ckpt.targets.planners.keep_format import container, plan_keep_format
 
         fmt = container(ref.ckpt)
         if fmt == "gguf":
@@ -281,7 +272,7 @@ def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
 
         make = cast_outputs(report, out_dtype)
         if opts.layout is not None:
-            from ckpt.convert.layout import plan_layout
+            from ckpt.layout.relayout import plan_layout
 
             plan = plan_layout(ref.ckpt, views, make, layout=opts.layout, operation=operation,
                                config_ref=opts.config, max_shard_size=max_shard, file_format=fmt)

@@ -3,7 +3,7 @@
 Each input is any source ckpt reads (file, shards, model folder or pipeline, hub id, GGUF, torch pickle, every
 quantized format a decoder knows), opened as `convert` opens it and read through its logical view, so a quantized
 input is decoded band by band as it is merged. mergekit's `BASE+LORA` is the base with the LoRA applied, matched as
-`merge-lora` matches it (`ckpt.merge_lora.command.match_loras`), streamed as merge-lora streams it.
+`merge-lora` matches it (`ckpt.adapters.matching.match_loras`), streamed as merge-lora streams it.
 
 The reference input (the base, else the first model) names the output. Another input whose keys differ is brought
 to the reference's names through the family registry: a diffusers-layout fine-tune of an original-layout model (or
@@ -66,20 +66,20 @@ def open_model(ref: ModelRef, stack: contextlib.ExitStack, report: Report) -> Mo
 def _apply_lora(model: Model, stack, report: Report) -> None:
     from dataclasses import replace
 
-    from ckpt.merge_lora.checks import settle_alphas
-    from ckpt.merge_lora.command import MergeError, MergeReport, match_loras
-    from ckpt.merge_lora.loading import load_lora
-    from ckpt.merge_lora.merged import MergedTensor
+    from ckpt.adapters.checks import settle_alphas
+    from ckpt.adapters.matching import MatchError, MatchReport, match_loras
+    from ckpt.adapters.loading import load_lora
+    from ckpt.adapters.merged import MergedTensor
 
     base_dir = model.ckpt.path if model.ckpt.path.is_dir() else model.ckpt.path.parent
-    sub = MergeReport()
+    sub = MatchReport()
     try:
         f = load_lora(model.ref.lora, base_dir)
         stack.callback(f.close)
         model.lora_inputs = list(f.inputs)
         settle_alphas(f, None, sub)
         patches = match_loras(model.ckpt, model.views, [f], [1.0], sub)
-    except MergeError as e:
+    except MatchError as e:
         raise CkptError(f"model {model.ref.text}: {e}") from None
     except CkptError as e:
         raise CkptError(f"model {model.ref.text}: {e}") from None
@@ -115,7 +115,7 @@ def _family(tensors: dict[str, Tensor]):
 def aligned(ref: Model, other: Model) -> tuple[list[dict[str, Tensor]], list[str]]:
     """`other`'s logical tensors under the reference's names, per reference component, and notes on what was
     converted. Keys that still differ are left for the caller to report (with every input's in view)."""
-    from ckpt.convert.layout import relayout, strip_prefix
+    from ckpt.layout.relayout import relayout, strip_prefix
 
     out: list[dict[str, Tensor]] = [{} for _ in ref.views]
     notes: list[str] = []

@@ -12,11 +12,11 @@ what differs is what happens around it, and each strategy answers the same four 
 plus `finish`, what the strategy adds to the report once the output is written.
 
 The patches matched to an expert bank by a PEFT `target_parameters` LoRA come with their expert adapter already
-(`match_loras` applies `ckpt.merge_lora.adapters.experts.experts_patches`, for merge-lora and `ckpt merge` alike).
+(`match_loras` applies `ckpt.adapters.kinds.experts.experts_patches`, for merge-lora and `ckpt merge` alike).
 
 `Plain` casts every logical tensor to one dtype (--to, else the model's own; bf16 for a base decoded from an LLM
 quantization format: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ); `KeepFormat` writes the base's
-stored encoding again (`ckpt.merge_lora.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
+stored encoding again (`ckpt.targets.planners.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
 older `attn.attn` bases read as `attn.qkv`, the LoRA's dtype and the torch container as defaults, and a
 finetune folder merged into a LitGPT checkpoint folder. Choosing once keeps these decisions out of the
 matching code, where they used to be woven through the plain path.
@@ -34,8 +34,10 @@ from ckpt.errors import CkptError
 from ckpt.io.checkpoint import WEIGHT_SUFFIXES
 from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.wrapper import Wrapper
-from ckpt.merge_lora import litgpt
-from ckpt.merge_lora.merged import Patch, Patched
+from ckpt.adapters import litgpt
+from ckpt.adapters.matching import Patches
+from ckpt.adapters.merged import Patched
+from ckpt.options import WriteOptions
 from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
@@ -78,7 +80,6 @@ def llm_quant_formats(views) -> list[str]:
     return sorted({LLM_QUANT[type(t).__module__] for v in views for t in v.tensors.values()
                    if type(t).__module__ in LLM_QUANT})
 
-Patches = list[dict[str, list[Patch]]]  # per component: view key -> patches in order
 
 
 class Strategy:
@@ -160,7 +161,7 @@ class KeepFormat(Strategy):
     def output_format(self, ckpt, out) -> str:
         """A .gguf base stays GGUF; safetensors and torch pickles keep theirs unless -o / --format name the
         other one."""
-        from ckpt.merge_lora.keep_format import container
+        from ckpt.targets.planners.keep_format import container
 
         kind = container(ckpt)
         if kind == "gguf":
@@ -171,14 +172,14 @@ class KeepFormat(Strategy):
         return output_format(self.fmt, out, kind)
 
     def prepare(self, ckpt, views) -> list[str]:
-        from ckpt.merge_lora.keep_format import refuse_plain
+        from ckpt.targets.planners.keep_format import refuse_plain
 
         refuse_plain(ckpt, views)
         return []
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        from ckpt.merge_lora.keep_format import plan_keep_format
-        from ckpt.merge_lora.merged import MergedTensor
+        from ckpt.targets.planners.keep_format import plan_keep_format
+        from ckpt.adapters.merged import MergedTensor
 
         # the merge starts from the value a plain merge starts from (the library's own, in its compute dtype)
         changed = [{k: MergedTensor(v.tensors[k], ps) for k, ps in comp.items()}
@@ -188,7 +189,7 @@ class KeepFormat(Strategy):
         return plan
 
     def finish(self, report, dry_run: bool) -> None:
-        from ckpt.merge_lora.keep_format import summarize
+        from ckpt.targets.planners.keep_format import summarize
 
         lines, facts = summarize(report.meters)
         report.summary += lines[:1] if dry_run else lines
@@ -201,7 +202,7 @@ class GGUF(Strategy):
     merging and quantizing are one pass."""
 
     def __init__(self, to: str, fmt: str | None):
-        from ckpt.convert import targets
+        from ckpt import targets
 
         self.to, self.target = to, targets.get(to)
         if fmt is not None:
@@ -212,14 +213,13 @@ class GGUF(Strategy):
         return "gguf"
 
     def plan(self, ckpt, views, patches: Patches, report, operation: str, file_format: str, notes: list[str]):
-        from ckpt.convert.command import ConvertOptions
-        from ckpt.merge_lora.merged import MergedTensor
+        from ckpt.adapters.merged import MergedTensor
 
-        opts = ConvertOptions(to=self.to)
+        opts = WriteOptions(to=self.to)
         self.target.check(opts)
         merged = [replace(v, tensors={k: MergedTensor(t, ps[k]) if k in ps else t for k, t in v.tensors.items()})
                   for v, ps in zip(views, patches)]
-        plan = self.target.plan(ckpt, merged, opts, report, file_format)
+        plan = self.target.plan(ckpt, merged, opts, report, file_format, operation)
         plan.notes += notes
         return plan
 
@@ -263,7 +263,7 @@ class LitGPT(Strategy):
 
 
 def choose(opts, files, finetune_dir: Path | None, base_dir: Path) -> Strategy:
-    """The strategy for this run, from the options (`MergeOptions`) and the loaded LoRAs: --keep-format or
+    """The strategy for this run, from the options (`MergeLoraOptions`) and the loaded LoRAs: --keep-format or
     plain, inside LitGPT when a LoRA is LitGPT's (without --to, a plain merge then writes every floating
     tensor in that LoRA's dtype, in a torch file, as litgpt merge_lora does)."""
     lit = next((f for f in files if f.litgpt is not None), None)

@@ -2,7 +2,7 @@
 decoders attach; see `ckpt.quant.encoding`).
 
 - ComfyUI legacy scaled fp8 (`X.weight` fp8, `X.scale_weight` fp32 scalar): a new scale from the new value and
-  the codes, by the rule of the layout's own writer, `convert --to fp8_e4m3fn --scaled` (`ckpt.convert.fp8_out`,
+  the codes, by the rule of the layout's own writer, `convert --to fp8_e4m3fn --scaled` (`ckpt.targets.planners.fp8_out`,
   ComfyUI's "tensor / scale"), so that a --keep-format merge is byte for byte `convert --scaled` of the plain
   merge: s = amax(|finite W|) / fp8 max (at least the smallest normal fp32; 1 for an all-zero tensor), codes =
   W / s saturated at +-fp8 max (NaN stays NaN), in the weight's own fp8 type. Not comfy-kitchen's

@@ -151,7 +151,7 @@ for outtype, outfile in {runs!r}:
 def reference(folder: Path, outs: dict[str, Path], pre: tuple[str, str] | None = None) -> None:
     """llama.cpp's convert_hf_to_gguf.py on `folder` once per `{outtype: outfile}`, in one subprocess with the
     reference's own gguf-py first on the path; a failed run raises AssertionError with its log's tail."""
-    from ckpt.convert.gguf_vocab import CHECK_TEXT
+    from ckpt.targets.planners.gguf_vocab import CHECK_TEXT
 
     from helpers.ggml_ref import llama_cpp_tree
 
@@ -175,7 +175,7 @@ def bpe_hash(folder: Path) -> str:
 
     from transformers import AutoTokenizer
 
-    from ckpt.convert.gguf_vocab import CHECK_TEXT
+    from ckpt.targets.planners.gguf_vocab import CHECK_TEXT
 
     return sha256(str(AutoTokenizer.from_pretrained(folder).encode(CHECK_TEXT)).encode()).hexdigest()
 

@@ -37,7 +37,7 @@ class LLMArch:
     rope_permute: bool = False  # llama.cpp permuted q/k rows for its RoPE
     # config.json fields set when a tensor of this GGUF name suffix exists (else False)
     bias_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # export (HF -> GGUF, `ckpt.convert.gguf_llm_out`): config.json `architectures` convert_hf_to_gguf.py writes as
+    # export (HF -> GGUF, `ckpt.targets.planners.gguf_llm_out`): config.json `architectures` convert_hf_to_gguf.py writes as
     # this llama.cpp architecture (its model class's `ModelBase.register` names that ckpt supports)
     hf_classes: tuple[str, ...] = ()
     # LlamaModel.set_gguf_parameters: also `{arch}.vocab_size` and `{arch}.rope.dimension_count`

@@ -3,7 +3,7 @@ A1111, ComfyUI and kohya load, under which file prefix, and in which naming, bes
 pipeline folder that holds the same models one per subfolder.
 
 These are facts about the models, not about a command: `convert --layout` on a pipeline
-(`ckpt.convert.pipeline`) reads them, and so may anything else that takes a single file apart. They sit
+(`ckpt.layout.pipeline`) reads them, and so may anything else that takes a single file apart. They sit
 in a subpackage because a pipeline is no `Family` (it is made of families; the family loader does not
 enter subpackages). Each part names its family by id (`ckpt.families.get`).
 """

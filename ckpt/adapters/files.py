@@ -1,0 +1,54 @@
+"""What a loaded adapter is: its modules (name, family, part tensors, alpha) and the file they came from.
+
+The data types shared by the readers: `ckpt.adapters.loading` (LoRA files of every family, PEFT folders) and
+`ckpt.adapters.litgpt` (LitGPT's fused q/k/v LoRA) both produce them, and merging consumes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckpt.io.checkpoint import Checkpoint
+from ckpt.io.tensors import Tensor
+
+
+@dataclass
+class LoraModule:
+    name: str  # as spelled in the file (family suffix removed)
+    source: str  # the LoRA as the user named it
+    family: str | None
+    parts: dict[str, Tensor]
+    keys: list[str]
+    lookup_names: list[str]  # spellings to try in the key map, best first
+    config_alpha: float | None = None
+    rslora: bool = False
+    fan_in_fan_out: bool = False
+    # (start, stop, total): the module changes rows [start, stop) of a fused base weight of `total` rows
+    # (one of LitGPT's q/k/v pieces of `attn.qkv`); None: the whole target.
+    rows: tuple[int, int, int] | None = None
+
+    def alpha(self) -> float | None:
+        if "alpha" in self.parts and self.parts["alpha"].numel:
+            return float(self.parts["alpha"].read_all(torch.device("cpu")).float().reshape(-1)[0])
+        return self.config_alpha
+
+
+@dataclass
+class LoraFile:
+    spec: str
+    weights: Path
+    modules: dict[str, LoraModule]
+    unknown: list[str]  # stored keys that are no adapter part
+    ckpt: Checkpoint
+    litgpt: object | None = None  # ckpt.adapters.litgpt.LitSettings for a LitGPT LoRA
+    dtype: torch.dtype | None = None  # the dtype its own merge tool writes (LitGPT: the LoRA's)
+
+    @property
+    def inputs(self) -> list[Path]:
+        return self.ckpt.inputs + (list(self.litgpt.files) if self.litgpt is not None else [])
+
+    def close(self):
+        self.ckpt.close()

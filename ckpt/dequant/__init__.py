@@ -1,0 +1,1 @@
+"""`ckpt dequant`: quantized checkpoints back to plain state dicts (`ckpt.dequant.command`)."""
