@@ -26,8 +26,8 @@ from ckpt.io.hub import check_source
 @QUIET
 @REPORT
 def dequant(src, out, to, shapes_from, qtype, max_shard_size, dry_run, device, overwrite, quiet):
-    """optimum-quanto, bitsandbytes, ComfyUI comfy_quant and FP8-scaled checkpoints back to plain X.weight
-    tensors."""
+    """Quantized checkpoints back to plain tensors that load strictly: every format `ckpt inspect` names (GGUF,
+    FP8 layouts, comfy_quant, quanto, bitsandbytes, GPTQ, AWQ, compressed-tensors, ModelOpt, MXFP4, HQQ, torchao)."""
     check_source(src)
     load("ckpt.dequant.command")
     from ckpt.dequant.command import DequantOptions, dequant as run

@@ -1,6 +1,5 @@
-"""`ckpt dequant`: quantized checkpoints (optimum-quanto, bitsandbytes, ComfyUI comfy_quant, and the FP8
-layouts convert decodes) back to plain state dicts that load into the unquantized model class with
-`strict=True`.
+"""`ckpt dequant`: quantized checkpoints (every format of `ckpt.quant.formats`) back to plain state dicts that load
+into the unquantized model class with `strict=True`.
 
 Decoding is the shared logical view (`ckpt.quant.logical_view`), so there is one decode layer for
 convert, merge-lora and dequant. Layout, sidecars, index and config edits come from
@@ -23,6 +22,7 @@ from ckpt.io.checkpoint_plan import plan_checkpoint
 from ckpt.io.plan import parse_size
 from ckpt.options import WriteOptions
 from ckpt.quant import logical_view
+from ckpt.quant.formats import labels
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report, plural
 from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, write
@@ -90,8 +90,7 @@ def dequant(src: str, out: str | Path | None, opts: DequantOptions,
     with open_checkpoint(src) as ckpt:
         plan, _ = plan_dequant(ckpt, opts, report)
         if plan is None:
-            report.note(f"{src}: nothing to dequantize (no optimum-quanto, bitsandbytes, comfy_quant or scaled-FP8 "
-                        "weights); nothing written")
+            report.note(f"{src}: nothing to dequantize (no weights of {', '.join(labels())}); nothing written")
             for line in describe_contents(ckpt):
                 report.note(f"  {line}")
             return None, report

@@ -131,59 +131,11 @@ def quantized_layers(view, config) -> dict | None:
 
 
 def _settings(t, config) -> dict | None:
-    from ckpt.quant import awq, compressed_tensors, gptq, hqq, modelopt, mxfp4, torchao
+    """What the format that decoded `t` says of it (`ckpt.quant.formats`: each format's `settings`), or None."""
+    from ckpt.quant.formats import format_of
 
-    if isinstance(t, gptq.GptqWeight):
-        groups = t.groups(_cpu())
-        sequential = groups.numel() == 0 or bool((groups == _arange(t.in_features) // t.group_size).all())
-        qc = (config or {}).get("quantization_config") if isinstance(config, dict) else None
-        sym = qc.get("sym") if isinstance(qc, dict) and isinstance(qc.get("sym"), bool) else None
-        s = {"format": "GPTQ", "bits": t.bits, "group_size": -1 if t.group_size >= t.in_features else t.group_size,
-             "act_order": not sequential, "zero_points": "v1" if t.v1 else "v2"}
-        return s | ({"sym": sym} if sym is not None else {})
-    if isinstance(t, (awq.AwqGemmWeight, awq.AwqGemvWeight)):
-        return {"format": "AWQ", "bits": 4, "group_size": t.group, "sym": False,
-                "version": "GEMM" if isinstance(t, awq.AwqGemmWeight) else "GEMV"}
-    if isinstance(t, compressed_tensors.CtIntWeight):
-        s = {"format": "compressed-tensors", "type": f"int{t.bits}", "bits": t.bits,
-             "packing": "pack-quantized" if t.packed else "naive-quantized", "strategy": t.strategy,
-             "sym": t.zero is None}
-        return s | ({"group_size": t.group} if t.strategy == "group" else {})
-    if isinstance(t, compressed_tensors.CtNvfp4Weight):
-        return {"format": "compressed-tensors", "type": "nvfp4", "bits": 4, "group_size": 16,
-                "packing": "nvfp4-pack-quantized"}
-    if isinstance(t, modelopt.ModelOptNvfp4Weight):
-        return {"format": "ModelOpt", "type": "nvfp4", "bits": 4, "group_size": 16}
-    if isinstance(t, mxfp4.Mxfp4Experts):
-        return {"format": "gpt-oss", "type": "mxfp4", "bits": 4, "group_size": mxfp4.BLOCK}
-    if isinstance(t, hqq.HqqWeight):
-        return {"format": "HQQ", "bits": t.bits, "group_size": t.view[0] if t.axis == 0 else t.view[1],
-                "axis": t.axis}
-    if isinstance(t, torchao.TorchaoWeight):
-        return _torchao_settings(t)
-    return None
-
-
-def _torchao_settings(t) -> dict:
-    """torchao's block_size says the granularity: the whole tensor, one row, or groups of a row."""
-    shape, block = t.shape, t.block
-    if tuple(block) == tuple(shape):
-        strategy = "tensor"
-    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]) and block[-1] == shape[-1]:
-        strategy = "channel"
-    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]):
-        strategy = "group"
-    else:
-        strategy = "block"
-    bits = int(t.codes[len("float"):].split("_")[0]) if t.codes.startswith("float") else int(t.codes[len("int"):])
-    s = {"format": "torchao", "type": t.codes, "bits": bits, "packing": t.kind, "strategy": strategy}
-    if strategy == "group":
-        s["group_size"] = block[-1]
-    if strategy == "block":
-        s["block"] = list(block)
-    if t.codes.startswith("int"):  # torchao stores a zero point of zeros for its symmetric mappings too
-        s["sym"] = t.zero is None or not bool(t.zero.read_all(_cpu()).any())
-    return s
+    fmt = format_of(t)
+    return fmt.settings(t, config) if fmt is not None and fmt.settings is not None else None
 
 
 def _label(s: dict) -> str:
@@ -212,14 +164,3 @@ def _label(s: dict) -> str:
         parts.append(f"{s['zero_points']} zero points")
     return ", ".join(parts)
 
-
-def _cpu():
-    from ckpt.lazy import torch
-
-    return torch.device("cpu")
-
-
-def _arange(n: int):
-    from ckpt.lazy import torch
-
-    return torch.arange(n)

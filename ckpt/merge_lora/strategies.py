@@ -15,7 +15,7 @@ The patches matched to an expert bank by a PEFT `target_parameters` LoRA come wi
 (`match_loras` applies `ckpt.adapters.kinds.experts.experts_patches`, for merge-lora and `ckpt merge` alike).
 
 `Plain` casts every logical tensor to one dtype (--to, else the model's own; bf16 for a base decoded from an LLM
-quantization format: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ); `KeepFormat` writes the base's
+quantization format, `ckpt.quant.formats`: GPTQ, AWQ, compressed-tensors, ...); `KeepFormat` writes the base's
 stored encoding again (`ckpt.targets.planners.keep_format`); `LitGPT` wraps either one with what a LitGPT LoRA brings:
 older `attn.attn` bases read as `attn.qkv`, the LoRA's dtype and the torch container as defaults, and a
 finetune folder merged into a LitGPT checkpoint folder. Choosing once keeps these decisions out of the
@@ -38,14 +38,13 @@ from ckpt.adapters import litgpt
 from ckpt.adapters.matching import Patches
 from ckpt.adapters.merged import Patched
 from ckpt.options import WriteOptions
+from ckpt.quant.formats import format_of, llm_labels
 from ckpt.run import cast_outputs, check_gguf_output, decoded_notes, default_output, file_ext, output_format
 
 FP8_DEFAULT = torch.bfloat16  # what an FP8 base is written as without --to
-# A base decoded from one of these LLM quantization formats (the decoders' modules -> the format's name) is written
-# in bf16 without --to (issue 24): the decoded values are in the format's compute dtype (fp16 scales for
-# GPTQ/AWQ/HQQ...), but fine-tuners merge a QLoRA into them to get the bf16 model back, as PEFT users do.
-LLM_QUANT = {"ckpt.quant.gptq": "GPTQ", "ckpt.quant.awq": "AWQ", "ckpt.quant.compressed_tensors": "compressed-tensors",
-             "ckpt.quant.modelopt": "ModelOpt NVFP4", "ckpt.quant.mxfp4": "gpt-oss MXFP4", "ckpt.quant.hqq": "HQQ"}
+# A base decoded from an LLM quantization format (`ckpt.quant.formats`: `llm`) is written in bf16 without --to: the
+# decoded values are in the format's compute dtype (fp16 scales for GPTQ/AWQ/HQQ...), but fine-tuners merge a QLoRA
+# into them to get the bf16 model back, as PEFT users do.
 LLM_QUANT_DEFAULT = torch.bfloat16
 
 
@@ -67,18 +66,13 @@ def as_computed(views):
     """The views with every LLM-quantization weight whose decoder reads wider than its compute dtype wrapped in
     AsComputed; other tensors as they are."""
     def fix(t):
-        if type(t).__module__ in LLM_QUANT and is_float(t.dtype) and is_float(t.natural_dtype) \
+        fmt = format_of(t)
+        if fmt is not None and fmt.llm and is_float(t.dtype) and is_float(t.natural_dtype) \
                 and t.natural_dtype != t.dtype:
             return AsComputed(t)
         return t
 
     return [replace(v, tensors={k: fix(t) for k, t in v.tensors.items()}) for v in views]
-
-
-def llm_quant_formats(views) -> list[str]:
-    """The LLM quantization formats (LLM_QUANT) some tensor of the views was decoded from, sorted."""
-    return sorted({LLM_QUANT[type(t).__module__] for v in views for t in v.tensors.values()
-                   if type(t).__module__ in LLM_QUANT})
 
 
 
@@ -107,8 +101,8 @@ class Strategy:
 
 class Plain(Strategy):
     """Every logical tensor cast to --to, else to `dtype` (the LitGPT LoRA's, said in a note), else to the
-    model's own dtype (an FP8 base as FP8_DEFAULT; a GPTQ, AWQ, compressed-tensors, ModelOpt, gpt-oss MXFP4 or
-    HQQ base, every floating tensor as LLM_QUANT_DEFAULT, said in a note); the patched ones merged in fp32 first."""
+    model's own dtype (an FP8 base as FP8_DEFAULT; a base of an LLM quantization format, every floating tensor as
+    LLM_QUANT_DEFAULT, said in a note); the patched ones merged in fp32 first."""
 
     def __init__(self, to: str | None, fmt: str | None, container: str = "safetensors",
                  dtype: torch.dtype | None = None, dtype_source: str = ""):
@@ -126,7 +120,7 @@ class Plain(Strategy):
             dtype_note = f"written in {short_name(self.dtype)}, {self.dtype_source} (pass --to to choose)"
         fp8_seen = any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
                        for v in views for t in v.tensors.values())
-        quant = llm_quant_formats(views) if target is None else []
+        quant = llm_labels(views) if target is None else []
         if quant:
             target = LLM_QUANT_DEFAULT
             dtype_note = (f"{', '.join(quant)} base: merged in fp32 and written as {short_name(target)} "

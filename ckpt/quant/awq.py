@@ -37,6 +37,7 @@ from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, method_config, read_columns, refuse
+from ckpt.quant.formats import Format
 
 SIDE_CONFIG = "quant_config.json"  # AutoAWQ < 0.1.7 saved its config beside the weights
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i holds output order[i] of its word
@@ -219,4 +220,10 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     return Decoded(f"AWQ 4-bit {version.upper()}", tensors, consumed, notes=notes, anchors=anchors)
 
 
-DECODERS = [decode]
+def inspect_settings(t, config) -> dict:
+    """What `ckpt inspect` says of a decoded AWQ weight (always 4-bit with zero points)."""
+    return {"format": "AWQ", "bits": 4, "group_size": t.group, "sym": False,
+            "version": "GEMM" if isinstance(t, AwqGemmWeight) else "GEMV"}
+
+FORMAT = Format("awq", "AWQ", 100, (decode,), weights=(AwqGemmWeight, AwqGemvWeight), settings=inspect_settings,
+                llm=True)

@@ -39,6 +39,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, model_dtype, quant_config, refuse, st_name
 from ckpt.quant.encoding import NoEncoder
+from ckpt.quant.formats import Format
 
 QUANT_STATE = re.compile(r"^(.+)\.quant_state\.bitsandbytes__(nf4|fp4)$")
 # bitsandbytes' code tables (functional.get_4bit_type), in float32: the values its kernels use.
@@ -294,4 +295,6 @@ def decode_int8(ctx: DecodeContext) -> Decoded | None:
     return Decoded("bitsandbytes int8", tensors, consumed)
 
 
-DECODERS = [decode_4bit, decode_int8]
+FORMAT = Format("bitsandbytes", "bitsandbytes", 40, (decode_4bit, decode_int8), weights=(Bnb4bitWeight, Int8RowWeight),
+                refusals={"bitsandbytes": (re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.[\w]+|SCB)$"),
+                                           "data without the quant state or weight it belongs to")})

@@ -47,6 +47,7 @@ from ckpt.quant.common import (DecodeContext, Decoded, activation_keys, companio
                                scaled, st_name, weight_key)
 from ckpt.quant.encoding import Encoding, Lazy
 from ckpt.report import Report
+from ckpt.quant.formats import Format
 
 FP8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # comfy_quant format -> safetensors dtype
 BLOCK = {"nvfp4": 16, "mxfp8": 32}
@@ -302,7 +303,7 @@ def _logical_shape(ctx, layer, conf, wkey, stored, block):
     return tuple(cand)
 
 
-DECODERS = [decode]
+FORMAT = Format("comfy_quant", "ComfyUI comfy_quant", 30, (decode,), weights=(BlockQuantWeight,))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
 from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, nvfp4_parts,
                                quant_config, refuse, st_name)
+from ckpt.quant.formats import Format
 
 METHOD = "compressed-tensors"
 PACK, NAIVE, INT, NVFP4, FLOAT = ("pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
@@ -530,5 +531,14 @@ def unclaimed(ctx: DecodeContext) -> None:
     return None
 
 
-DECODERS = [decode]
-LAST = [unclaimed]
+def inspect_settings(t, config) -> dict:
+    """What `ckpt inspect` says of a decoded compressed-tensors weight: type, packing, strategy and group."""
+    if isinstance(t, CtNvfp4Weight):
+        return {"format": "compressed-tensors", "type": "nvfp4", "bits": 4, "group_size": 16,
+                "packing": "nvfp4-pack-quantized"}
+    s = {"format": "compressed-tensors", "type": f"int{t.bits}", "bits": t.bits,
+         "packing": "pack-quantized" if t.packed else "naive-quantized", "strategy": t.strategy, "sym": t.zero is None}
+    return s | ({"group_size": t.group} if t.strategy == "group" else {})
+
+FORMAT = Format("compressed-tensors", "compressed-tensors", 50, (decode,), weights=(CtIntWeight, CtNvfp4Weight),
+                settings=inspect_settings, llm=True, last=(unclaimed,))

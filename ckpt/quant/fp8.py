@@ -19,10 +19,12 @@ from ckpt.lazy import torch
 
 from ckpt.dtypes import FP8, ST_FP8, is_float
 from ckpt.quant.common import (ACTIVATION_SCALES, DEFAULT_BLOCK, DecodeContext, Decoded, activation_keys, companion,
-                               float_scale, model_dtype, quant_config, refuse, scaled, st_name, weight_key)
+                               ScaledTensor, float_scale, model_dtype, quant_config, refuse, scaled, st_name,
+                               weight_key)
 from ckpt.quant.encoding import NoEncoder
 from ckpt.quant.fp8_encode import ComfyScaledFP8Encoding, KohyaFP8Encoding
 from ckpt.report import plural
+from ckpt.quant.formats import Format
 
 # Suffixes of keys that only make sense next to a quantized weight; one left unclaimed is refused.
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".scale_weight", ".scale_weight_tensor",
@@ -229,4 +231,5 @@ def unpaired_scales(ctx: DecodeContext) -> None:
     return None
 
 
-DECODERS = [comfy_legacy, kohya_scaled, hf_block_fp8, weight_scale, activation_scales, unpaired_scales]
+FORMAT = Format("fp8", "scaled FP8", 70, (comfy_legacy, kohya_scaled, hf_block_fp8, weight_scale, activation_scales,
+                                        unpaired_scales), weights=(ScaledTensor,))

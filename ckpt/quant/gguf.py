@@ -34,6 +34,7 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant.encoding import Encoding
 from ckpt.quant.common import DecodeContext, Decoded
 from ckpt.report import plural
+from ckpt.quant.formats import Format
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a reshaped tensor
 
@@ -440,4 +441,4 @@ def decode(ctx: DecodeContext) -> Decoded | None:
                    notes=notes)
 
 
-DECODERS = [decode]
+FORMAT = Format("gguf", "GGUF", 10, (decode,), weights=(GGUFValues,))

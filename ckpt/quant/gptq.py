@@ -40,6 +40,8 @@ holds output rows as columns, so it is encoded per whole tensor (memory: the pac
 
 from __future__ import annotations
 
+import re
+
 
 from ckpt.lazy import torch
 
@@ -48,6 +50,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import (DecodeContext, Decoded, companion, float_scale, method_config, read_columns, refuse,
                                st_name)
+from ckpt.quant.formats import Contradiction, Format
 
 SIDE_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel's own config beside the weights
 BITS = (2, 3, 4, 8)
@@ -293,4 +296,22 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     return Decoded(f"GPTQ {label}-bit", tensors, consumed, notes=notes, anchors=anchors)
 
 
-DECODERS = [decode]
+def inspect_settings(t: GptqWeight, config) -> dict:
+    """What `ckpt inspect` says of a decoded GPTQ weight: its bits, group size, act-order (a permuted g_idx) and
+    zero-point convention, and sym where config.json's quantization_config says (no tensor carries it)."""
+    cpu = torch.device("cpu")
+    groups = t.groups(cpu)
+    sequential = groups.numel() == 0 or bool((groups == torch.arange(t.in_features) // t.group_size).all())
+    qc = (config or {}).get("quantization_config") if isinstance(config, dict) else None
+    sym = qc.get("sym") if isinstance(qc, dict) and isinstance(qc.get("sym"), bool) else None
+    s = {"format": "GPTQ", "bits": t.bits, "group_size": -1 if t.group_size >= t.in_features else t.group_size,
+         "act_order": not sequential, "zero_points": "v1" if t.v1 else "v2"}
+    return s | ({"sym": sym} if sym is not None else {})
+
+FORMAT = Format("gptq", "GPTQ", 90, (decode,), weights=(GptqWeight,), settings=inspect_settings, llm=True,
+                refusals={"GPTQ/AWQ int packs": (
+                    re.compile(r"\.(qweight|qzeros|g_idx)$"),
+                    "no config.json quantization_config (or AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json) "
+                    "names quant_method gptq or awq, and the packs alone do not say which")},
+                contradicts=(Contradiction("GPTQ/AWQ int packs", lambda key, keys: key.endswith((".qweight", ".qzeros", ".g_idx")),
+                                           "gptq or awq"),))

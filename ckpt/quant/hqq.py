@@ -41,6 +41,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, float_scale, refuse, st_name
 from ckpt.quant.encoding import NoEncoder
+from ckpt.quant.formats import Format
 
 # packing -> (bits per field, fields per word, word dtype name, nbits it holds): hqq's bit_to_packing
 PACKINGS = {"8bit_u8": (8, 1, "uint8", (8, 6, 5)), "4bit_u8": (4, 2, "uint8", (4,)),
@@ -246,4 +247,7 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     return Decoded("HQQ", tensors, consumed, notes=notes, anchors=anchors)
 
 
-DECODERS = [decode]
+def inspect_settings(t, config) -> dict:
+    return {"format": "HQQ", "bits": t.bits, "group_size": t.view[0] if t.axis == 0 else t.view[1], "axis": t.axis}
+
+FORMAT = Format("hqq", "HQQ", 120, (decode,), weights=(HqqWeight,), settings=inspect_settings, llm=True)

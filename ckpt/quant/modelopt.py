@@ -36,6 +36,7 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
 from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, method_config, model_dtype, nvfp4_parts,
                                refuse)
+from ckpt.quant.formats import Format
 
 SIDE_CONFIG = "hf_quant_config.json"
 LEFT_TO_FP8 = ("FP8", "FP8_PB_WO", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCKWISE", None, "")
@@ -133,4 +134,8 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     return Decoded("ModelOpt NVFP4", tensors, consumed, notes=notes, anchors=anchors)
 
 
-DECODERS = [decode]
+def inspect_settings(t, config) -> dict:
+    return {"format": "ModelOpt", "type": "nvfp4", "bits": 4, "group_size": 16}
+
+FORMAT = Format("modelopt", "ModelOpt NVFP4", 60, (decode,), weights=(ModelOptNvfp4Weight,), settings=inspect_settings,
+                llm=True)

@@ -41,6 +41,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, model_dtype, quant_config, refuse
 from ckpt.quant.microscaling import unpack_e2m1
+from ckpt.quant.formats import Contradiction, Format
 
 BLOCK = 32  # values per e8m0 scale
 BIAS = 127
@@ -146,4 +147,9 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     return Decoded("gpt-oss MXFP4", tensors, consumed, notes=notes, anchors=anchors)
 
 
-DECODERS = [decode]
+def inspect_settings(t, config) -> dict:
+    return {"format": "gpt-oss", "type": "mxfp4", "bits": 4, "group_size": BLOCK}
+
+FORMAT = Format("mxfp4", "gpt-oss MXFP4", 110, (decode,), weights=(Mxfp4Experts,), settings=inspect_settings, llm=True,
+                contradicts=(Contradiction("MXFP4 blocks", lambda key, keys: key.endswith("_blocks")
+                                           and key[: -len("_blocks")] + "_scales" in keys, "mxfp4"),))

@@ -34,6 +34,7 @@ from ckpt.dtypes import FP8
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor
 from ckpt.quant.common import DecodeContext, Decoded, companion
+from ckpt.quant.formats import Format
 
 QMAP_NAME = "quanto_qmap.json"
 FLOAT8_QTYPES = {  # qtype -> the safetensors name of its data's dtype
@@ -571,4 +572,4 @@ def shapes_from(spec: str):
     return lookup
 
 
-DECODERS = [decode]
+FORMAT = Format("quanto", "optimum-quanto", 80, (decode,), weights=(QBytesWeight, QBitsWeight))

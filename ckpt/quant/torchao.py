@@ -44,6 +44,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, float_scale, quant_config, refuse
 from ckpt.quant.encoding import NoEncoder
+from ckpt.quant.formats import Format
 
 AFFINE = ("Int8Tensor", "IntxUnpackedToInt8Tensor")
 DECODED = (*AFFINE, "Float8Tensor")
@@ -266,4 +267,27 @@ def decode(ctx: DecodeContext) -> Decoded | None:
                    dequantized=bool(n) or named)
 
 
-DECODERS = [decode]
+def inspect_settings(t: TorchaoWeight, config) -> dict:
+    """What `ckpt inspect` says of a decoded torchao weight: its code type and bits, the granularity its
+    block_size means (the whole tensor, one row, or groups of a row) and, for integer codes, the mapping."""
+    shape, block = t.shape, t.block
+    if tuple(block) == tuple(shape):
+        strategy = "tensor"
+    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]) and block[-1] == shape[-1]:
+        strategy = "channel"
+    elif len(shape) >= 2 and all(b == 1 for b in block[:-1]):
+        strategy = "group"
+    else:
+        strategy = "block"
+    bits = int(t.codes[len("float"):].split("_")[0]) if t.codes.startswith("float") else int(t.codes[len("int"):])
+    s = {"format": "torchao", "type": t.codes, "bits": bits, "packing": t.kind, "strategy": strategy}
+    if strategy == "group":
+        s["group_size"] = block[-1]
+    if strategy == "block":
+        s["block"] = list(block)
+    if t.codes.startswith("int"):  # torchao stores a zero point of zeros for its symmetric mappings too
+        s["sym"] = t.zero is None or not bool(t.zero.read_all(torch.device("cpu")).any())
+    return s
+
+FORMAT = Format("torchao", "torchao", 20, (decode,), weights=(TorchaoWeight,), settings=inspect_settings,
+                llm=True)
