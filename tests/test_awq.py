@@ -22,7 +22,6 @@ import json
 
 import pytest
 import torch
-from helpers.llm import load_strict
 from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file
 from helpers.awq_base import build
@@ -47,38 +46,6 @@ def test_dequant_equals_autoawq_bit_for_bit(tmp_path, run_ckpt, version, group, 
             assert bits_equal(out[name], oracle), ("AutoAWQ dequantize_gemm", name)
         if formula is not None:
             assert bits_equal(out[name], formula), ("scales * (code - zero) on from_linear's codes", name)
-
-
-def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
-    transformers = pytest.importorskip("transformers")
-    expected = build(tmp_path / "q", "gemm", 32)
-    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config
-    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM)
-    for name, (oracle, _) in expected.items():
-        assert bits_equal(model.get_parameter(name).data.half(), oracle)
-    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp16", "-o", tmp_path / "c16", "-q")
-    assert code == 0, err
-    c16 = load_file(tmp_path / "c16" / "model.safetensors")
-    for name, (oracle, _) in expected.items():
-        assert bits_equal(c16[name], oracle), name
-
-
-def test_gemm_bands_equal_the_whole(tmp_path):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import awq, logical_view
-
-    for version in ("gemm", "gemv"):
-        build(tmp_path / version, version, 32)
-        with open_checkpoint(str(tmp_path / version)) as ck:
-            t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.up_proj.weight"]
-            assert isinstance(t, awq.AwqGemmWeight if version == "gemm" else awq.AwqGemvWeight)
-            cpu = torch.device("cpu")
-            whole = t.read(0, 128, cpu)
-            for a, b in [(0, 3), (3, 21), (21, 100), (100, 128)]:
-                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (version, a, b)
 
 
 def test_old_autoawq_quant_config_json(tmp_path, run_ckpt):

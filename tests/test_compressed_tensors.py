@@ -5,7 +5,8 @@ Oracle: the `compressed-tensors` package (0.20.0) itself, end to end (`helpers.c
 min/max qparams, and are compressed and saved by `ModelCompressor`; the expected weights are the package's own
 per-module `decompress` of the saved tensors. ckpt must give the same dtype and the same bits: integer packs
 (dense 1..8-bit packing, 3-bit codes straddling words), naive int8, NVFP4, a mixed config (several groups,
-class/regex/exact targets, an ignore list, two formats), and a plain folder transformers loads strictly.
+class/regex/exact targets, an ignore list, two formats). What every format owes (a strict transformers load of
+the output, `convert`, bands, no stored part left) is the conformance test's: tests/test_quant_formats.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 
 import pytest
 import torch
-from helpers.llm import load_strict
 from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file
 
@@ -125,42 +125,6 @@ def test_dense_uncompressed_save_keeps_its_float_weights(tmp_path, run_ckpt):
     assert set(out) == set(ct_ref.tiny_llama()[1].state_dict())
     assert all(bits_equal(out[k], stored[k]) for k in out)
     assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
-
-
-def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
-    transformers = pytest.importorskip("transformers")
-    schemes = ct_ref.build(tmp_path / "q", MIXED, ignore=MIXED_IGNORE)
-    expected = ct_ref.oracle(tmp_path / "q", schemes)
-    _dequant(run_ckpt, tmp_path / "q", tmp_path / "plain")
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config
-    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM, dtype=torch.bfloat16)
-    for name, want in expected.items():
-        assert bits_equal(model.get_parameter(name).data, want), name
-    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "bf16", "-o", tmp_path / "c16", "-q")
-    assert code == 0, err
-    c16 = load_file(tmp_path / "c16" / "model.safetensors")
-    for name, want in expected.items():
-        assert bits_equal(c16[name], want), name
-
-
-def test_bands_equal_the_whole(tmp_path):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import compressed_tensors as ct
-    from ckpt.quant import logical_view
-
-    ct_ref.build(tmp_path / "q", MIXED, ignore=MIXED_IGNORE)
-    cpu = torch.device("cpu")
-    with open_checkpoint(str(tmp_path / "q")) as ck:
-        view = logical_view(ck.components[0])
-        for name, cls in [("model.layers.0.self_attn.q_proj.weight", ct.CtIntWeight),
-                          ("model.layers.0.mlp.up_proj.weight", ct.CtNvfp4Weight),
-                          ("model.layers.0.self_attn.v_proj.weight", ct.CtIntWeight)]:
-            t = view.tensors[name]
-            assert isinstance(t, cls), name
-            whole = t.read(0, t.shape[0], cpu)
-            for a, b in [(0, 3), (3, 17), (17, t.shape[0])]:
-                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (name, a, b)
 
 
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------

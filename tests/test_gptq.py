@@ -21,7 +21,6 @@ import json
 
 import pytest
 import torch
-from helpers.llm import load_strict
 from helpers import gptq_ref
 from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file
@@ -52,29 +51,6 @@ def test_dequant_equals_autogptq_bit_for_bit(tmp_path, run_ckpt, bits, group, de
     theirs = convert(tmp_path / "q" / "model.safetensors", torch.float16, qc, "cpu")
     for name in expected:
         assert bits_equal(out[name], theirs[name]), (which, name)
-
-
-def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
-    transformers = pytest.importorskip("transformers")
-    expected, _ = build(tmp_path / "q", 4, 32, True, False)
-    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config and config["torch_dtype"] == "float16"
-    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM)
-    assert not getattr(model, "is_quantized", False)
-    for name, want in expected.items():
-        assert bits_equal(model.get_parameter(name).data.half(), want)
-    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp16", "-o", tmp_path / "c16", "-q")
-    assert code == 0, err
-    c16 = load_file(tmp_path / "c16" / "model.safetensors")
-    for name, want in expected.items():
-        assert bits_equal(c16[name], want), name
-    code, _, err = run_ckpt("dequant", tmp_path / "q", "--to", "bf16", "-o", tmp_path / "b16", "-q")
-    assert code == 0, err
-    b16 = load_file(tmp_path / "b16" / "model.safetensors")
-    for name, want in expected.items():  # the fp16 values rounded once
-        assert torch.equal(b16[name], want.to(torch.bfloat16)), name
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -14,14 +14,12 @@ without it the tests skip, saying so.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from helpers.llm import load_strict
 from helpers.refusals import assert_refused, edit_saved
 from safetensors.torch import load_file
-from helpers.hqq_base import LINEARS, L, build, reloaded
+from helpers.format_cases import assert_bands_equal_the_whole
+from helpers.hqq_base import L, build, reloaded
 
 
 def bits_equal(a, b):
@@ -48,6 +46,7 @@ def test_dequant_equals_hqq_bit_for_bit(tmp_path, run_ckpt, nbits, group, axis, 
         assert bits_equal(out[name], reloaded(tmp_path / "q", layer, compute)), ("hqq load_state_dict", name)
         if layer.split(".")[-2] == "self_attn":  # attention_bias: the HQQLinear's plain bias, kept
             assert bits_equal(out[f"{layer}.bias"], stored[f"{layer}.bias"])
+    assert_bands_equal_the_whole(tmp_path / "q", list(expected))  # bands unpack other rows per nbits and axis
 
 
 def test_view_as_float(tmp_path, run_ckpt):
@@ -59,53 +58,6 @@ def test_view_as_float(tmp_path, run_ckpt):
         out = load_file(tmp_path / f"p{nbits}" / "model.safetensors")
         for name, want in expected.items():
             assert bits_equal(out[name], want), (nbits, name)
-
-
-def test_plain_folder_loads_strictly_and_convert_matches(tmp_path, run_ckpt):
-    import transformers
-
-    expected = build(tmp_path / "q", 4, 64, 1, torch.bfloat16)
-    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config
-    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM)
-    for name, want in expected.items():
-        assert bits_equal(model.get_parameter(name).data, want), name
-    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "fp32", "-o", tmp_path / "c32", "-q")
-    assert code == 0, err
-    c32 = load_file(tmp_path / "c32" / "model.safetensors")
-    for name, want in expected.items():
-        assert bits_equal(c32[name], want.float()), name  # bf16 values widened: one exact cast
-
-
-def test_bands_equal_the_whole(tmp_path):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import hqq, logical_view
-
-    cpu = torch.device("cpu")
-    for nbits, axis in ((4, 1), (3, 0), (2, 0), (3, 1)):
-        build(tmp_path / f"{nbits}{axis}", nbits, 32, axis, torch.float16)
-        with open_checkpoint(str(tmp_path / f"{nbits}{axis}")) as ck:
-            t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.up_proj.weight"]
-            assert isinstance(t, hqq.HqqWeight) and t.shape == (128, 64)
-            whole = t.read(0, 128, cpu)
-            for a, b in [(0, 3), (3, 21), (21, 100), (100, 128), (64, 128)]:
-                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (nbits, axis, a, b)
-
-
-def test_every_metadata_key_is_consumed_with_a_reason(tmp_path):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view
-
-    build(tmp_path / "q")
-    with open_checkpoint(str(tmp_path / "q")) as ck:
-        v = logical_view(ck.components[0])
-        stored = set(ck.components[0].tensors)
-    per_layer = {k for k in stored if k.startswith(L + ".")} - {f"{L}.bias"}
-    assert len(per_layer) == 19 and per_layer <= set(v.consumed)
-    assert all(v.consumed[k] for k in per_layer)
-    assert set(v.tensors) == stored - set(v.consumed) | {f"model.layers.0.{n}.weight" for n in LINEARS}
 
 
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------

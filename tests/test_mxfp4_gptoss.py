@@ -70,35 +70,16 @@ def test_dequant_equals_transformers_bit_for_bit(tmp_path, run_ckpt):
             assert same_bits(got[stem], convert_moe_packed_tensors(blocks, scales, dtype=dtype)), (to, stem)
 
 
-def test_output_loads_strictly_and_equals_transformers_own_load(tmp_path, run_ckpt):
-    packs, _ = mxfp4_ref.build(tmp_path / "q")
+def test_output_equals_transformers_own_load_of_the_quantized_folder(tmp_path, run_ckpt):
+    """The second oracle: transformers loading the MXFP4 folder itself (on CPU it dequantizes while loading). The
+    strict load of the output and `convert` are the conformance test's (tests/test_quant_formats.py)."""
+    mxfp4_ref.build(tmp_path / "q")
     code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
     assert code == 0, err
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config and config["num_local_experts"] == 4
     model = load_strict(tmp_path / "plain", transformers.GptOssForCausalLM)
-    oracle = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "q")  # CPU: dequantized while loading
+    oracle = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "q")
     for name, p in oracle.state_dict().items():
         assert same_bits(model.get_parameter(name).data, p), name
-    code, _, err = run_ckpt("convert", tmp_path / "q", "--to", "bf16", "-o", tmp_path / "c", "-q")
-    assert code == 0, err
-    c = load_file(tmp_path / "c" / "model.safetensors")
-    for stem in packs:
-        assert same_bits(c[stem], oracle.get_parameter(stem).data), stem
-
-
-def test_bands_along_the_experts_equal_the_whole(tmp_path):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view, mxfp4
-
-    mxfp4_ref.build(tmp_path / "q", experts=5)
-    with open_checkpoint(str(tmp_path / "q")) as ck:
-        t = logical_view(ck.components[0]).tensors[STEM]
-        assert isinstance(t, mxfp4.Mxfp4Experts) and t.shape == (5, 64, 128)
-        cpu = torch.device("cpu")
-        whole = t.read(0, 5, cpu)
-        for a, b in [(0, 1), (1, 3), (3, 5)]:
-            assert torch.equal(t.read(a, b, cpu), whole[a:b])
 
 
 def test_restated_packer_is_consistent():

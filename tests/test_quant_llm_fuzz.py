@@ -1,6 +1,6 @@
 """Seeded mutants of the quantized LLM folders people download (GPTQ, AWQ, compressed-tensors int and NVFP4,
-ModelOpt NVFP4, gpt-oss MXFP4, HQQ, torchao), each first written by the format's own library (the builders of
-tests/helpers), then broken one way: a `quantization_config` entry set to a wrong type or out-of-range value,
+ModelOpt NVFP4, gpt-oss MXFP4, HQQ, torchao), each first written by the format's own library (their cases in
+tests/helpers/format_cases.py), then broken one way: a `quantization_config` entry set to a wrong type or out-of-range value,
 dropped, or naming another format; config.json truncated or not an object; a stored tensor dropped, reshaped,
 retyped or given NaN/Inf.
 
@@ -38,34 +38,13 @@ FORMATS = ("gptq", "awq", "awq", "ct-int4", "ct-nvfp4", "modelopt", "mxfp4", "hq
 VALUE_KEYS = {"checkpoint_format"}
 
 
-def _build(name: str, folder: Path) -> None:
-    from helpers import awq_base, ct_ref, gptq_base, hqq_base, modelopt_base, mxfp4_ref, torchao_ref
+def _build(name: str, folder: Path) -> Path:
+    """The format's folder, made under `folder` by its conformance case (tests/helpers/format_cases.py)."""
+    from helpers import format_cases as fc
 
-    if name == "gptq":
-        gptq_base.build(folder, bits=4, group=32)
-    elif name == "awq":
-        awq_base.build(folder)
-    elif name == "ct-int4":
-        ct_ref.build(folder, {"g": ct_ref.linear(ct_ref.int_args(4, "group", 32, False))}, ignore=["lm_head"])
-    elif name == "ct-nvfp4":
-        from compressed_tensors.quantization import QuantizationScheme
-        from compressed_tensors.quantization.quant_scheme import NVFP4A16
-
-        ct_ref.build(folder, {"g": QuantizationScheme(targets=["Linear"], **NVFP4A16)}, ignore=["lm_head"])
-    elif name == "modelopt":
-        modelopt_base.build(folder, in_config=True)
-    elif name == "mxfp4":
-        mxfp4_ref.build(folder)
-    elif name == "hqq":
-        hqq_base.build(folder)
-    elif name == "torchao":
-        try:
-            torchao_ref.folder()
-        except torchao_ref.Unavailable as e:
-            pytest.skip(str(e))
-        torchao_ref.build(folder.parent / "torchao-out", "IntxWeightOnlyConfig(weight_dtype=torch.int4, "
-                          "granularity=PerGroup(32), mapping_type=MappingType.ASYMMETRIC)", "bfloat16")
-        (folder.parent / "torchao-out" / "q").rename(folder)
+    builders = {"gptq": fc.gptq_4bit, "awq": fc.awq_gemm, "ct-int4": fc.ct_int4, "ct-nvfp4": fc.ct_nvfp4,
+                "modelopt": fc.modelopt_nvfp4, "mxfp4": fc.mxfp4_gptoss, "hqq": fc.hqq_4bit, "torchao": fc.torchao_int4}
+    return builders[name](folder).path
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +57,7 @@ def intact(tmp_path_factory):
     def get(name):
         if name not in made:
             root = tmp_path_factory.mktemp(name)
-            folder = root / "intact"
-            _build(name, folder)
+            folder = _build(name, root / "intact")
             try:
                 main(["dequant", str(folder), "-o", str(root / "out"), "-q"])
             except SystemExit as e:

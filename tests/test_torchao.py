@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
-from helpers.llm import load_strict
 from helpers import torchao_ref
+from helpers.format_cases import assert_bands_equal_the_whole
 from helpers.refusals import assert_refused
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -87,59 +87,8 @@ def test_dequant_equals_torchao_bit_for_bit(made, tmp_path, run_ckpt, case):
         assert bits_equal(out[name], plain[name]), name
     with safe_open(tmp_path / "plain" / "model.safetensors", "pt") as f:
         assert "tensor_names" not in (f.metadata() or {})  # torchao's per-tensor metadata is not carried over
-
-
-def test_plain_folder_loads_strictly_and_convert_matches(made, tmp_path, run_ckpt):
-    import transformers
-
-    folder, ref, _ = made("intx int4 asym")
-    code, _, err = run_ckpt("dequant", folder / "q", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "quantization_config" not in config
-    model = load_strict(tmp_path / "plain", transformers.AutoModelForCausalLM)
-    for name, want in ref.items():
-        assert bits_equal(model.get_parameter(name).data, want), name
-    code, _, err = run_ckpt("convert", folder / "q", "--to", "bf16", "-o", tmp_path / "bf16", "-q")
-    assert code == 0, err
-    bf = load_file(tmp_path / "bf16" / "model.safetensors")
-    for name, want in ref.items():
-        assert bits_equal(bf[name], want), name
-    code, _, err = run_ckpt("convert", folder / "q", "--to", "fp32", "-o", tmp_path / "fp32", "-q")
-    assert code == 0, err
-    f32 = load_file(tmp_path / "fp32" / "model.safetensors")
-    for name, want in ref.items():
-        assert bits_equal(f32[name], want.float()), name  # bf16 values widened: one exact cast
+    assert_bands_equal_the_whole(folder / "q", list(ref))  # each subclass's bands
     assert "torchao" not in sys.modules  # the oracle ran in its subprocesses only
-
-
-def test_bands_equal_the_whole(made):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view, torchao
-
-    cpu = torch.device("cpu")
-    for case in ("int8 per tensor", "intx int4 asym", "float8 per row"):
-        folder, ref, _ = made(case)
-        with open_checkpoint(str(folder / "q")) as ck:
-            t = logical_view(ck.components[0]).tensors["model.layers.0.mlp.up_proj.weight"]
-            assert isinstance(t, torchao.TorchaoWeight) and t.shape == (128, 64)
-            whole = t.read(0, 128, cpu)
-            assert bits_equal(whole, ref["model.layers.0.mlp.up_proj.weight"])
-            for a, b in [(0, 3), (3, 21), (21, 100), (100, 128)]:
-                assert bits_equal(t.read(a, b, cpu), whole[a:b].contiguous()), (case, a, b)
-
-
-def test_every_key_is_consumed_with_a_reason(made):
-    from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view
-
-    folder, ref, _ = made("intx int4 asym")
-    with open_checkpoint(str(folder / "q")) as ck:
-        v = logical_view(ck.components[0])
-        stored = set(ck.components[0].tensors)
-    data = {k for k in stored if "._weight_" in k}
-    assert len(data) == 3 * 14 and data == set(v.consumed) and all(v.consumed.values())
-    assert set(v.tensors) == (stored - data) | set(ref)
 
 
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------

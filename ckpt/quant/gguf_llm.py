@@ -247,6 +247,23 @@ def _check_heads(meta: Meta, heads: int, kv_heads: int, hidden: int, stored: dic
     return head
 
 
+def _check_complete(header, stored: dict[str, GGUFStored], n_blocks: int) -> None:
+    """Every block holds the same tensors, and the embeddings and final norm are there: a GGUF missing one (llama.cpp
+    refuses to load it) would otherwise become a folder whose model transformers fills in at random."""
+    per_block: dict[str, set[int]] = {}
+    for n in stored:
+        if (m := re.match(r"blk\.(\d+)\.(.+)$", n)):
+            per_block.setdefault(m.group(2), set()).add(int(m.group(1)))
+    for suffix, blocks in sorted(per_block.items()):
+        if len(blocks) != n_blocks:
+            gap = next(i for i in range(n_blocks) if i not in blocks)
+            raise file_error(header.path, f"tensor blk.{gap}.{suffix} is missing (blocks {sorted(blocks)[:4]}"
+                                          f"{', ...' if len(blocks) > 4 else ''} have it); nothing was written")
+    for top in ("token_embd.weight", "output_norm.weight"):
+        if top not in stored:
+            raise file_error(header.path, f"tensor {top} is missing; nothing was written")
+
+
 def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple[dict, list[str]]:
     """config.json for the HF model class, from the GGUF metadata and the tensor shapes; and notes. Every
     value is checked (`Meta`) and, where a tensor shows it, against that tensor."""
@@ -338,6 +355,7 @@ def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decod
         tensors[hf] = value
         consumed[gname] = f"GGUF name of {hf}"
         anchors[gname] = hf
+    _check_complete(header, stored, cfg["num_hidden_layers"])
     quantized = any(t.quantized for t in stored.values())
     return Decoded(f"GGUF {arch.arch} LLM ({summary})", tensors, consumed,
                    dequantized=quantized, notes=notes, anchors=anchors, config=cfg)
