@@ -62,15 +62,6 @@ ST_UNSUPPORTED = {"F4": "packed fp4", "F6_E2M3": "packed fp6", "F6_E3M2": "packe
 
 FP8: tuple[torch.dtype, ...] = LazyTable(lambda: tuple(ST_TO_TORCH[n] for n in ST_FP8))
 
-# The plain float dtypes by name: dequant's and merge-lora's --to (convert's --to targets are the
-# registry ckpt.targets).
-TARGETS: dict[str, torch.dtype] = LazyTable(lambda: {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-})
-
 # short names of the floating dtypes, by safetensors name; any other dtype is its safetensors name, lowercase
 ST_SHORT: dict[str, str] = {
     "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3fn", "F8_E5M2": "fp8_e5m2",

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ckpt.dtypes import ST_FLOAT, as_torch, is_float, st_name
 from ckpt.errors import CkptError
-from ckpt.io.output import execute, preflight, target_state, targets
+from ckpt.io.output import execute, preflight, target_state, published_paths
 from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.gguf_split import partial_sets
 from ckpt.io.plan import FORMATS, OutTensor, Plan
@@ -173,7 +173,7 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
     say what a dry run would write or write it atomically with a progress bar."""
     for n in plan.notes:
         report.note(n)
-    parts = targets(plan, out_path)
+    parts = published_paths(plan, out_path)
     if len(parts) > 1:
         report.note(f"split GGUF of {len(parts)} parts beside each other: {', '.join(p.name for p in parts[:3])}"
                     f"{', ...' if len(parts) > 3 else ''} (llama.cpp loads the first; ckpt reads any)")

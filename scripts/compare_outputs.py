@@ -94,7 +94,11 @@ COMMANDS = [
     ("convert gguf back", ["convert", "in/llama-f16.gguf", "--to", "bf16", "-o", "out"]),
     ("batch convert", ["batch", "convert", "in/sharded", "--to", "fp16", "-o", "out"]),
     ("refused dequant gguf -o", ["dequant", "in/gptq", "-o", "out.gguf"]),
-    ("refused merge to", ["merge", "in/merge-linear.yaml", "--to", "nvfp4", "-o", "out"]),
+    ("refused lora gguf -o", ["lora", "resize", "in/kohya.safetensors", "--rank", "2", "-o", "out.gguf"]),
+    ("merge to nvfp4", ["merge", "in/flux1.safetensors", "in/flux1-tuned.safetensors", "--alpha", "0.3", "--to",
+                        "nvfp4", "-o", "out.safetensors"]),
+    ("merge to gguf", ["merge", "in/merge-linear.yaml", "--to", "gguf-q4_k_m", "-o", "out.gguf"]),
+    ("dequant to gguf", ["dequant", "in/flux1-nvfp4.safetensors", "--to", "gguf-q8_0", "-o", "out.gguf"]),
 ]
 
 

@@ -540,12 +540,12 @@ def test_pickle_and_safetensors_of_one_name_get_distinct_outputs(tmp_path, run_c
 
 
 def test_manifest_lock_refuses_a_concurrent_batch_and_ignores_torn_lines(tmp_path):
-    from ckpt.batch.manifest import Manifest, Record
+    from ckpt.batch.manifest import Manifest, ManifestRecord
     from ckpt.errors import CkptError
 
     first = Manifest(tmp_path / "ckpt-batch.jsonl")
     first.open_for_append()
-    first.append(Record("/x", 1, 2, "convert --to fp16", "/o", "ok"))
+    first.append(ManifestRecord("/x", 1, 2, "convert --to fp16", "/o", "ok"))
     with pytest.raises(CkptError, match="another `ckpt batch` is running"):
         Manifest(tmp_path / "ckpt-batch.jsonl").open_for_append()
     first.close()
@@ -554,6 +554,6 @@ def test_manifest_lock_refuses_a_concurrent_batch_and_ignores_torn_lines(tmp_pat
     again = Manifest(tmp_path / "ckpt-batch.jsonl")
     assert again.last("/x", "convert --to fp16").status == "ok" and again.last("/y", "convert --to fp16") is None
     again.open_for_append()
-    again.append(Record("/z", 1, 2, "convert --to fp16", "/o2", "ok"))
+    again.append(ManifestRecord("/z", 1, 2, "convert --to fp16", "/o2", "ok"))
     again.close()
     assert Manifest(tmp_path / "ckpt-batch.jsonl").last("/z", "convert --to fp16").output == "/o2"

@@ -160,7 +160,7 @@ def test_resume_after_sigkill_recognises_finished_outputs_and_removes_stale_temp
 def test_an_output_not_made_by_the_started_job_is_not_taken_for_it(tmp_path, run_ckpt):
     """The "started" line names this input and output; the output must also carry ckpt's provenance for
     this very operation, else it is someone else's file and stays protected."""
-    from ckpt.batch.manifest import Manifest, Record
+    from ckpt.batch.manifest import Manifest, ManifestRecord
 
     root, out = tmp_path / "models", tmp_path / "out"
     src = root / "a.safetensors"
@@ -169,7 +169,7 @@ def test_an_output_not_made_by_the_started_job_is_not_taken_for_it(tmp_path, run
     m = Manifest(out / "ckpt-batch.jsonl")
     m.open_for_append()
     size, mtime = src.stat().st_size, src.stat().st_mtime_ns
-    m.append(Record(str(src.resolve()), size, mtime, "convert --to fp16", str((out / "a.safetensors").resolve()),
+    m.append(ManifestRecord(str(src.resolve()), size, mtime, "convert --to fp16", str((out / "a.safetensors").resolve()),
                     "started", started_ns=0))
     m.close()
     code, stdout, err = run_ckpt("batch", "convert", root, "--to", "fp16", "-o", out, "-q")

@@ -222,7 +222,7 @@ def test_task_resources_come_from_the_plan_and_gpu_jobs_need_a_gpu_node(tmp_path
     from ckpt.batch.discover import Found
     from ckpt.batch.operations import make_operation
     from ckpt.batch.ray_pool import task_options
-    from ckpt.batch.runner import Job
+    from ckpt.batch.runner import BatchJob
 
     root, out = tmp_path / "models", tmp_path / "out"
     st(root / "big.safetensors", w=(1000, 250))
@@ -230,7 +230,7 @@ def test_task_resources_come_from_the_plan_and_gpu_jobs_need_a_gpu_node(tmp_path
     for device, gpus in (("cpu", 0), ("cuda", 1), ("auto", 0)):
         op = make_operation("convert", {"to": "fp16", "device": device})
         item = Found(root / "big.safetensors", "big.safetensors", False)
-        job = Job(item, out / "big.safetensors", 0, 0, "new", estimate=op.estimate(item))
+        job = BatchJob(item, out / "big.safetensors", 0, 0, "new", estimate=op.estimate(item))
         opts = task_options(op, job)
         assert opts["memory"] == op.estimate(item) == job.estimate and opts["num_gpus"] == gpus
         assert opts["num_cpus"] == 1 and opts["max_retries"] == 0

@@ -240,9 +240,9 @@ def test_refusals(tmp_path, run_ckpt):
         (("flux.safetensors", "--to", "bf16", "--pure"), "--pure applies to --to gguf-* only"),
         (("flux.safetensors", "--to", "gguf-q7_7"), "unknown GGUF type"),
         (("flux.safetensors", "--to", "gguf-q8_0", "-o", "x.safetensors"), "writes a GGUF file; name it .gguf"),
-        (("flux.safetensors", "--to", "bf16", "-o", "x.gguf"), "GGUF is written by --to gguf-"),
+        (("flux.safetensors", "--to", "bf16", "-o", "x.gguf"), "add --to gguf-TYPE to write GGUF"),
         (("flux.safetensors", "--to", "gguf-q8_0", "--keep", "*norm*"), "--keep does not apply"),
-        (("flux.safetensors", "--to", "gguf-q8_0", "--format", "torch"), "--format does not apply"),
+        (("flux.safetensors", "--to", "gguf-q8_0", "--format", "torch"), "--format torch with --to gguf-q8_0: the output is a GGUF file"),
         (("diffusers.safetensors", "--to", "gguf-q8_0"), "ComfyUI-GGUF loads the original layout: run `ckpt convert SRC --layout original` first"),
         (("other.safetensors", "--to", "gguf-q8_0"), "not a diffusion model ComfyUI-GGUF knows"),
     ]

@@ -3,7 +3,7 @@
 - Layout conversions come from diffusers' own single-file converters
   (`convert_flux_transformer_checkpoint_to_diffusers`, `convert_sd3_transformer_checkpoint_to_diffusers`,
   `convert_ldm_unet_checkpoint`, `convert_open_clip_checkpoint`): a tiny native state dict with unique
-  values is converted, and every Target (key, rows, transform) must reproduce the converted tensor.
+  values is converted, and every Placement (key, rows, transform) must reproduce the converted tensor.
   The tiny native dicts are checked first: the converter must consume all of them and produce exactly
   the state-dict keys of a tiny diffusers/transformers model, so they are real layouts.
 - Module names come from the models themselves (`named_modules()` of tiny diffusers / transformers
@@ -19,7 +19,7 @@ import torch
 
 from ckpt.families import get
 from ckpt.adapters.keymap import build_keymap
-from ckpt.adapters.placement import Target
+from ckpt.adapters.placement import Placement
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 logging.getLogger("diffusers").setLevel(logging.ERROR)
@@ -48,8 +48,8 @@ class Unique:
         return t
 
 
-def apply(target: Target, native: torch.Tensor) -> torch.Tensor:
-    """What the diffusers-side tensor is, read through a Target of the native base."""
+def apply(target: Placement, native: torch.Tensor) -> torch.Tensor:
+    """What the diffusers-side tensor is, read through a Placement of the native base."""
     t = native
     if target.rows is not None:
         t = t[target.rows[0]: target.rows[1]]
@@ -61,12 +61,12 @@ def apply(target: Target, native: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def assemble(targets: list[Target], sd: dict, rows: int) -> torch.Tensor:
-    """Rebuild a fused native tensor from the pieces a split Target list points at."""
+def assemble(targets: list[Placement], sd: dict, rows: int) -> torch.Tensor:
+    """Rebuild a fused native tensor from the pieces a split Placement list points at."""
     parts = sorted(targets, key=lambda t: t.part[0] if t.part else 0)
     out = []
     for t in parts:
-        piece = apply(Target(t.key, transform=t.transform), sd[t.key])
+        piece = apply(Placement(t.key, transform=t.transform), sd[t.key])
         out.append(piece)
         if t.part:
             assert piece.shape[0] == t.part[1] - t.part[0]
@@ -144,7 +144,7 @@ def test_flux_bfl_base_answers_diffusers_names(flux_pair, prefix):
             assert t is not None, name
             assert torch.equal(apply(t, base[t.key]), converted[f"{mod}.weight"]), name
             if f"{mod}.bias" in converted:
-                bias = Target(t.bias_key, t.rows, t.transform)
+                bias = Placement(t.bias_key, t.rows, t.transform)
                 assert torch.equal(apply(bias, base[t.bias_key]), converted[f"{mod}.bias"]), name
 
 
@@ -155,12 +155,12 @@ def test_flux_bfl_base_answers_kohya_and_comfy_names(flux_pair):
         if key.endswith(".bias"):
             continue
         mod = key.rsplit(".", 1)[0]
-        full = Target("model.diffusion_model." + key)
+        full = Placement("model.diffusion_model." + key)
         assert km.lookup(f"lora_unet_{flat(mod)}") == full
         assert km.lookup(f"diffusion_model.{mod}") == full
         assert km.lookup(f"model.diffusion_model.{mod}") == full
     xl = km.lookup("double_blocks.0.processor.qkv_lora2")
-    assert xl == Target("model.diffusion_model.double_blocks.0.txt_attn.qkv.weight")
+    assert xl == Placement("model.diffusion_model.double_blocks.0.txt_attn.qkv.weight")
     qkv_only = km.lookup("single_blocks.0.linear1_qkv")
     assert qkv_only.rows == (0, 3 * FLUX_H)
 
@@ -183,7 +183,7 @@ def test_flux_diffusers_base_splits_bfl_names(flux_pair):
                     assert km.lookup(name) is None  # a split needs `targets()`
         # diffusers/PEFT names land on the same-named weight
         t = km.lookup("transformer.single_transformer_blocks.0.attn.to_q")
-        assert t == Target(prefix + "single_transformer_blocks.0.attn.to_q.weight")
+        assert t == Placement(prefix + "single_transformer_blocks.0.attn.to_q.weight")
         assert km.lookup("transformer.norm_out.linear").transform is None
 
 
@@ -306,12 +306,12 @@ def test_sd3_sai_base_answers_diffusers_names(sd3_pair):
             assert t is not None, name
             assert torch.equal(apply(t, base[t.key]), converted[f"{mod}.weight"]), name
             if f"{mod}.bias" in converted:
-                bias = Target(t.bias_key, t.rows, t.transform)
+                bias = Placement(t.bias_key, t.rows, t.transform)
                 assert torch.equal(apply(bias, base[t.bias_key]), converted[f"{mod}.bias"]), name
             if t.transform == "swap_halves":
                 swapped.append(mod)
     assert sorted(set(swapped)) == ["norm_out.linear", "transformer_blocks.1.norm1_context.linear"]
-    qkv = Target(prefix + "joint_blocks.0.x_block.attn.qkv.weight")
+    qkv = Placement(prefix + "joint_blocks.0.x_block.attn.qkv.weight")
     assert km.lookup("lora_unet_joint_blocks_0_x_block_attn_qkv") == qkv
 
 
@@ -433,7 +433,7 @@ def test_ldm_unet_base_answers_diffusers_and_kohya_names(unet_pair):
     for key in ldm:
         if key.endswith(".weight"):
             mod = key[len("model.diffusion_model."): -len(".weight")]
-            assert km.lookup(f"lora_unet_{flat(mod)}") == Target(key)
+            assert km.lookup(f"lora_unet_{flat(mod)}") == Placement(key)
     # old diffusers attention-processor names
     attn = next(m for m in modules if m.endswith("attn1.to_out.0"))
     proc = attn.replace("attn1.to_out.0", "attn1.processor.to_out")
@@ -457,8 +457,8 @@ def test_diffusers_unet_base_answers_ldm_names(unet_pair):
         assert t is not None, mod
         assert converted[t.key] is value, mod
     for mod in modules:
-        assert km.lookup(f"lora_unet_{flat(mod)}") == Target(f"{mod}.weight")
-        assert km.lookup(f"unet.{mod}") == Target(f"{mod}.weight")
+        assert km.lookup(f"lora_unet_{flat(mod)}") == Placement(f"{mod}.weight")
+        assert km.lookup(f"unet.{mod}") == Placement(f"{mod}.weight")
 
 
 # ------------------------------------------------------------------------------ text encoders
@@ -521,11 +521,11 @@ def test_sdxl_text_encoders_openclip_slices_and_kohya_numbers():
             assert t is not None, name
             assert torch.equal(apply(t, base[t.key]), converted[f"{mod}.weight"]), name
             if f"{mod}.bias" in converted:
-                bias = Target(t.bias_key, t.rows)
+                bias = Placement(t.bias_key, t.rows)
                 assert torch.equal(apply(bias, base[t.bias_key]), converted[f"{mod}.bias"]), name
     assert km.lookup("lora_te2_text_projection").transform == "transpose"
     for mod in _linear_modules(clip_l):
-        want = Target(f"conditioner.embedders.0.transformer.{mod}.weight")
+        want = Placement(f"conditioner.embedders.0.transformer.{mod}.weight")
         for name in (f"lora_te1_{flat(mod)}", f"text_encoder.{mod}", f"lora_te_{flat(mod)}"):
             assert km.lookup(name) == want, name
     # te1 and te2 share HF module names: bare names are claimed twice and resolve to nothing
@@ -543,9 +543,9 @@ def test_sd2_openclip_is_the_only_text_encoder():
     te = _openclip_dict(_clip(16), "cond_stage_model.model.", u)
     km = build_keymap(shapes(te))
     t = km.lookup("lora_te_text_model_encoder_layers_1_self_attn_v_proj")
-    assert t == Target("cond_stage_model.model.transformer.resblocks.1.attn.in_proj_weight", (32, 48))
+    assert t == Placement("cond_stage_model.model.transformer.resblocks.1.attn.in_proj_weight", (32, 48))
     assert t.bias_key == "cond_stage_model.model.transformer.resblocks.1.attn.in_proj_bias"
-    assert km.lookup("text_encoder.text_model.encoder.layers.0.mlp.fc1") == Target(
+    assert km.lookup("text_encoder.text_model.encoder.layers.0.mlp.fc1") == Placement(
         "cond_stage_model.model.transformer.resblocks.0.mlp.c_fc.weight")
 
 
@@ -557,13 +557,13 @@ def test_sd1_checkpoint_te_and_unet_prefixes():
                  "first_stage_model.decoder.conv_in.weight": (4, 4, 3, 3), "alphas_cumprod": (1000,)})
     km = build_keymap(base)
     for mod in _linear_modules(clip):
-        assert km.lookup(f"lora_te_{flat(mod)}") == Target(f"cond_stage_model.transformer.{mod}.weight")
-    assert km.lookup("lora_unet_down_blocks_0_attentions_0_proj_in") == Target(
+        assert km.lookup(f"lora_te_{flat(mod)}") == Placement(f"cond_stage_model.transformer.{mod}.weight")
+    assert km.lookup("lora_unet_down_blocks_0_attentions_0_proj_in") == Placement(
         "model.diffusion_model.input_blocks.1.1.proj_in.weight")
-    assert km.lookup("lora_unet_mid_block_attentions_0_proj_in") == Target(
+    assert km.lookup("lora_unet_mid_block_attentions_0_proj_in") == Placement(
         "model.diffusion_model.middle_block.1.proj_in.weight")
     assert km.lookup("lora_unet_decoder_conv_in") is None  # VAE keys get no LoRA spellings
-    assert km.lookup("first_stage_model.decoder.conv_in") == Target("first_stage_model.decoder.conv_in.weight")
+    assert km.lookup("first_stage_model.decoder.conv_in") == Placement("first_stage_model.decoder.conv_in.weight")
     assert km.lookup("lora_unet_alphas_cumprod") is None
 
 
@@ -581,7 +581,7 @@ def test_comfy_text_encoders_numbering(encoders, numbers):
     km = build_keymap(base)
     for name in encoders:
         for mod in _linear_modules(models[name]):
-            want = Target(f"text_encoders.{name}.transformer.{mod}.weight")
+            want = Placement(f"text_encoders.{name}.transformer.{mod}.weight")
             for n in range(1, 4):
                 got = km.lookup(f"lora_te{n}_{flat(mod)}")
                 if n in numbers[name]:
@@ -590,7 +590,7 @@ def test_comfy_text_encoders_numbering(encoders, numbers):
                     assert got != want, (name, n, mod)
             assert km.lookup(f"text_encoders.{name}.transformer.{mod}") == want
     t5_mod = _linear_modules(models["t5xxl"])[0]
-    assert km.lookup(f"lora_te3_{flat(t5_mod)}") == Target(f"text_encoders.t5xxl.transformer.{t5_mod}.weight")
+    assert km.lookup(f"lora_te3_{flat(t5_mod)}") == Placement(f"text_encoders.t5xxl.transformer.{t5_mod}.weight")
 
 
 def test_standalone_text_encoder_files():
@@ -598,11 +598,11 @@ def test_standalone_text_encoder_files():
     km = build_keymap(shapes(t5.state_dict()))
     mod = _linear_modules(t5)[0]
     for name in (f"lora_te3_{flat(mod)}", f"lora_te2_{flat(mod)}", f"text_encoder_2.{mod}", mod):
-        assert km.lookup(name) == Target(f"{mod}.weight"), name
+        assert km.lookup(name) == Placement(f"{mod}.weight"), name
     clip_l = _clip(16)
     km = build_keymap(shapes(clip_l.state_dict()))
     mod = _linear_modules(clip_l)[0]
-    assert km.lookup(f"lora_te1_{flat(mod)}") == Target(f"{mod}.weight")
+    assert km.lookup(f"lora_te1_{flat(mod)}") == Placement(f"{mod}.weight")
     assert km.lookup(f"lora_te2_{flat(mod)}") is None
 
 
@@ -633,9 +633,9 @@ def test_underscore_collisions_are_ambiguous_not_guessed():
     km = build_keymap({"a.b_c.weight": (2, 2), "a_b.c.weight": (2, 2), "x.y.weight": (2, 2)})
     assert km.lookup("lora_unet_a_b_c") is None
     assert {t.key for t in km.ambiguous("lora_unet_a_b_c")} == {"a.b_c.weight", "a_b.c.weight"}
-    assert km.lookup("a.b_c") == Target("a.b_c.weight")  # the dotted spelling is unique
+    assert km.lookup("a.b_c") == Placement("a.b_c.weight")  # the dotted spelling is unique
     assert km.ambiguous("a.b_c") == []
-    assert km.lookup("lora_unet_x_y") == Target("x.y.weight")
+    assert km.lookup("lora_unet_x_y") == Placement("x.y.weight")
 
 
 def test_unknown_names():
@@ -643,7 +643,7 @@ def test_unknown_names():
     for name in ("lora_unet_double_blocks_7_img_attn_qkv", "transformer.transformer_blocks.3.attn.to_q",
                  "lora_te1_text_model_encoder_layers_0_self_attn_q_proj", "", "double_blocks"):
         assert km.lookup(name) is None and km.ambiguous(name) == [] and km.targets(name) == []
-    assert km.lookup("transformer.transformer_blocks.0.attn.to_k") == Target(
+    assert km.lookup("transformer.transformer_blocks.0.attn.to_k") == Placement(
         "double_blocks.0.img_attn.qkv.weight", (2, 4))
 
 
@@ -657,7 +657,7 @@ def test_clip_saved_without_text_model_wrapper():
                  "lora_te_text_model_encoder_layers_0_self_attn_q_proj",
                  "text_encoder.text_model.encoder.layers.0.self_attn.q_proj",
                  "text_encoder.encoder.layers.0.self_attn.q_proj"):
-        assert km.lookup(name) == Target("encoder.layers.0.self_attn.q_proj.weight"), name
+        assert km.lookup(name) == Placement("encoder.layers.0.self_attn.q_proj.weight"), name
 
 
 # --------------------------------------------------------------------------- end to end (CLI)

@@ -309,7 +309,7 @@ def _hf_block_fp8_base(tmp_path):
 BAD = {
     "plain base": (_plain_base, [], "stores plain tensors (no quantized encoding to keep)"),
     "--to with --keep-format": (_gguf_base, ["--to", "bf16"], "--to bf16 and --keep-format: choose one"),
-    "gguf base, --format torch": (_gguf_base, ["--format", "torch"], "the base is a GGUF file, and so is the output"),
+    "gguf base, --format torch": (_gguf_base, ["--format", "torch"], "is a GGUF file, and so is the output"),
     "gguf base, -o x.safetensors": (_gguf_base, ["-o", "{tmp}/x.safetensors"], "name it .gguf"),
     "format without an encoder": (_hf_block_fp8_base, [], "has no encoder"),
     "bitsandbytes": (_bnb_base, [], "bitsandbytes is decoded only"),

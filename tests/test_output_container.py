@@ -1,7 +1,7 @@
 """The suffix of -o picks the container, or is refused: one rule for every writing command
 (`ckpt.io.output.check_container`). `-o NAME.gguf` without a GGUF target is refused in one line (exit 2, nothing
-written) saying to add --to gguf-TYPE, or, for a command that never writes GGUF (dequant, the lora commands),
-that it writes safetensors; the same -o with --to gguf-TYPE writes a GGUF file gguf's reader reads."""
+written) saying to add --to gguf-TYPE, or, for a command that never writes GGUF (the lora commands), that it
+writes safetensors; the same -o with --to gguf-TYPE writes a GGUF file gguf's reader reads."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers.keep_format import kohya_lora
 from helpers.refusals import assert_refused
 
 HINT = "add --to gguf-TYPE (or --keep-format on a GGUF base) to write GGUF"
-MERGE_HINT = "add --keep-format on a GGUF reference to write GGUF"
+MERGE_HINT = "add --to gguf-TYPE (or --keep-format on a GGUF reference) to write GGUF"
 NEVER = "never GGUF"
 
 
@@ -42,8 +42,10 @@ CASES = {
     "merge --to bf16": (["merge", "a.safetensors", "b.safetensors", "--to", "bf16"], MERGE_HINT),
     "merge-lora": (["merge-lora", "a.safetensors", "l.safetensors"], HINT + ", or name it x.safetensors"),
     "merge-lora --to fp16": (["merge-lora", "a.safetensors", "l.safetensors", "--to", "fp16"], HINT),
-    "dequant": (["dequant", "q.safetensors"], "ckpt dequant writes safetensors, never GGUF; name it x.safetensors"),
-    "convert": (["convert", "a.safetensors", "--to", "fp16"], "GGUF is written by --to gguf-"),
+    "dequant": (["dequant", "q.safetensors"], "ckpt dequant writes safetensors here; add --to gguf-TYPE to write "
+                                              "GGUF, or name it x.safetensors"),
+    "convert": (["convert", "a.safetensors", "--to", "fp16"], "ckpt convert writes safetensors here; add --to gguf-TYPE "
+                                                              "to write GGUF, or name it x.safetensors"),
     "lora extract": (["lora", "extract", "base.safetensors", "tuned.safetensors", "--rank", "2"], NEVER),
     "lora resize": (["lora", "resize", "l.safetensors", "--rank", "2"], NEVER),
     "lora merge": (["lora", "merge", "l.safetensors", "l.safetensors"], NEVER),

@@ -17,7 +17,7 @@ import math
 from ckpt.errors import CkptError
 from ckpt.report import Report, plural
 
-ALPHA_FAMILIES = ("lora", "loha", "lokr", "glora")  # the families whose scale is alpha / rank
+ALPHA_KINDS = ("lora", "loha", "lokr", "glora")  # the families whose scale is alpha / rank
 
 
 def finite(flag: str, value: float | None) -> None:
@@ -60,7 +60,7 @@ def settle_alphas(f, alpha: float | None, report: Report) -> None:
     """Modules of LoRA file `f` whose alpha no file gives (no alpha key, adapter_config.json or
     lora_adapter_metadata): alpha = `alpha` (--alpha) when given, else alpha = rank (scale 1), assumed
     with a warning. PEFT's own default (lora_alpha 8) differs from that, so the assumption is never silent."""
-    missing = [m for m in f.modules.values() if m.family in ALPHA_FAMILIES and m.alpha() is None]
+    missing = [m for m in f.modules.values() if m.kind in ALPHA_KINDS and m.alpha() is None]
     names = {m.name for m in missing}  # LitGPT's q/k/v pieces are one stored module
     if not names:
         return

@@ -1,6 +1,6 @@
-"""What a loaded adapter is: its modules (name, family, part tensors, alpha) and the file they came from.
+"""What a loaded adapter is: its modules (name, kind, part tensors, alpha) and the file they came from.
 
-The data types shared by the readers: `ckpt.adapters.loading` (LoRA files of every family, PEFT folders) and
+The data types shared by the readers: `ckpt.adapters.loading` (LoRA files of every kind, PEFT folders) and
 `ckpt.adapters.litgpt` (LitGPT's fused q/k/v LoRA) both produce them, and merging consumes them.
 """
 
@@ -17,9 +17,9 @@ from ckpt.io.tensors import Tensor
 
 @dataclass
 class LoraModule:
-    name: str  # as spelled in the file (family suffix removed)
+    name: str  # as spelled in the file (kind suffix removed)
     source: str  # the LoRA as the user named it
-    family: str | None
+    kind: str | None
     parts: dict[str, Tensor]
     keys: list[str]
     lookup_names: list[str]  # spellings to try in the key map, best first

@@ -32,7 +32,7 @@ from ckpt.families import ORIGINAL, Match, Pair, Shapes, module_of
 from ckpt.families import clip as clip_family
 from ckpt.families.lora_namings import lora_target
 from ckpt.families.prefixes import MODEL_PREFIXES, accepts
-from ckpt.adapters.placement import Target
+from ckpt.adapters.placement import Placement
 
 DM_DOTTED = ("", "diffusion_model.", "model.diffusion_model.", "transformer.", "unet.", "base_model.model.",
              "unet.base_model.model.")
@@ -56,7 +56,7 @@ DM_COMPONENTS = {"unet", "transformer", "prior", "decoder", *MODEL_PREFIXES}
 class BaseComponent:
     """One model inside the base: keys relative to `prefix`, and how LoRAs address it."""
 
-    prefix: str  # re-added in front of every Target key
+    prefix: str  # re-added in front of every Placement key
     identity: str  # outer prefix, e.g. "conditioner.embedders.1." (shared by `.model.` and other keys)
     keys: Shapes
     role: str = "other"  # "dm" (diffusion model / any main model) | "te" | "other" (raw names only)
@@ -76,7 +76,7 @@ class BaseComponent:
 
 @dataclass(frozen=True)
 class ExpertBank:
-    """The Target transform of a 3-D expert parameter [E, in, out] a PEFT `target_parameters` (ParamWrapper) LoRA
+    """The Placement transform of a 3-D expert parameter [E, in, out] a PEFT `target_parameters` (ParamWrapper) LoRA
     changes, whole bank (`ckpt.adapters.kinds.experts`)."""
 
     experts: int
@@ -115,7 +115,7 @@ class ExpertBank:
 EXPERT_BANKS = (("down_proj", ""), ("gate_up_proj", ".base_layer"))
 
 
-def expert_aliases(keys: Shapes) -> list[Alias]:
+def expert_aliases(keys: Shapes) -> list[KeyAlias]:
     """PEFT target_parameters names of gpt-oss expert banks (EXPERT_BANKS): module `M` (and `M.base_layer`) ->
     `M.down_proj` (and `M.gate_up_proj`), each with its ExpertBank transform."""
     out = []
@@ -127,49 +127,49 @@ def expert_aliases(keys: Shapes) -> list[Alias]:
         if down is None or len(down) != 3 or down[0] != shape[0] or bias is None:
             continue
         for param, nest in EXPERT_BANKS:
-            out.append(Alias(m + nest, (Target(f"{m}.{param}", transform=ExpertBank(shape[0])),)))
+            out.append(KeyAlias(m + nest, (Placement(f"{m}.{param}", transform=ExpertBank(shape[0])),)))
     return out
 
 
 @dataclass(frozen=True)
-class Alias:
+class KeyAlias:
     """Module `name` (a family's scheme, relative to the model) lands on `targets` (keys relative too)."""
 
     name: str
-    targets: tuple[Target, ...]
+    targets: tuple[Placement, ...]
 
 
 class KeyMap:
     """LoRA module name -> where its delta goes. Built by `build_keymap`."""
 
     def __init__(self):
-        self._claims: dict[str, list[tuple[Target, ...]]] = {}
+        self._claims: dict[str, list[tuple[Placement, ...]]] = {}
         self.families: list[str] = []  # what was recognised, for messages ("Flux (BFL layout)", ...)
         self.matches: list[tuple[str, Match]] = []  # (part prefix, family match) of each recognised part
         self.main: Match | None = None  # the diffusion model's (or the only model's) family
 
-    def _add(self, name: str, targets: tuple[Target, ...]):
+    def _add(self, name: str, targets: tuple[Placement, ...]):
         claims = self._claims.setdefault(name, [])
         if targets not in claims:
             claims.append(targets)
 
-    def targets(self, module_name: str) -> list[Target]:
+    def targets(self, module_name: str) -> list[Placement]:
         """All Targets of the module: one, several for a fused LoRA split over separate base weights
         (each with `part` rows of the delta), or none (unknown or ambiguous)."""
         claims = self._claims.get(module_name)
         return list(claims[0]) if claims and len(claims) == 1 else []
 
-    def lookup(self, module_name: str) -> Target | None:
+    def lookup(self, module_name: str) -> Placement | None:
         """The one base weight (or row slice) the module lands on; None if unknown, ambiguous or split."""
         found = self.targets(module_name)
         return found[0] if len(found) == 1 and found[0].part is None else None
 
-    def ambiguous(self, module_name: str) -> list[Target]:
-        """Every Target claimed for the name when several base weights claim it, else []."""
+    def ambiguous(self, module_name: str) -> list[Placement]:
+        """Every Placement claimed for the name when several base weights claim it, else []."""
         claims = self._claims.get(module_name)
         if not claims or len(claims) < 2:
             return []
-        seen: list[Target] = []
+        seen: list[Placement] = []
         for group in claims:
             seen += [t for t in group if t not in seen]
         return seen
@@ -193,7 +193,7 @@ def build_keymap(base: dict[str, tuple[int, ...]], component: str | None = None)
     """
     km = KeyMap()
     for part in base_parts(base, component):
-        aliases = [Alias(module_of(k), (Target(k),)) for k in part.keys if not _is_bias(k)]
+        aliases = [KeyAlias(module_of(k), (Placement(k),)) for k in part.keys if not _is_bias(k)]
         match = part.detect() if part.role != "other" else None
         if match is not None:
             part.family = match.label
@@ -261,32 +261,32 @@ def _family_text(m: Match) -> str:
     return f"{m.family_id or m.family.label} ({families.layout_name(m.layout)})"
 
 
-def family_aliases(match: Match, keys: Shapes) -> list[Alias]:
+def family_aliases(match: Match, keys: Shapes) -> list[KeyAlias]:
     """The other layout's module names for a recognised base, and the family's extra LoRA names."""
     fam = match.family
-    out: list[Alias] = []
+    out: list[KeyAlias] = []
     if fam.pairs is not None and match.layout is not None:
         out += pair_aliases(fam.pairs(keys, match.layout), keys, match.layout == ORIGINAL)
     if fam.lora_aliases is not None:
-        out += [Alias(a.name, (Target(a.key, a.rows, a.transform),)) for a in fam.lora_aliases(keys, match.layout)]
+        out += [KeyAlias(a.name, (Placement(a.key, a.rows, a.transform),)) for a in fam.lora_aliases(keys, match.layout)]
     return out
 
 
-def pair_aliases(pairs: list[Pair], base: Shapes, original_base: bool) -> list[Alias]:
+def pair_aliases(pairs: list[Pair], base: Shapes, original_base: bool) -> list[KeyAlias]:
     """Aliases for a base stored in the original layout (diffusers names -> original rows) or as
     diffusers (the reverse).
 
     In the reverse direction an original module fused from several diffusers tensors (qkv, linear1)
-    becomes one alias with one Target per piece, each saying which rows of the LoRA delta it takes
+    becomes one alias with one Placement per piece, each saying which rows of the LoRA delta it takes
     (`part`). An original module is only offered when every piece exists in the base.
     """
-    out: list[Alias] = []
-    # biases follow their weight's Target; one-side-only tensors have no other name
+    out: list[KeyAlias] = []
+    # biases follow their weight's Placement; one-side-only tensors have no other name
     pairs = [p for p in pairs if p.original and p.diffusers and not p.original.endswith((".bias", "_bias"))]
     if original_base:
         for p in pairs:
             if p.original in base:
-                out.append(Alias(module_of(p.diffusers), (Target(p.original, p.rows, p.transform),)))
+                out.append(KeyAlias(module_of(p.diffusers), (Placement(p.original, p.rows, p.transform),)))
         return out
     groups: dict[str, list[Pair]] = defaultdict(list)
     for p in pairs:
@@ -296,10 +296,10 @@ def pair_aliases(pairs: list[Pair], base: Shapes, original_base: bool) -> list[A
             continue
         if len(group) == 1 and group[0].rows is None:
             p = group[0]
-            targets = (Target(p.diffusers, transform=p.transform),)
+            targets = (Placement(p.diffusers, transform=p.transform),)
         else:
-            targets = tuple(Target(p.diffusers, transform=p.transform, part=p.rows) for p in group)
-        out.append(Alias(module_of(original), targets))
+            targets = tuple(Placement(p.diffusers, transform=p.transform, part=p.rows) for p in group)
+        out.append(KeyAlias(module_of(original), targets))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Reading adapters: LoRA files (any family) and PEFT adapter folders, grouped into modules.
+"""Reading adapters: LoRA files (any kind) and PEFT adapter folders, grouped into modules.
 
 A stored key is a module name plus a suffix naming its part (`x.lora_down.weight` -> module `x`, part
 `down`). The suffix table below is the whole vocabulary; keys it does not cover are reported as
@@ -28,7 +28,7 @@ from ckpt.adapters.xlabs import xlabs_part
 
 PEFT_PREFIX = "base_model.model."
 
-# suffix -> (family or None for parts any family may carry, part role)
+# suffix -> (kind or None for parts any kind may carry, part role)
 SUFFIXES: dict[str, tuple[str | None, str]] = {
     "lora_down.weight": ("lora", "down"),
     "lora_up.weight": ("lora", "up"),
@@ -182,7 +182,7 @@ def _metadata_settings(weights: Path, metadata: dict[str, str]) -> dict[str, Pef
 
 
 def _split(key: str) -> tuple[str, str | None, str] | None:
-    """(module name, family, role) of a stored key, or None."""
+    """(module name, kind, role) of a stored key, or None."""
     x = xlabs_part(key)
     if x is not None:
         return x[0], "lora", x[1]
@@ -192,8 +192,8 @@ def _split(key: str) -> tuple[str, str | None, str] | None:
         return f"{m['head']}.{proj}", "lora", m["role"]
     for suffix in _ORDERED:
         if key.endswith("." + suffix):
-            family, role = SUFFIXES[suffix]
-            return key[: -len(suffix) - 1], family, role
+            kind, role = SUFFIXES[suffix]
+            return key[: -len(suffix) - 1], kind, role
     return None
 
 
@@ -202,15 +202,15 @@ def group_modules(tensors: dict[str, Tensor], source: str, settings_by_prefix: d
     modules: dict[str, LoraModule] = {}
     leftovers: list[str] = []
 
-    def add(name, family, role, key, slot=None):
+    def add(name, kind, role, key, slot=None):
         slot = slot or name
         m = modules.get(slot)
         if m is None:
             m = modules[slot] = LoraModule(name, source, None, {}, [], [name])
-        if family is not None:
-            if m.family not in (None, family):
-                raise CkptError(f"{source}: module {name!r} mixes {m.family} and {family} keys ({key!r})")
-            m.family = family
+        if kind is not None:
+            if m.kind not in (None, kind):
+                raise CkptError(f"{source}: module {name!r} mixes {m.kind} and {kind} keys ({key!r})")
+            m.kind = kind
         if role in m.parts:
             raise CkptError(f"{source}: module {name!r} has two {role} tensors ({key!r})")
         m.parts[role] = tensors[key]
@@ -234,7 +234,7 @@ def group_modules(tensors: dict[str, Tensor], source: str, settings_by_prefix: d
         else:
             unknown.append(key)
     for name, m in list(modules.items()):
-        if m.family is None:  # only alpha / dora_scale: nothing to merge
+        if m.kind is None:  # only alpha / dora_scale: nothing to merge
             unknown += m.keys
             del modules[name]
             continue

@@ -102,7 +102,7 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches: Patches, r
     kinds: dict[str, set[str]] = {}
     zero: set[str] = set()
     nonzero: set[str] = set()  # a LitGPT attn.qkv module is zero only if each of its pieces is
-    ordered = sorted(f.modules.values(), key=lambda m: m.family != "replace")  # replacements first
+    ordered = sorted(f.modules.values(), key=lambda m: m.kind != "replace")  # replacements first
     for m in ordered:
         hit = _resolve(m, keymaps, where, f)
         if hit is None:
@@ -119,7 +119,7 @@ def _match(f: LoraFile, ratio: float, views, keymaps, where, patches: Patches, r
             if other is None:
                 raise
             targets, adapter = other, _fit(m, other, view.tensors, f)
-        kind = adapter.family + ("+dora" if getattr(adapter, "dora", None) is not None else "")
+        kind = adapter.kind + ("+dora" if getattr(adapter, "dora", None) is not None else "")
         kinds.setdefault(kind, set()).add(m.name)
         matched.add(m.name)
         if adapter.is_zero():  # rank 0, an untrained lora_B...: no patch, and said so
@@ -169,7 +169,7 @@ def _narrow(target, m, tensors, f):
 
 
 def _resolve(m, keymaps, where, f):
-    """(component index, [Target, ...]) for a module, None when nothing matches; ambiguity is an error."""
+    """(component index, [Placement, ...]) for a module, None when nothing matches; ambiguity is an error."""
     for name in m.lookup_names:
         hits = []
         for i, km in enumerate(keymaps):
@@ -240,7 +240,7 @@ def _oriented(m, targets, tensors):
     LoRA saved with it may be stored either way: the base tensors' shapes decide, once, before the module's
     adapter is made. It keeps the stored (transposed) orientation unless that does not fit and the plain one
     does; then it is a copy with fan_in_fan_out off (the loaded module itself is never changed)."""
-    if m.family != "lora" or not m.fan_in_fan_out:
+    if m.kind != "lora" or not m.fan_in_fan_out:
         return m
     if _why_not(make_adapter(m), targets, tensors) is None:
         return m

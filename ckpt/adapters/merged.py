@@ -30,7 +30,7 @@ class Patch:
     rows: tuple[int, int] | None = None  # slice of a fused target owned by the module
     transform: Transform | None = None  # the target's (ckpt.adapters.placement); the patch is applied whole
     bias: bool = False  # the patch changes the bias beside the adapter's weight
-    offset: int = 0  # row of the module's delta that lands on the slice's first row (Target.part)
+    offset: int = 0  # row of the module's delta that lands on the slice's first row (Placement.part)
 
     @property
     def row_local(self) -> bool:
@@ -40,8 +40,9 @@ class Patch:
 class MergedTensor(Wrapper):
     dtype = torch.float32
 
-    def __init__(self, base: Tensor, patches: list[Patch]):
+    def __init__(self, base: Tensor, patches: list[Patch], replaces: Tensor | None = None):
         self.base, self.patches = base, patches
+        self.replaces = base if replaces is None else replaces  # the decoded tensor it stands for (keep-format)
         self.name, self.shape, self.home = base.name, tuple(base.shape), base.home
         local = all(p.row_local for p in patches) and bool(self.shape)
         self.row_align = base.row_align if local else None

@@ -2,7 +2,7 @@
 
 The key map (`keymap.py`) is built from the base's own keys: for each base weight it registers every
 spelling a LoRA may use for it (kohya `lora_unet_...`, PEFT `base_model.model....`, diffusers names of
-fused BFL weights, ...) and maps it to a `Target`. Adapters (`adapters/`) compute a module's delta in the
+fused BFL weights, ...) and maps it to a `Placement`. Adapters (`adapters/`) compute a module's delta in the
 module's own shape and add it to `target.rows` of `target.key`.
 """
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Target:
+class Placement:
     key: str  # base tensor name, e.g. "double_blocks.0.img_attn.qkv.weight"
     rows: tuple[int, int] | None = None  # [start, stop) rows of a fused weight owned by this module
     # The layout fix-up of the delta before adding (ckpt.families.Transform): SWAP_HALVES (diffusers norm_out

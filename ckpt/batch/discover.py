@@ -30,7 +30,7 @@ from ckpt.errors import CkptError
 from ckpt.io.checkpoint import NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
 from ckpt.io.small_inputs import check_regular, read_text
 
-WEIGHT_SUFFIXES = SAFETENSORS + PICKLES
+JOB_SUFFIXES = SAFETENSORS + PICKLES
 INDEX = re.compile(r"\.(safetensors|bin|pt|pth)\.index\.json$")
 
 
@@ -55,7 +55,7 @@ class Discovery:
 
 
 def is_weight_file(p: Path) -> bool:
-    return p.suffix in WEIGHT_SUFFIXES and not p.name.startswith(".") and not NOT_WEIGHTS.search(p.name)
+    return p.suffix in JOB_SUFFIXES and not p.name.startswith(".") and not NOT_WEIGHTS.search(p.name)
 
 
 def _entries(d: Path, special: list[Path] | None = None) -> tuple[list[Path], list[Path]]:
@@ -268,7 +268,7 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
         for f in files:
             if is_weight_file(f):
                 add(f, f"{rel}/{f.name}" if rel else f.name, False)
-            elif f.suffix in WEIGHT_SUFFIXES:
+            elif f.suffix in JOB_SUFFIXES:
                 result.ignored.append((f"{rel}/{f.name}" if rel else f.name, "training state, not weights"))
         for s in dirs:
             visit(s, f"{rel}/{s.name}" if rel else s.name)
@@ -276,8 +276,8 @@ def discover(root: Path, *, exclude: list[Path] = (), pattern: str | None = None
     if not root.is_dir() and not root.is_file():
         check_regular(root)  # a FIFO or a device given as FOLDER: said as what it is
     if root.is_file():
-        if root.suffix not in WEIGHT_SUFFIXES:
-            raise CkptError(f"{root}: not a checkpoint file (expected {', '.join(WEIGHT_SUFFIXES)}) or a folder")
+        if root.suffix not in JOB_SUFFIXES:
+            raise CkptError(f"{root}: not a checkpoint file (expected {', '.join(JOB_SUFFIXES)}) or a folder")
         add(root, root.name, False)
     else:
         visit(root, "")

@@ -43,7 +43,7 @@ def is_manifest(path: Path) -> bool:
 
 
 @dataclass
-class Record:
+class ManifestRecord:
     input: str
     size: int
     mtime_ns: int
@@ -59,7 +59,7 @@ class Record:
 class Manifest:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.records: dict[tuple[str, str], Record] = {}
+        self.records: dict[tuple[str, str], ManifestRecord] = {}
         self._fh = None
         # appended to in place: the side-file rules (a regular file ckpt wrote, or new; a writable folder)
         check_side_file(self.path, str(self.path), "ckpt batch manifest", is_manifest, check_folder=False)
@@ -71,16 +71,16 @@ class Manifest:
             text = self.path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise CkptError(f"{self.path}: cannot read the batch manifest ({e})") from None
-        fields = set(Record.__dataclass_fields__)
+        fields = set(ManifestRecord.__dataclass_fields__)
         for line in text.splitlines():
             try:
                 d = json.loads(line)
-                rec = Record(**{k: v for k, v in d.items() if k in fields})
+                rec = ManifestRecord(**{k: v for k, v in d.items() if k in fields})
             except (json.JSONDecodeError, TypeError):
                 continue  # a torn or foreign line: that job is simply redone
             self.records[(rec.input, rec.operation)] = rec
 
-    def last(self, input_path: str, operation: str) -> Record | None:
+    def last(self, input_path: str, operation: str) -> ManifestRecord | None:
         return self.records.get((input_path, operation))
 
     def outputs(self) -> set[str]:
@@ -102,7 +102,7 @@ class Manifest:
                 if f.read(1) != b"\n":
                     self._fh.write("\n")  # end a torn last line, so the next record starts clean
 
-    def append(self, rec: Record) -> None:
+    def append(self, rec: ManifestRecord) -> None:
         rec.finished = rec.finished or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.records[(rec.input, rec.operation)] = rec
         fields = {k: v for k, v in asdict(rec).items() if v is not None or k != "started_ns"}

@@ -201,7 +201,7 @@ class RayPool:
         ray = self.ray = require()
         self.op, self.limit, self.spec_of = op, limit, spec_of
         self.log = log or (lambda line: None)
-        self.refs: dict = {}  # ObjectRef -> Job
+        self.refs: dict = {}  # ObjectRef -> BatchJob
         self.connected = False  # by us: we disconnect (and stop a local instance we started) in close()
         self.scratch = None
         self.local = False  # a new single-node instance: nothing will ever add a node to it

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.batch.discover import Found, discover, fingerprint, made_by_ckpt
-from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, Record
+from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, ManifestRecord
 from ckpt.batch.operations import Operation
 from ckpt.batch.worker import command as worker_command
 from ckpt.errors import CkptError
@@ -44,7 +44,7 @@ class BatchFailed(CkptError):
 
 
 @dataclass
-class Job:
+class BatchJob:
     item: Found
     output: Path | None
     size: int
@@ -56,7 +56,7 @@ class Job:
 
 @dataclass
 class Outcome:
-    job: Job
+    job: BatchJob
     status: str  # "ok" | "failed" | "skipped"
     error: str | None = None
     seconds: float = 0.0
@@ -70,13 +70,13 @@ class Outcome:
 class BatchResult:
     operation: str
     outcomes: list[Outcome] = field(default_factory=list)
-    todo: list[Job] = field(default_factory=list)
+    todo: list[BatchJob] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
     manifest: Path | None = None
     interrupted: bool = False
     dry_run: bool = False
     job_lines: list[dict] | None = None  # --plan-only: one per job (ckpt.batch.joblist.job_line)
-    missing: list[Job] | None = None  # --collect: jobs that have not reported a result yet
+    missing: list[BatchJob] | None = None  # --collect: jobs that have not reported a result yet
 
     def of(self, status: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.status == status]
@@ -181,7 +181,7 @@ def outside(out: Path, outdir: Path) -> str | None:
 
 
 def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | None, overwrite: bool,
-              manifest: Manifest | None) -> tuple[list[Job], list[Outcome], list[tuple[str, str]]]:
+              manifest: Manifest | None) -> tuple[list[BatchJob], list[Outcome], list[tuple[str, str]]]:
     """(jobs to run, skipped and refused outcomes, ignored paths with why)."""
     disc = discover(root, exclude=[outdir] if outdir is not None else [], pattern=pattern,
                     skip_ckpt_outputs=op.writes)
@@ -191,9 +191,9 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
     ignored = list(disc.ignored)
     recorded = manifest.outputs() if manifest else set()
     inputs = {str(f.path.resolve()) for f in disc.found}
-    jobs: list[Job] = []
+    jobs: list[BatchJob] = []
     # an input that is no file (a FIFO, a device): that job fails, in one line, before anything runs
-    done: list[Outcome] = [Outcome(Job(Found(path, rel, False), None, 0, 0, "refused"), "failed", why)
+    done: list[Outcome] = [Outcome(BatchJob(Found(path, rel, False), None, 0, 0, "refused"), "failed", why)
                            for path, rel, why in disc.refused]
     fixed = {str(p.resolve()) for p in op.excluded_inputs()}
     items = []
@@ -210,7 +210,7 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
         key = str(item.path.resolve())
         size, mtime = fingerprint(item.path)
         out = outputs[item]
-        job = Job(item, out, size, mtime, "new", overwrite=overwrite)
+        job = BatchJob(item, out, size, mtime, "new", overwrite=overwrite)
         why = unplaceable(out, outdir, out is not None and op.output_is_folder(item))
         if why is not None:  # refused alone: the other jobs run
             done.append(Outcome(job, "failed", why))
@@ -248,7 +248,7 @@ def plan_jobs(op: Operation, root: Path, outdir: Path | None, pattern: str | Non
     return jobs, done, ignored
 
 
-def _finished_by(op: Operation, item: Found, out: Path, rec: Record) -> bool:
+def _finished_by(op: Operation, item: Found, out: Path, rec: ManifestRecord) -> bool:
     """Whether OUT is what the job recorded as started finished writing before the run was killed: it
     carries ckpt's provenance for this operation and was written after the job started. (The record
     also names this input with its size and mtime, checked by the caller.)"""
@@ -258,7 +258,7 @@ def _finished_by(op: Operation, item: Found, out: Path, rec: Record) -> bool:
     return rec.started_ns is not None and newest >= rec.started_ns - CLOCK_SLACK_NS
 
 
-def check_memory(op: Operation, jobs: list[Job], n: int) -> str | None:
+def check_memory(op: Operation, jobs: list[BatchJob], n: int) -> str | None:
     """With N parallel jobs the worst case is the N hungriest running together: refuse a peak above
     MemAvailable. Returns a note for the summary."""
     for j in jobs:
@@ -338,7 +338,7 @@ class _Workers:
         self.op, self.n = op, n
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         self.idle: list[subprocess.Popen] = []
-        self.busy: dict[subprocess.Popen, Job] = {}
+        self.busy: dict[subprocess.Popen, BatchJob] = {}
         self.errs: dict[subprocess.Popen, Path] = {}
 
     @property
@@ -356,7 +356,7 @@ class _Workers:
         self.errs[p] = ef
         return p
 
-    def start(self, job: Job) -> None:
+    def start(self, job: BatchJob) -> None:
         p = self.idle.pop() if self.idle else self._spawn()
         spec = job_spec(self.op, job)
         self.busy[p] = job
@@ -366,7 +366,7 @@ class _Workers:
         except OSError:
             pass  # it died already: wait_one reports the job as failed
 
-    def wait_one(self) -> tuple[Job, dict]:
+    def wait_one(self) -> tuple[BatchJob, dict]:
         with selectors.DefaultSelector() as sel:
             for p in self.busy:
                 sel.register(p.stdout, selectors.EVENT_READ, p)
@@ -431,7 +431,7 @@ class _Workers:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def job_spec(op: Operation, job: Job, absolute: bool = False) -> dict:
+def job_spec(op: Operation, job: BatchJob, absolute: bool = False) -> dict:
     """What a worker, a Ray task or `ckpt batch run-job` runs (ckpt.batch.worker.run_spec). `absolute`:
     for a process with another current folder (another node)."""
     src, out = job.item.path, job.output
@@ -563,7 +563,7 @@ def open_manifest(op: Operation, manifest: Manifest, out_root: Path | None, done
         raise
     for o in done:  # finished in a killed run: recorded now, so the next run needs no second look
         if o.recognised:
-            manifest.append(Record(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
+            manifest.append(ManifestRecord(str(o.job.item.path.resolve()), o.job.size, o.job.mtime_ns, op.signature,
                                    o.output, "ok"))
 
 
@@ -619,13 +619,13 @@ def _recorders(op: Operation, result: BatchResult, manifest: Manifest | None, ba
     """finish(job, res): one job's result into the outcomes, the manifest and the log lines; started(job):
     its "started" line. Shared by every executor and by --collect, so their manifests are the same."""
 
-    def finish(job: Job, res: dict) -> None:
+    def finish(job: BatchJob, res: dict) -> None:
         written = str(Path(res["output"]).resolve()) if res.get("output") else None
         oc = Outcome(job, res["status"], res.get("error"), res.get("seconds", 0.0), res.get("messages", []),
                      res.get("row"), written)
         result.outcomes.append(oc)
         if manifest is not None:
-            manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
+            manifest.append(ManifestRecord(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
                                    written, oc.status, oc.error, round(oc.seconds, 3)))
         if bar is None:  # --collect: the summary lists every job
             return
@@ -637,11 +637,11 @@ def _recorders(op: Operation, result: BatchResult, manifest: Manifest | None, ba
             for m in oc.messages:
                 bar.write(f"        {m}", file=sys.stderr)
 
-    def started(job: Job) -> None:
+    def started(job: BatchJob) -> None:
         """Recorded before the job runs: if this process is killed after the job's output is published
         but before its result is recorded, the next run recognises that output as this job's."""
         if manifest is not None and job.output is not None:
-            manifest.append(Record(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
+            manifest.append(ManifestRecord(str(job.item.path.resolve()), job.size, job.mtime_ns, op.signature,
                                    str(job.output.resolve()), "started", started_ns=time.time_ns()))
 
     return finish, started

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli.options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_OR_GGUF, DEQUANT_TO, DEVICE, LAYOUT,
-                              MERGE_TO, PURE, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
+from ckpt.cli.options import (ALLOW_UNMATCHED, BATCH_MAX_SHARD_SIZE, CONVERT_OR_GGUF, BATCH_DEQUANT_TO, DEVICE, LAYOUT,
+                              BATCH_MERGE_LORA_TO, PURE, QTYPE, SHAPES_FROM, OneLineGroup, check_local_input, check_output)
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
 from ckpt.report import plural
@@ -27,7 +27,7 @@ def _remember(ctx, param, value):
 
 def _executor_options(f):
     f = click.option("--collect", is_flag=True, expose_value=False, callback=_remember,
-                     help="Record in the manifest the results of jobs that ran from a --plan-only list.")(f)
+                     help="ManifestRecord in the manifest the results of jobs that ran from a --plan-only list.")(f)
     f = click.option("--json", "json", is_flag=True, expose_value=False, callback=_remember,
                      help="With --plan-only: one JSON object per job (argv, input, output, memory, device).")(f)
     f = click.option("--plan-only", is_flag=True, expose_value=False, callback=_remember,
@@ -153,7 +153,7 @@ def inspect_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, csv, scan):
 @batch.command("dequant")
 @_batch_options
 @OUTDIR
-@DEQUANT_TO
+@BATCH_DEQUANT_TO
 @SHAPES_FROM
 @QTYPE
 @BATCH_MAX_SHARD_SIZE
@@ -171,7 +171,7 @@ def dequant_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, to, sh
 @click.option("--lora", type=click.Path(path_type=Path), callback=check_local_input, help="Merge this LoRA into every base under FOLDER.")
 @click.option("--base", type=click.Path(path_type=Path), callback=check_local_input, help="Merge every LoRA under FOLDER into this base.")
 @click.option("--ratio", type=float, default=None, help="Strength of the LoRA (default 1.0).")
-@MERGE_TO
+@BATCH_MERGE_LORA_TO
 @ALLOW_UNMATCHED
 @DEVICE
 def merge_lora_cmd(folder, pattern, jobs, dry_run, overwrite, quiet, outdir, lora, base, ratio, to, allow_unmatched,

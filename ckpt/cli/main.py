@@ -35,9 +35,10 @@ for _command in (convert, dequant, inspect, merge, merge_lora, batch, lora):
 
 # How each command writes GGUF: what the refusal of `-o NAME.gguf` without it says to add
 # (`ckpt.io.output.check_container`). A command not named here never writes GGUF, and refuses such an -o at once.
-for _command, _how in ((convert, "--to gguf-TYPE"), (merge_lora, "--to gguf-TYPE (or --keep-format on a GGUF base)"),
-                       (merge, "--keep-format on a GGUF reference"), (batch.commands["convert"], "--to gguf-TYPE"),
-                       (batch.commands["merge-lora"], "--to gguf-TYPE")):
+for _command, _how in ((convert, "--to gguf-TYPE"), (dequant, "--to gguf-TYPE"),
+                       (merge_lora, "--to gguf-TYPE (or --keep-format on a GGUF base)"),
+                       (merge, "--to gguf-TYPE (or --keep-format on a GGUF reference)"),
+                       (batch.commands["convert"], "--to gguf-TYPE"), (batch.commands["merge-lora"], "--to gguf-TYPE")):
     _command.writes_gguf = _how
 
 

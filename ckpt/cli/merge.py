@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from ckpt.cli.options import (DEVICE, DRY_RUN, FORMAT, MAX_SHARD_SIZE, MERGE_TO, OVERWRITE, QUIET, OneLineCommand,
-                              check_output, check_source_option)
+from ckpt.cli.options import OneLineCommand, check_output, writing_options
 from ckpt.cli.report import REPORT, print_report, record
 from ckpt.errors import CkptError
 from ckpt.interrupts import load
@@ -51,27 +50,14 @@ def _seed(ctx, param, value):
 @click.option("--seed", metavar="N", callback=_seed,
               help="Seed of the randomized methods (DARE, DELLA); default 0, said in a note.")
 @click.option("--print-config", is_flag=True, help="Print the YAML this merge runs, and exit.")
-@MERGE_TO
-@click.option("--keep-format", is_flag=True,
-              help="Write the reference's own format: merged tensors re-encoded in its quantization (GGUF, fp8, "
-                   "comfy_quant, quanto), as merge-lora --keep-format does.")
-@click.option("--layout", type=click.Choice(["diffusers", "original"]),
-              help="Write the family's diffusers or original layout (default: the reference's own).")
-@click.option("--config", "config_ref", metavar="REF", callback=check_source_option,
-              help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) instead "
-                   "of the one derived from the shapes.")
 @click.option("--allow-missing", is_flag=True,
               help="Tensors some input lacks are taken from the reference (base, else first model), tensors only "
                    "other inputs have are left out; both counted.")
-@MAX_SHARD_SIZE
-@FORMAT
-@DRY_RUN
-@DEVICE
-@OVERWRITE
-@QUIET
+@writing_options(to_help="Default: the reference's dtypes (config out_dtype, FP8 and LLM-quantization inputs in "
+                         "bf16); a GGUF type or a quantized format: merged and encoded in one pass.", keep_format=True)
 @REPORT
 def merge(inputs, out, method, base, alpha, weight, density, params, dtype, tokenizer_source, seed, print_config,
-          to, keep_format, layout, config_ref, allow_missing, max_shard_size, fmt, dry_run, device, overwrite, quiet):
+          allow_missing, write):
     """Merge whole models: a mergekit YAML config as it is (CONFIG.yaml), or MODEL... with flags. Every input
     ckpt reads (safetensors, shards, model folders, hub ids, GGUF, fp8, quantized) is decoded as it streams."""
     from ckpt.merge.flags import recipe_from_flags
@@ -102,13 +88,11 @@ def merge(inputs, out, method, base, alpha, weight, density, params, dtype, toke
     load("ckpt.merge.command")
     from ckpt.merge.command import ModelMergeOptions, merge_models
 
-    opts = ModelMergeOptions(to=to, device=device, allow_missing=allow_missing, dry_run=dry_run,
-                              overwrite=overwrite, quiet=quiet, format=fmt, keep_format=keep_format, layout=layout,
-                              max_shard_size=max_shard_size, seed=seed, config=config_ref)
+    opts = ModelMergeOptions(**write, allow_missing=allow_missing, seed=seed)
     path, report = merge_models(recipe, out, opts, default_from=config)
     record(report, inputs=[config] if config else [r.spec for r in recipe.refs], output=path,
-           status="dry-run" if dry_run else "ok")
+           status="dry-run" if opts.dry_run else "ok")
     for line in report.summary:
         click.echo(line)
-    print_report(report, quiet)
-    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+    print_report(report, opts.quiet)
+    click.echo(f"{'would write' if opts.dry_run else 'wrote'} {path}")

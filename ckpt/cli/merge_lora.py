@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt.cli.options import (ALLOW_UNMATCHED, DEVICE, FORMAT, MERGE_TO, OVERWRITE, QUIET, OneLineCommand,
-                              check_output)
+from ckpt.cli.options import ALLOW_UNMATCHED, OneLineCommand, check_output, writing_options
 from ckpt.cli.report import REPORT, print_report, record
 from ckpt.interrupts import load
 from ckpt.io.hub import check_lora, check_source
@@ -23,19 +22,11 @@ from ckpt.io.hub import check_lora, check_source
               help="Alpha of modules whose LoRA gives none (no alpha key, adapter_config.json or "
                    "lora_adapter_metadata): once for all LoRAs or once per LoRA. Without it alpha = rank "
                    "(scale 1) is assumed, with a warning.")
-@MERGE_TO
 @ALLOW_UNMATCHED
-@FORMAT
-@click.option("--keep-format", is_flag=True,
-              help="Write the base's own format: changed tensors re-encoded in its quantization (GGUF, ComfyUI "
-                   "scaled fp8 / comfy_quant, kohya fp8_scaled, optimum-quanto), everything else copied as stored.")
-@click.option("--dry-run", is_flag=True, help="Print the matching report only; write nothing.")
-@DEVICE
-@OVERWRITE
-@QUIET
+@writing_options(to_help="Default: each tensor in the base's dtype (FP8 and LLM-quantization bases in bf16); "
+                         "a GGUF type: merged and quantized in one pass.", keep_format=True)
 @REPORT
-def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_format, dry_run, device, overwrite,
-               quiet):
+def merge_lora(base, loras, out, ratios, alphas, allow_unmatched, write):
     """Bake LoRA / LyCORIS / PEFT adapters (in order) into BASE, tensor by tensor.
 
     A LitGPT finetune folder alone (BASE = the folder holding lit_model.pth.lora) merges into the base
@@ -47,17 +38,15 @@ def merge_lora(base, loras, out, ratios, alphas, to, allow_unmatched, fmt, keep_
     from ckpt.adapters.matching import MatchError
     from ckpt.merge_lora.command import MergeLoraOptions, merge_lora as run
 
-    opts = MergeLoraOptions(ratios=list(ratios), alphas=list(alphas), to=to, device=device,
-                        allow_unmatched=allow_unmatched, dry_run=dry_run, overwrite=overwrite, quiet=quiet,
-                        format=fmt, keep_format=keep_format)
+    opts = MergeLoraOptions(**write, ratios=list(ratios), alphas=list(alphas), allow_unmatched=allow_unmatched)
     try:
         path, report = run(base, list(loras), out, opts)
     except MatchError as e:
         for line in e.report.summary:
             click.echo(line)
         raise
-    record(report, inputs=[base, *loras], output=path, status="dry-run" if dry_run else "ok")
+    record(report, inputs=[base, *loras], output=path, status="dry-run" if opts.dry_run else "ok")
     for line in report.summary:
         click.echo(line)
-    print_report(report, quiet)
-    click.echo(f"{'would write' if dry_run else 'wrote'} {path}")
+    print_report(report, opts.quiet)
+    click.echo(f"{'would write' if opts.dry_run else 'wrote'} {path}")

@@ -158,10 +158,59 @@ PURE = click.option("--pure", is_flag=True,
                     help="With --to gguf-<quant>: every quantizable tensor in the one type, as llama-quantize --pure "
                          "(no per-tensor mix rules; row fallbacks apply).")
 
+CONFIG = click.option("--config", "config", metavar="REF", callback=check_source_option,
+                      help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
+                           "instead of the one derived from the shapes.")
+KEEP = click.option("--keep", multiple=True, metavar="PATTERN",
+                    help="Glob on tensor names to leave in their dtype (repeatable).")
+CLAMP = click.option("--clamp", is_flag=True, help="Saturate values that overflow the target instead of making them inf.")
+SCALED = click.option("--scaled", is_flag=True,
+                      help="With --to fp8_e4m3fn: per-tensor scales, ComfyUI scaled-fp8 layout.")
+KEEP_FORMAT = click.option("--keep-format", is_flag=True,
+                           help="Write the input's own format (the base's, the reference's): changed tensors "
+                                "re-encoded in its quantization (GGUF, scaled fp8, comfy_quant, quanto, GPTQ, AWQ, "
+                                "compressed-tensors, NVFP4, MXFP4), everything else copied as stored.")
+# What every command that writes a model takes, in this order (`writing_options`); the names are WriteOptions'.
+WRITE_KEYS = ("to", "layout", "config", "keep", "clamp", "scaled", "pure", "keep_format", "max_shard_size", "format",
+              "dry_run", "device", "overwrite", "quiet")
+
+
+def writing_options(*, to_help: str, keep_format: bool = False):
+    """The options of a command that writes a model (convert, dequant, merge-lora, merge), declared once: --to (every
+    target of `ckpt.targets`), --layout, --config, --keep, --clamp, --scaled, --pure, (--keep-format), --max-shard-size,
+    --format, --dry-run, --device, --overwrite, --quiet. The command function gets them as one `write` dict of
+    `ckpt.options.WriteOptions` fields; whether an option applies to a target is the target's to say."""
+    import functools
+
+    to = click.option("--to", "to", type=CONVERT_OR_GGUF, help=CONVERT_OR_GGUF.help + " " + to_help)
+    opts = [to, LAYOUT, CONFIG, KEEP, CLAMP, SCALED, PURE] + ([KEEP_FORMAT] if keep_format else []) + [
+        MAX_SHARD_SIZE, FORMAT, DRY_RUN, DEVICE, OVERWRITE, QUIET]
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kw):
+            write = {k: kw.pop(k if k != "format" else "fmt") for k in WRITE_KEYS if (k if k != "format" else "fmt") in kw}
+            write["keep"] = list(write.get("keep", ()))
+            return f(*args, write=write, **kw)
+
+        for o in reversed(opts):
+            command = o(command)
+        return command
+
+    return decorate
+
+
+# batch: the dequant and merge-lora jobs name their outputs from a dtype or a GGUF type (ckpt.batch.operations)
+BATCH_DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),
+                                help="Output dtype of floating tensors (default: each weight's original dtype, "
+                                     "the scale's dtype).")
+BATCH_MERGE_LORA_TO = click.option("--to", "to", type=click.Choice(["fp16", "bf16", "fp32"] + [
+                                       n for n in _targets().names() if n.startswith("gguf-")]),
+                                   help="Write every floating tensor in this dtype (default: keep each tensor's dtype; "
+                                        "FP8 -> bf16), or gguf-TYPE: the merged model as `convert --to gguf-TYPE` "
+                                        "writes it.")
+
 # dequant
-DEQUANT_TO = click.option("--to", "to", type=click.Choice(["bf16", "fp16", "fp32"]),
-                          help="Output dtype of floating tensors (default: each weight's original dtype, "
-                               "the scale's dtype).")
 SHAPES_FROM = click.option("--shapes-from", metavar="REF", callback=check_source_option,
                            help="Local checkpoint or hub id whose headers give the original shapes.")
 QTYPE = click.option("--qtype", type=click.Choice(["qint8", "qint4", "qint2", "qfloat8", "qfloat8_e4m3fn",
@@ -170,9 +219,5 @@ QTYPE = click.option("--qtype", type=click.Choice(["qint8", "qint4", "qint2", "q
                      help="Weights qtype, when neither quanto_qmap.json nor config.json says (4 vs 2 bits).")
 
 # merge-lora
-MERGE_TO = click.option("--to", "to", type=click.Choice(["fp16", "bf16", "fp32"] + [
-                            n for n in _targets().names() if n.startswith("gguf-")]),
-                        help="Write every floating tensor in this dtype (default: keep each tensor's dtype; "
-                             "FP8 -> bf16), or gguf-TYPE: the merged model as `convert --to gguf-TYPE` writes it.")
 ALLOW_UNMATCHED = click.option("--allow-unmatched", is_flag=True,
                                help="Merge what matches even if some LoRA keys match no base tensor.")

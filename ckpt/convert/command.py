@@ -12,7 +12,8 @@ from ckpt.io.checkpoint import open_checkpoint
 from ckpt.options import WriteOptions
 from ckpt.quant import logical_view
 from ckpt.report import Report
-from ckpt.run import decoded_notes, default_output, file_ext, output_path, write
+from ckpt.targets.casts import KEEP
+from ckpt.run import default_output, file_ext, output_path, write
 
 
 @dataclass
@@ -28,26 +29,25 @@ def convert_operation(opts: ConvertOptions) -> str:
             + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else ""))
 
 
-def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
-    """The output's Plan and the inputs' logical views. Every kind of --to (ckpt.targets) checks its
-    options and plans behind one interface; the quantized inputs it decodes are noted here, for all."""
+def _target(opts: ConvertOptions):
     if opts.to is None and opts.layout is None:
         raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
-    if opts.to is not None and targets.get(opts.to) is None:
-        raise CkptError(f"--to {opts.to}: unknown target (choose {', '.join(targets.unprefixed_names())})")
-    target = targets.resolve(opts.to, opts.scaled)
-    target.check(opts)
+    if opts.keep_format:
+        raise CkptError("--keep-format: convert changes no value; give --to DTYPE or --layout")
+    return targets.choose(opts, KEEP)
+
+
+def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
+    """The output's Plan and the inputs' logical views, planned by the output side (`ckpt.targets`)."""
+    target = _target(opts)
     views = [logical_view(c) for c in ckpt.components]
-    plan = target.plan(ckpt, views, opts, report, file_format, convert_operation(opts))
-    plan.notes += decoded_notes(ckpt, views)
-    return plan, views
+    return targets.plan_output(target, ckpt, views, opts, report, file_format, convert_operation(opts)), views
 
 
 def _output_format(opts: ConvertOptions, out) -> str:
     """safetensors / torch from --format and -o; a format of the target's own (GGUF) only from --to, never
-    from a suffix alone. Decided before the input is opened, so an unknown --to is refused later, by
-    plan_convert, as before."""
-    return (targets.resolve(opts.to, opts.scaled) or targets.resolve(None)).output_format(opts, out)
+    from a suffix alone. Decided before the input is opened (an unknown --to is refused here, in one line)."""
+    return _target(opts).output_format(opts, out)
 
 
 def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None) -> tuple[Path, Report]:
@@ -59,7 +59,7 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
     fmt = _output_format(opts, out)
     with open_checkpoint(src) as ckpt:
         plan, views = plan_convert(ckpt, opts, report, fmt)
-        target = targets.resolve(opts.to, opts.scaled)
+        target = _target(opts)
         if opts.device == "auto" and target.heavy(opts, views):  # a GPU only where there is math: decoding or
             device = resolve_device("auto")  # encoding quantized weights
         suffix = "-".join(x for x in (opts.layout, target.suffix) if x)

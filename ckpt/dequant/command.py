@@ -1,11 +1,10 @@
 """`ckpt dequant`: quantized checkpoints (every format of `ckpt.quant.formats`) back to plain state dicts that load
 into the unquantized model class with `strict=True`.
 
-Decoding is the shared logical view (`ckpt.quant.logical_view`), so there is one decode layer for
-convert, merge-lora and dequant. Layout, sidecars, index and config edits come from
-`ckpt.io.checkpoint_plan.plan_checkpoint`; writing is `ckpt.io.output.execute` (atomic, bounded memory).
-Each dequantized weight keeps its natural dtype (the scale's dtype for quanto: the model's original
-dtype) unless `--to` names another.
+Decoding is the shared logical view (`ckpt.quant.logical_view`), so there is one decode layer for every command;
+the output is planned by the output side as every writing command plans it (`ckpt.targets`): each dequantized
+weight keeps its natural dtype (the scale's dtype for quanto: the model's original dtype) unless `--to` names
+another target (a dtype, or any format convert writes: dequant to GGUF is convert's decode and encode).
 """
 
 from __future__ import annotations
@@ -14,20 +13,18 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt import targets
 from ckpt.devices import resolve_device
-from ckpt.dtypes import TARGETS, short_name
+from ckpt.dtypes import short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
-from ckpt.io.checkpoint_plan import plan_checkpoint
-from ckpt.io.plan import parse_size
 from ckpt.options import WriteOptions
 from ckpt.quant import logical_view
 from ckpt.quant.formats import labels
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report, plural
-from ckpt.run import cast_outputs, decoded_notes, default_output, output_path, write
-
-OUT_DTYPES = ("bf16", "fp16", "fp32")
+from ckpt.run import default_output, file_ext, output_path, write
+from ckpt.targets.casts import KEEP
 
 
 @dataclass
@@ -40,14 +37,12 @@ class DequantOptions(WriteOptions):
 
 def dequant_operation(opts: DequantOptions) -> str:
     """The `ckpt_operation` dequant records in its outputs' metadata; batch's resume compares with this."""
-    return "dequant" + (f" --to {opts.to}" if opts.to else "")
+    return "dequant" + (f" --to {targets.canonical(opts.to)}" if opts.to else "")
 
 
-def plan_dequant(ckpt, opts: DequantOptions, report: Report):
+def plan_dequant(ckpt, opts: DequantOptions, report: Report, file_format: str = "safetensors"):
     """(plan, views), or (None, views) when nothing in the checkpoint is quantized."""
-    if opts.to is not None and opts.to not in OUT_DTYPES:
-        raise CkptError(f"--to {opts.to}: choose one of {', '.join(OUT_DTYPES)}")
-    target = TARGETS[opts.to] if opts.to else None
+    target = _target(opts)
     options = {}
     if opts.qtype:
         options["qtype"] = canonical_qtype(opts.qtype)
@@ -56,12 +51,15 @@ def plan_dequant(ckpt, opts: DequantOptions, report: Report):
     views = [logical_view(c, options) for c in ckpt.components]
     if not any(v.formats for v in views):
         return None, views
-    make = cast_outputs(report, lambda t: target or t.natural_dtype)
-    shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
-    plan = plan_checkpoint(ckpt, views, make, operation=dequant_operation(opts),
-                           max_shard_size=shard_size, output_dtype=lambda c: target)
-    plan.notes += decoded_notes(ckpt, views)
-    return plan, views
+    return targets.plan_output(target, ckpt, views, opts, report, file_format, dequant_operation(opts)), views
+
+
+def _target(opts: DequantOptions):
+    """--to any target (a dtype, fp8, comfy_quant, GGUF: decoded and written as convert writes it), else each weight
+    in its natural dtype (the quanto scale's dtype: the model's original)."""
+    if opts.keep_format:
+        raise CkptError("--keep-format: dequant writes plain tensors; it keeps no encoding")
+    return targets.choose(opts, KEEP)
 
 
 def describe_contents(ckpt) -> list[str]:
@@ -87,15 +85,17 @@ def dequant(src: str, out: str | Path | None, opts: DequantOptions,
     nothing is written and the report says what SRC holds). Raises CkptError on bad input."""
     report = report or Report()
     device = resolve_device(opts.device)
+    target = _target(opts)
+    fmt = target.output_format(opts, out)  # before the input is opened, as convert decides it
     with open_checkpoint(src) as ckpt:
-        plan, _ = plan_dequant(ckpt, opts, report)
+        plan, _ = plan_dequant(ckpt, opts, report, fmt)
         if plan is None:
             report.note(f"{src}: nothing to dequantize (no weights of {', '.join(labels())}); nothing written")
             for line in describe_contents(ckpt):
                 report.note(f"  {line}")
             return None, report
-        suffix = "dequant" + (f"-{opts.to}" if opts.to else "")
-        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file)
+        suffix = "dequant" + (f"-{target.suffix}" if opts.to else "")
+        derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=target.ext or file_ext(fmt))
         out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc="dequant",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

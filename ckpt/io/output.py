@@ -164,7 +164,7 @@ def running_command() -> tuple[str, str | None]:
     return ctx.command_path, getattr(ctx.command, "writes_gguf", None)
 
 
-def targets(plan: Plan, out: Path) -> list[Path]:
+def published_paths(plan: Plan, out: Path) -> list[Path]:
     """The paths the plan publishes: OUT, or the parts of a split GGUF beside it (`ckpt.io.gguf_split`)."""
     parts = getattr(plan, "part_paths", None)
     return parts(Path(out)) if parts is not None else [Path(out)]
@@ -186,7 +186,7 @@ def preflight(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fa
     name_single_file(plan, out)
     inputs = list(inputs) + [Path(src) for src, _ in plan.copies]
     check_partial_sets(plan, out, overwrite, dry_run)  # a split GGUF of OUT's name a stopped run left
-    for target in targets(plan, out):
+    for target in published_paths(plan, out):
         check_target(target, inputs, overwrite, plan.single_file, dry_run, planned_relpaths(plan), fmt)
     need = plan.nbytes + sum(Path(src).stat().st_size for src, _ in plan.copies)
     missing = missing_parents(out)
@@ -239,7 +239,7 @@ def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = Fals
 
 def _remove_partial_sets(replaced: list, plan: Plan, out: Path) -> None:
     for s in replaced:
-        s.remove(keep=targets(plan, out))
+        s.remove(keep=published_paths(plan, out))
 
 
 def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress) -> None:

@@ -95,7 +95,7 @@ def _zip64(size: int, comp: int, offset: int) -> bytes:
 
 
 @dataclass(frozen=True)
-class Record:
+class ZipRecord:
     name: bytes  # full name in the zip ("archive/data/0")
     offset: int  # of the local header
     head: bytes  # local header, name and extras
@@ -123,24 +123,24 @@ class Record:
 
 
 @dataclass(frozen=True)
-class Layout:
-    records: list[Record]
+class ZipLayout:
+    records: list[ZipRecord]
     regions: dict[str, tuple[int, int]]  # tensor name -> (absolute start, end) of its bytes
     central: int  # offset of the central directory
     size: int  # of the whole file
 
 
-def _record(name: str, offset: int, size: int, data: bytes | None) -> Record:
+def _record(name: str, offset: int, size: int, data: bytes | None) -> ZipRecord:
     name_b = name.encode()
     z = _zip64(size, 0, offset)  # miniz writes the local header before the data: compressed size 0
     pad = -(offset + 30 + len(name_b) + len(z) + 4) % ALIGN
     extra = z + b"FB" + struct.pack("<H", pad) + b"Z" * pad
     head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, 0x0808 if size else 0x0800, 0, 0, 0, 0, 0, 0,
                        len(name_b), len(extra)) + name_b + extra
-    return Record(name_b, offset, head, size, data)
+    return ZipRecord(name_b, offset, head, size, data)
 
 
-def layout(entries: list[Entry], archive_name: str) -> Layout:
+def layout(entries: list[Entry], archive_name: str) -> ZipLayout:
     """Every record's place and header, from (name, dtype, shape) alone."""
     if not archive_name:
         raise ValueError("empty archive name")
@@ -155,7 +155,7 @@ def layout(entries: list[Entry], archive_name: str) -> Layout:
         pos = r.start + size + len(r.descriptor(0))
     regions = {e.name: (r.start, r.start + r.size) for e, r in zip(entries, records[4:])}
     cd_size = sum(len(r.central(0)) for r in records)
-    return Layout(records, regions, pos, pos + cd_size + 56 + 20 + 22)
+    return ZipLayout(records, regions, pos, pos + cd_size + 56 + 20 + 22)
 
 
 def file_size(entries: list[Entry], archive_name: str = "archive") -> int:

@@ -150,7 +150,7 @@ class LoraReport(Report):
 
 def is_noop(src) -> bool:
     """A module of rank 0, or whose delta has no rows or columns: it changes nothing (a trainer's leftover)."""
-    if src.family not in ("lora", "loha", "lokr", "full"):
+    if src.kind not in ("lora", "loha", "lokr", "full"):
         return False
     rows, cols = src.shape2d
     return src.rank == 0 or rows == 0 or cols == 0

@@ -322,7 +322,7 @@ def _as_renamed(cs, piece, p0, p1, fmt, layout, store) -> OutModule | None:
         if keys is None or alpha is False:
             return None  # kohya / comfy keys, or a scale to fold: recut (A^T, B^T) below
         return OutModule(name, m.parts["emb_B"], m.parts["emb_A"], alpha, keys)
-    if src.family == "lora" and not src.transposed:
+    if src.kind == "lora" and not src.transposed:
         if _embedding_keys(name, cs, layout):
             return None  # an embedding in PEFT's spelling: its factors stored transposed (recut below)
         keys = src.roles
@@ -350,7 +350,7 @@ def _as_renamed(cs, piece, p0, p1, fmt, layout, store) -> OutModule | None:
         if a is False:
             return None  # the scale must be folded into up
         return OutModule(name, m.parts["up"], m.parts["down"], a, {}, extra)
-    if src.family in ("loha", "lokr", "full", "ia3", "glora") and fmt in LYCORIS_FORMATS:
+    if src.kind in ("loha", "lokr", "full", "ia3", "glora") and fmt in LYCORIS_FORMATS:
         extra = {f"{name}.{key[len(m.name) + 1:]}": t for key, t in stored(m).items()}
         return OutModule(name, extra=extra)
     return None
@@ -416,12 +416,12 @@ def _factors(c: Contribution, fmt, to_lora, report):
     if src.plain_lora and (not src.transposed or _stored_as_embedding(src)):
         up, down = src.factors()
         return up, down, src.scale
-    if src.family == "lora":
+    if src.kind == "lora":
         kind = "a DoRA module" if not src.plain_lora else "a transposed (fan_in_fan_out / embedding) module"
         raise CkptError(f"{m.source}: module {m.name!r} is {kind}; it converts only where it stays one module "
                         f"of the same rows in the {fmt} naming")
     if to_lora is None:
-        raise CkptError(f"{m.source}: module {m.name!r} is {src.family}, which the {fmt} naming has no form for "
+        raise CkptError(f"{m.source}: module {m.name!r} is {src.kind}, which the {fmt} naming has no form for "
                         "here; pass --to-lora RANK to turn it into a plain LoRA by SVD")
     d = src.delta()
     k = max(1, min(to_lora, *d.shape))
@@ -429,7 +429,7 @@ def _factors(c: Contribution, fmt, to_lora, report):
     up, down = S.factors(d, U, sv, Vh, k)
     err, norm = S.error_of_whole(d, up, down)
     report.modules.append(ModuleResult(m.name, tuple(d.shape), k, min(d.shape), S.rel(err, norm), norm,
-                                       note=f"{src.family} -> lora"))
+                                       note=f"{src.kind} -> lora"))
     return up, down, 1.0
 
 

@@ -141,7 +141,7 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
             if mode == "concat" and len(srcs) == 1 and srcs[0][1] == 1.0:
                 s = srcs[0][0]
                 report.kept.append(name)
-                out.append(as_stored(s.module, layout, store, s if s.family == "lora" else None))
+                out.append(as_stored(s.module, layout, store, s if s.kind == "lora" else None))
                 continue
             _check_combinable(name, srcs, mode)
             if not all([usable(s, name, opts, report) for s, _, _ in srcs]):  # every input's NaN/Inf counted
@@ -187,17 +187,17 @@ def _merge_modules(groups, mode, opts: LoraOptions, layout: Layout, device, stor
 def _check_combinable(name, srcs, mode) -> None:
     first = srcs[0][0]
     for s, _, spec in srcs:
-        if s.family not in ("lora", "loha", "lokr", "full") or (s.family == "lora" and not s.plain_lora):
-            kind = "DoRA" if s.family == "lora" else s.family
+        if s.kind not in ("lora", "loha", "lokr", "full") or (s.kind == "lora" and not s.plain_lora):
+            kind = "DoRA" if s.kind == "lora" else s.kind
             raise CkptError(f"{spec}: module {name!r} is {kind}: its change depends on the base weight and "
                             "cannot be combined with another LoRA's")
         if mode == "concat" and not s.plain_lora:
-            raise CkptError(f"{spec}: module {name!r} is {s.family}: --concat stacks LoRA factors; "
+            raise CkptError(f"{spec}: module {name!r} is {s.kind}: --concat stacks LoRA factors; "
                             "use --svd to re-factorise the summed delta")
         if s.shape2d != first.shape2d or s.transposed != first.transposed:
             raise CkptError(f"{spec}: module {name!r} changes a [{s.shape2d[0]}, {s.shape2d[1]}] weight but "
                             f"{srcs[0][2]}'s changes [{first.shape2d[0]}, {first.shape2d[1]}]: not the same model")
-        if s.family == "full" and s.adapter.bias_rows is not None:
+        if s.kind == "full" and s.adapter.bias_rows is not None:
             raise CkptError(f"{spec}: module {name!r} carries a bias delta (diff_b), which a LoRA cannot hold")
 
 

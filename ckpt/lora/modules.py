@@ -51,7 +51,7 @@ def as_stored(m, layout, store, src=None):
     extra = stored(m)
     rank = src.rank if src is not None else None
     alpha = m.alpha() if src is not None else None
-    if src is not None and "alpha" not in m.parts and m.config_alpha is not None and src.family == "lora":
+    if src is not None and "alpha" not in m.parts and m.config_alpha is not None and src.kind == "lora":
         if layout.alphas == "tensor":
             key = f"{m.name}.alpha"
             extra[key] = alpha_tensor(key, alpha)
@@ -69,18 +69,18 @@ class Source:
         self.module = module
         self.adapter = make_adapter(module)
         self.adapter.device = device
-        self.family = module.family
+        self.kind = module.kind
         self.roles = keys_by_role(module)
 
     @property
     def plain_lora(self) -> bool:
         """A LoRA whose delta is up @ down (any rank, Tucker folded), with no DoRA."""
-        return self.family == "lora" and getattr(self.adapter, "dora", None) is None
+        return self.kind == "lora" and getattr(self.adapter, "dora", None) is None
 
     @property
     def lora_like(self) -> bool:
         """A LoRA, with or without DoRA: its low-rank part can be re-factored."""
-        return self.family == "lora"
+        return self.kind == "lora"
 
     @property
     def transposed(self) -> bool:
@@ -112,12 +112,12 @@ class Source:
         """shape[1:] of the weight this module changes, as far as its stored shapes tell: a LoRA's
         down [r, in, kh, kw] (or in + lora_mid's kernel), a LyCORIS `diff`; else the flat width."""
         p = self.module.parts
-        if self.family == "lora" and not self.transposed:
+        if self.kind == "lora" and not self.transposed:
             down = tuple(p["down"].shape)
             if "mid" in p:
                 return (down[1],) + tuple(p["mid"].shape[2:])
             return down[1:]
-        if self.family == "full" and "diff" in p:
+        if self.kind == "full" and "diff" in p:
             return tuple(p["diff"].shape[1:])
         return (self.adapter.cols,)
 

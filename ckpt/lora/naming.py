@@ -33,7 +33,7 @@ import torch
 
 from ckpt.families import DIFFUSERS, ORIGINAL, Transform, module_of
 from ckpt.adapters.keymap import base_parts, build_keymap
-from ckpt.adapters.placement import Target
+from ckpt.adapters.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -167,11 +167,11 @@ class Naming:
         full = [part.prefix + k for k in keys]
         for p in pieces:
             if parts is None:
-                want = {Target(full[0], p.rows, p.transform)}
+                want = {Placement(full[0], p.rows, p.transform)}
             else:  # several weights, one fused module: each weight takes its rows of the module's delta
-                want = {Target(k, transform=p.transform, part=r) for k, r in zip(full, parts)}
+                want = {Placement(k, transform=p.transform, part=r) for k, r in zip(full, parts)}
                 if len(full) == 1 and parts[0] is None:
-                    want = {Target(full[0], transform=p.transform)}
+                    want = {Placement(full[0], transform=p.transform)}
             got = set(self.km.targets(p.name))
             if got != want:
                 self.groups.append(Group(full, reason=f"the {self.fmt} name {p.name!r} would not merge back into "

@@ -71,7 +71,7 @@ def resize(spec: str, out: str | Path | None, opts: LoraOptions, report: LoraRep
         out_path = output_path(out, derived, Plan(single_file=not folder, files=[]))
         early_target_check(out_path, f.inputs, opts.overwrite, not folder, opts.dry_run)
         if opts.dry_run:
-            report.summary.append(f"would resize the {sum(m.family in RESIZABLE for m in f.modules.values())} "
+            report.summary.append(f"would resize the {sum(m.kind in RESIZABLE for m in f.modules.values())} "
                                   f"LoRA/LoHa/LoKr modules of {spec}; ranks and errors are known after the SVDs")
             return out_path, report
         store = stack.enter_context(FactorStore(out_path))
@@ -98,7 +98,7 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
     with progress_bar(total, "lora resize (SVD)", opts.quiet) as bar, exact_fp32(), torch.no_grad():
         for m in f.modules.values():
             bar.update(sum(t.source_bytes for t in m.parts.values()))
-            if m.family not in RESIZABLE:
+            if m.kind not in RESIZABLE:
                 out.append(_passed(m, layout, report, store))
                 continue
             src = Source(m, device)
@@ -153,7 +153,7 @@ def _resize_modules(f, opts: LoraOptions, layout: Layout, device, store: FactorS
             out.append(OutModule(m.name, store.put(m.name + ".up", upt), store.put(m.name + ".down", downt),
                                  layout.alpha_for(scale, k), keys, extra))
             report.modules.append(ModuleResult(m.name, (rows, cols), k, cap, S.rel(err, norm), norm, from_rank=r,
-                                               note="" if src.lora_like else f"{m.family} -> lora"))
+                                               note="" if src.lora_like else f"{m.kind} -> lora"))
             src.release()
     return out
 

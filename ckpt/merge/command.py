@@ -15,17 +15,19 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
+from ckpt import targets
 from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
 from ckpt.merge import blocks
 from ckpt.merge.methods import get_method
 from ckpt.merge.methods.base import INPUT, Job
 from ckpt.merge.params import resolve
-from ckpt.merge.recipe import OUT_DTYPES, Recipe
+from ckpt.merge.recipe import Recipe
 from ckpt.merge.sources import Model, aligned, open_model, original_names
 from ckpt.options import WriteOptions
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
+from ckpt.targets.casts import Natural
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -67,15 +69,9 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
     `default_from`: what the default output is named after (the config file; else the reference model)."""
     report = report or ModelMergeReport()
     method = get_method(recipe.method)
-    to = opts.to or recipe.out_dtype
-    if to is not None and to not in OUT_DTYPES:
-        raise CkptError(f"--to {to}: merge writes {', '.join(OUT_DTYPES)}")
-    if opts.keep_format and to is not None:
-        raise CkptError(f"--to {to} and --keep-format: choose one (--keep-format writes the reference's own encoding)")
-    if opts.layout is not None and opts.layout not in ("original", "diffusers"):
-        raise CkptError(f"--layout {opts.layout}: choose original or diffusers")
-    if opts.keep_format and opts.layout is not None:
-        raise CkptError("--layout and --keep-format: choose one (--keep-format writes the reference's own file)")
+    if opts.to is None and recipe.out_dtype is not None:
+        opts = replace(opts, to=recipe.out_dtype)
+    target = _target(opts)
     if method.randomized:
         if recipe.seed is None:
             recipe.seed = opts.seed if opts.seed is not None else 0
@@ -90,22 +86,28 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
     with contextlib.ExitStack() as stack:
         models = {r.text: open_model(r, stack, report) for r in recipe.refs}
         ref = _reference(recipe, models)
+        fmt = target.output_format(opts, out, ref.ckpt)
         views = _merged_views(recipe, method, models, ref, opts, report)
-        plan, fmt = _plan(recipe, models, ref, views, opts, report, to, out)
+        plan = _plan(recipe, models, ref, views, opts, report, target, fmt)
         name_from = default_from or ref.ref.spec
-        derived = _default_output(name_from, ref, plan, fmt, to, method.name)
+        derived = _default_output(name_from, ref, plan, fmt, target, opts, method.name)
         inputs = [p for m in models.values() for p in m.inputs]
         if default_from:
             inputs.append(Path(default_from))
         path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge",
                      device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
-    if opts.keep_format:
-        from ckpt.targets.planners.keep_format import summarize
-
-        lines, facts = summarize(report.meters)
-        report.summary += lines[:1] if opts.dry_run else lines
-        report.requantization = {} if opts.dry_run else facts
+    target.finish(report, opts.dry_run)
     return path, report
+
+
+def _target(opts: ModelMergeOptions):
+    """--keep-format (the reference's encoding), --to (every target: a dtype, fp8, comfy_quant, GGUF, in one pass
+    with the merge), else the reference's own dtypes, FP8 and LLM-quantization inputs in bf16."""
+    import torch
+
+    if opts.layout is not None and opts.layout not in ("original", "diffusers"):
+        raise CkptError(f"--layout {opts.layout}: choose original or diffusers")
+    return targets.choose(opts, Natural(fp8=torch.bfloat16, llm=torch.bfloat16, role="reference"))
 
 
 def _reference(recipe: Recipe, models: dict[str, Model]) -> Model:
@@ -205,9 +207,9 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
             names_t = (key, names.get(key, key) or key)
             job = make_job(method, key, names_t, ts.get(key, 0.0), t.shape, inputs, order, base, chains,
                        [recipe.parameters], recipe, compute)
-            tensors[key] = MergedModelTensor(job, method, t.home, round_to)
+            tensors[key] = MergedModelTensor(job, method, t.home, round_to, replaces=t)
             report.merged += 1
-        out_views.append(replace(view, tensors=tensors))
+        out_views.append(replace(view, tensors=tensors, origin=view))
     if shapes_differ:
         raise CkptError(f"{plural(len(shapes_differ), 'tensor')} {'has' if len(shapes_differ) == 1 else 'have'} "
                         f"different shapes in the inputs: {listed(shapes_differ, 3)}; nothing was written "
@@ -232,56 +234,11 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
     return out_views
 
 
-def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
-    """The write plan: the reference's layout (or --layout, or --keep-format), the output dtypes, the tokenizer
-    and config files, the recipe in the metadata and, for a folder, a model card."""
-    from ckpt.dtypes import FP8, TARGETS, is_float
-    from ckpt.io.checkpoint_plan import plan_checkpoint
-    from ckpt.io.plan import parse_size
-    from ckpt.run import cast_outputs, decoded_notes, output_format
-
-    import torch
-
-    operation = merge_models_operation(recipe)
-    max_shard = parse_size(opts.max_shard_size, "--max-shard-size") if opts.max_shard_size else None
-    if opts.keep_format:
-        from ckpt.merge.tensor import MergedModelTensor
-        from ckpt.targets.planners.keep_format import container, plan_keep_format
-
-        fmt = container(ref.ckpt)
-        if fmt == "gguf":
-            from ckpt.run import check_gguf_output
-
-            if opts.format is not None:
-                raise CkptError(f"--format {opts.format} with --keep-format: the reference is a GGUF file, and so is "
-                                "the output")
-            check_gguf_output(out, "--keep-format on a GGUF reference")
-        else:
-            fmt = output_format(opts.format, out, fmt)
-        changed = [{k: t for k, t in v.tensors.items() if isinstance(t, MergedModelTensor)} for v in views]
-        plan, report.meters, notes = plan_keep_format(ref.ckpt, ref.views, changed, report, operation, fmt)
-        plan.notes += notes
-    else:
-        fmt = output_format(opts.format, out)
-        target = TARGETS[to] if to else None
-
-        def out_dtype(t) -> torch.dtype:
-            if target is not None:
-                return target
-            return torch.bfloat16 if t.natural_dtype in FP8 else t.natural_dtype
-
-        make = cast_outputs(report, out_dtype)
-        if opts.layout is not None:
-            from ckpt.layout.relayout import plan_layout
-
-            plan = plan_layout(ref.ckpt, views, make, layout=opts.layout, operation=operation,
-                               config_ref=opts.config, max_shard_size=max_shard, file_format=fmt)
-        else:
-            fp8 = any(is_float(t.dtype) and t.natural_dtype in FP8 for v in views for t in v.tensors.values())
-            cfg = target or (torch.bfloat16 if fp8 else None)
-            plan = plan_checkpoint(ref.ckpt, views, make, operation=operation, file_format=fmt,
-                                   max_shard_size=max_shard, output_dtype=lambda c: cfg)
-        plan.notes += decoded_notes(ref.ckpt, ref.views)
+def _plan(recipe: Recipe, models, ref: Model, views, opts, report, target, fmt: str):
+    """The write plan: the output side's (`ckpt.targets`: the reference's layout or --layout, the output dtypes or
+    encoding, or --keep-format), then what a merge adds: the tokenizer and config files, the recipe in the
+    metadata and, for a folder, a model card."""
+    plan = targets.plan_output(target, ref.ckpt, views, opts, report, fmt, merge_models_operation(recipe))
     if recipe.slices is not None:
         from ckpt.merge.slices import layers_edit
 
@@ -290,12 +247,13 @@ def _plan(recipe: Recipe, models, ref: Model, views, opts, report, to, out):
     for f in plan.files:
         if f.format == "safetensors":
             f.metadata[RECIPE_KEY] = report.recipe
-    plan.busy_stage = "read"  # the merge runs in the reading stage: every core
+    if plan.busy_stage is None:  # the merge runs in the reading stage: every core (an encoder's stage keeps its own)
+        plan.busy_stage = "read"
     if not plan.single_file:
         plan.copies = [(s, r) for s, r in plan.copies if PurePosixPath(r).name.lower() != "readme.md"]
         plan.generated["README.md"] = model_card(recipe, report.recipe)
         plan.generated["mergekit_config.yml"] = report.recipe  # where mergekit users look for the recipe
-    return plan, fmt
+    return plan
 
 
 def _tokenizer(recipe: Recipe, models, ref: Model, plan, report) -> None:
@@ -326,14 +284,14 @@ def model_card(recipe: Recipe, recipe_yaml: str) -> str:
     return "\n".join(lines)
 
 
-def _default_output(name_from: str, ref: Model, plan, fmt: str, to: str | None, method: str) -> Path:
+def _default_output(name_from: str, ref: Model, plan, fmt: str, target, opts, method: str) -> Path:
     """Beside the config, named after it (`recipe.yaml` -> `recipe-merged/`); a flag-built merge beside the
     reference, named after it and the method (`a.safetensors` -> `a-weighted_sum.safetensors`), never what
     merge-lora names its output (`a-merged.safetensors`)."""
     from ckpt.run import default_output, file_ext
 
-    ext = ".gguf" if fmt == "gguf" else file_ext(fmt)
-    suffix = f"-{to}" if to else ""
+    ext = target.ext or (".gguf" if fmt == "gguf" else file_ext(fmt))
+    suffix = f"-{target.suffix}" if opts.to else ""
     p = Path(name_from)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return default_output(name_from, p, "merged" + suffix, folder=not plan.single_file, ext=ext)

@@ -65,7 +65,8 @@ def sliced_views(recipe, method, models, ref, opts, report):
             kept = Renamed(inputs[0], name)
             kept.home = ""  # placed by the output's planner, as merged tensors are
             return kept
-        return MergedModelTensor(job, method, "", round_to)
+        # --keep-format re-encodes it into the reference's stored tensor of the same name, where it has one
+        return MergedModelTensor(job, method, "", round_to, replaces=ref.views[0].tensors.get(name))
 
     def outside(names, sl, group):
         order, base = group
@@ -111,7 +112,8 @@ def sliced_views(recipe, method, models, ref, opts, report):
     report.layers = n_out
     report.summary.append(f"{method.name}: {plural(n_out, 'layer')} from {plural(len(recipe.slices), 'slice')}, "
                           f"{plural(report.merged, 'tensor')}")
-    return [replace(ref.views[0], tensors={k: (t if t.name == k else Renamed(t, k)) for k, t in out.items()})]
+    return [replace(ref.views[0], tensors={k: (t if t.name == k else Renamed(t, k)) for k, t in out.items()},
+                    origin=ref.views[0])]
 
 
 def _before_layers(name: str) -> bool:

@@ -55,8 +55,9 @@ def _lcm(values) -> int:
 
 
 class MergedModelTensor(Tensor):
-    def __init__(self, job: Job, method: Method, home: str, round_to=None):
+    def __init__(self, job: Job, method: Method, home: str, round_to=None, replaces=None):
         self.job, self.method, self.home = job, method, home
+        self.replaces = replaces  # the reference's decoded tensor it stands for (--keep-format re-encodes it)
         self.name, self.shape = job.names[0], tuple(job.shape)
         self.dtype = job.compute
         self.round_to = round_to  # the config's `dtype` below fp32: inputs rounded to it first

@@ -1,14 +1,12 @@
 """Planning and running `ckpt merge-lora`; also the Python API (`merge_lora`).
 
-The base is read through the same machinery as `convert` (open_checkpoint -> logical_view, which
-decodes FP8 layouts), LoRA modules are matched to base tensors with the key map built from the base's
-own keys, matched tensors become `MergedTensor`s, and `plan_checkpoint` + `execute` write the result
-with the input's layout, metadata and per-tensor dtypes. Every problem with the inputs (unmatched or
-ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
-
-Matching and its report are the same for every run; how the output is planned and named is one strategy
-chosen once after the inputs are open (`ckpt.merge_lora.strategies`: plain, --keep-format, LitGPT around either).
-Matched patches are kept per component under the base tensor's view key (`ckpt.adapters.matching`).
+The base is read through the same machinery as `convert` (open_checkpoint -> logical_view, which decodes every
+stored encoding), LoRA modules are matched to base tensors with the key map built from the base's own keys
+(`ckpt.adapters.matching`), matched tensors become `MergedTensor`s in views made from the decoded ones
+(`ckpt.merge_lora.base_values`), and the output side plans the result from those views as every writing command
+does (`ckpt.targets`: --to, --keep-format, or merge-lora's default: the base's own dtypes, FP8 and LLM-quantization
+bases in bf16, a LitGPT LoRA's model in its dtype inside a LitGPT checkpoint folder). Every problem with the inputs
+(unmatched or ambiguous keys, shapes that do not fit) is found while planning, before any output exists.
 """
 
 from __future__ import annotations
@@ -24,16 +22,13 @@ from ckpt.adapters.loading import LoraFile, load_lora
 from ckpt.adapters.matching import MatchReport, match_loras, swapped_hint
 from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import open_checkpoint
-from ckpt.merge_lora.strategies import Strategy, choose
+from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
+from ckpt.merge_lora.base_values import merged_views
 from ckpt.options import WriteOptions
 from ckpt.quant import logical_view
-from ckpt.run import output_path, write
-
-
-def merge_targets() -> list[str]:
-    """What --to may name: a dtype, or a GGUF type of `ckpt convert` (merged and quantized in one pass)."""
-    return ["fp16", "bf16", "fp32"] + [t.name for t in targets.all_targets() if t.fmt == "gguf"]
+from ckpt.run import default_output, file_ext, output_path, write
+from ckpt.targets.casts import Natural
+from ckpt.targets.planners.keep_format import refuse_plain
 
 
 @dataclass
@@ -77,11 +72,6 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeL
                         f"{litgpt.LORA_FILE})")
     ratios = check_ratios(opts.ratios, len(loras))
     alphas = check_alphas(opts.alphas, len(loras))
-    if opts.to is not None and opts.to not in merge_targets():
-        raise CkptError(f"--to {opts.to}: merge-lora writes {', '.join(merge_targets())}")
-    if opts.keep_format and opts.to is not None:
-        raise CkptError(f"--to {opts.to} and --keep-format: choose one (--keep-format writes every tensor in the "
-                        "base's own stored dtype or quantized format)")
     device = resolve_device(opts.device)
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(open_checkpoint(base))
@@ -98,25 +88,60 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeL
             stack.callback(f.close)
             settle_alphas(f, alpha, report)
             files.append(f)
-        strategy = choose(opts, files, finetune_dir, base_dir)
-        fmt = strategy.output_format(ckpt, out)
-        plan = _plan(ckpt, files, ratios, opts, report, strategy, fmt)
-        derived = strategy.default_output(base, ckpt, plan, fmt, out, report)
+        lit = next((f for f in files if f.litgpt is not None), None)
+        target = _target(opts, lit)
+        fmt = target.output_format(opts, out, ckpt, default="torch" if lit is not None else "safetensors")
+        plan = _plan(ckpt, files, ratios, opts, report, target, fmt, lit)
+        derived = _default_output(base, ckpt, plan, fmt, out, report, opts, target, lit, finetune_dir, base_dir)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
-    strategy.finish(report, opts.dry_run)
+    target.finish(report, opts.dry_run)
     return out_path, report
 
 
+def _target(opts: MergeLoraOptions, lit):
+    """--keep-format, --to, or the default: the base's own dtype, FP8 and LLM-quantization bases in bf16, a LitGPT
+    LoRA's model in the LoRA's dtype (as litgpt merge_lora writes it)."""
+    if lit is not None and opts.to is not None and opts.to.startswith("gguf-"):
+        raise CkptError(f"--to {opts.to} with a LitGPT LoRA: merge into the LitGPT checkpoint first, convert its "
+                        "HF export to GGUF")
+    import torch
+
+    default = Natural(fp8=torch.bfloat16, llm=torch.bfloat16, dtype=lit.dtype if lit is not None else None,
+                      dtype_source="the LitGPT LoRA's dtype, as litgpt merge_lora does")
+    return targets.choose(opts, default)
+
+
 def _plan(ckpt, files: list[LoraFile], ratios: list[float], opts: MergeLoraOptions, report: MergeLoraReport,
-          strategy: Strategy, file_format: str):
-    """Match every LoRA to the base (the same for every strategy), report on it, refuse what does not fit,
-    and let the strategy plan the output from the matched patches."""
+          target, file_format: str, lit):
+    """Match every LoRA to the base (the same for every target), report on it, refuse what does not fit, and plan
+    the output from the merged views."""
     views = [logical_view(c) for c in ckpt.components]
-    notes = strategy.prepare(ckpt, views)
+    notes = litgpt.current_layout(views, lit.litgpt) if lit is not None else []
+    if opts.keep_format:
+        refuse_plain(ckpt, views)
     patches = match_loras(ckpt, views, files, ratios, report, opts.allow_unmatched)
     names = [Path(f.spec).name for f in files]
-    return strategy.plan(ckpt, views, patches, report, merge_operation(names, ratios, opts), file_format, notes)
+    plan = targets.plan_output(target, ckpt, merged_views(views, patches), opts, report, file_format,
+                               merge_operation(names, ratios, opts))
+    plan.notes += notes
+    return plan
 
 
+def _default_output(base: str, ckpt, plan, file_format: str, out, report, opts, target, lit, finetune_dir,
+                    base_dir) -> Path:
+    """BASE-merged[-SUFFIX] beside the base; a LitGPT finetune folder merges into a LitGPT checkpoint folder (or the
+    one file -o names)."""
+    if lit is not None and finetune_dir is not None:
+        if out and Path(out).suffix in WEIGHT_SUFFIXES:
+            # `-o merged/lit_model.pth` is that one file (never a folder named lit_model.pth)
+            names = [n for _, n in litgpt.sidecars(finetune_dir, base_dir)]
+            report.note(f"-o {out} names a file: only the merged weights are written there; a LitGPT checkpoint "
+                        f"folder also holds {', '.join(names) or 'its config files'} (-o FOLDER writes them too)")
+            return default_output(str(finetune_dir), finetune_dir, "merged", folder=False, ext=file_ext(file_format))
+        litgpt.as_folder(plan, "lit_model" + file_ext(file_format), litgpt.sidecars(finetune_dir, base_dir))
+        return default_output(str(finetune_dir), finetune_dir, "merged", folder=True)
+    tag = "merged" + (f"-{target.suffix}" if opts.to else "")  # `--to bf16` beside a plain merge: no collision
+    ext = target.ext or (".gguf" if file_format == "gguf" else file_ext(file_format))
+    return default_output(base, ckpt.path, tag, folder=not plan.single_file, ext=ext)

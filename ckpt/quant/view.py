@@ -28,6 +28,7 @@ class View:
     notes: list[str]
     config: dict | None = None  # config.json made from the stored encoding (written beside the weights)
     anchors: dict[str, str] = field(default_factory=dict)  # consumed stored key -> logical name it holds
+    origin: View | None = None  # a view a command made of another (merged tensors in place): the decoded one
 
 
 def _contradiction(component: Component, ctx: DecodeContext) -> None:

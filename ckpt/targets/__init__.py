@@ -1,5 +1,6 @@
-"""The targets of `ckpt convert --to`: one registry that the CLI's choices and help, `ckpt convert`,
-and `ckpt batch convert` all read, so that a target is spelt in one place.
+"""The output side: what every writing command (convert, dequant, merge-lora, merge, and `ckpt batch`'s forms of
+them) writes, one registry that the CLI's choices and help and every command read, so that a target is spelt
+in one place and each command takes every target that makes sense for it (`choose`, `plan_output`).
 
 Each module of this package (but `base`) is one kind of target and declares, without importing torch
 (`ckpt --help` and option parsing read this registry, and must stay cheap):
@@ -17,6 +18,7 @@ by a table, and their heavy work (torch, encoders) is imported inside the method
 
 from __future__ import annotations
 
+from ckpt.errors import CkptError
 from ckpt.targets.base import Target
 from ckpt.registry import entry_modules
 
@@ -77,6 +79,39 @@ def canonical(name: str | None) -> str | None:
     for (`gguf-q4_k_m`), so that both write the same bytes; an unknown name as given."""
     t = get(name)
     return t.canonical if t is not None else name
+
+
+def choose(opts, default: Target) -> Target:
+    """The target a command writes: --keep-format (the input's own encoding), else --to NAME (its --scaled variant
+    where it has one), else the command's `default` (`ckpt.targets.casts.Natural`). An unknown name is refused."""
+    if getattr(opts, "keep_format", False):
+        if opts.to is not None:
+            raise CkptError(f"--to {opts.to} and --keep-format: choose one (--keep-format writes every tensor in "
+                            "the input's own stored dtype or quantized format)")
+        from ckpt.targets.keep_format import KEEP_FORMAT
+
+        return KEEP_FORMAT
+    if opts.to is None:
+        t = default
+    else:
+        t = get(opts.to)
+        if t is None:
+            raise CkptError(f"--to {opts.to}: unknown target (choose {', '.join(unprefixed_names())})")
+    if opts.scaled and t.scaled_variant is not None:
+        return t.scaled_variant
+    return t
+
+
+def plan_output(target: Target, ckpt, views, opts, report, file_format: str, operation: str):
+    """The plan of every writing command: the target's options checked, its plan made from the command's views,
+    and a note per component whose stored encoding was decoded."""
+    from ckpt.run import decoded_notes
+
+    target.check(opts)
+    plan = target.plan(ckpt, views, opts, report, file_format, operation)
+    if target.decodes:
+        plan.notes += decoded_notes(ckpt, views)
+    return plan
 
 
 def unprefixed_names() -> list[str]:

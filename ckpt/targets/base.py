@@ -1,8 +1,11 @@
-"""`Target`: one `--to` name of `ckpt convert`, the one interface `ckpt.convert.command` plans through.
+"""`Target`: what a model is written as, the one interface every writing command plans through (convert, dequant,
+merge-lora, merge): a `--to` name, the command's default when `--to` is not given (`ckpt.targets.casts.Natural`),
+or `--keep-format` (`ckpt.targets.keep_format`).
 
 A target names itself, the suffix of the default output name (`x-fp16.safetensors`, `x-Q8_0.gguf`) and
 the file suffix it writes when it writes a format of its own; it refuses the options that do not apply
-to it and plans the output. Defining one imports no torch: the registry is read by `ckpt --help`.
+to it and plans the output from the command's logical views (decoded, merged: whatever the command made of
+its inputs). Defining one imports no torch: the registry is read by `ckpt --help`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ class Target:
     """The interface, and the defaults of the targets that write safetensors / torch files tensor by tensor
     through the planners (`plan_checkpoint`, or `plan_layout` with --layout)."""
 
-    name: str | None  # --to NAME (None: keep each tensor's dtype; convert --layout alone)
+    name: str | None  # --to NAME (None: a command's default, or --keep-format)
     suffix: str  # default output name: SRC-[LAYOUT-]SUFFIX
     label: str  # the progress bar's "convert -> [LAYOUT ]LABEL"
     ext: str | None = None  # the one file suffix of a target writing its own format (".gguf"); None: safetensors/torch
@@ -24,6 +27,7 @@ class Target:
     scaled_variant: Target | None = None  # what --scaled makes of this target, where it applies
     is_scaled = False  # this is a --scaled variant
     saturates = False  # encodes with saturation by design: --clamp refused
+    decodes = True  # its output holds the decoded values (a note says which encodings were decoded)
 
     def __init__(self, name: str | None, suffix: str | None = None, label: str | None = None):
         self.name = name
@@ -38,13 +42,6 @@ class Target:
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
 
-    @classmethod
-    def written_by(cls) -> str:
-        """Which --to names write `ext` files, for refusing -o NAME.ext with another target."""
-        from ckpt import targets
-
-        return f"{cls.ext} files are written by --to " + "|".join(t.name for t in targets.all_targets() if isinstance(t, cls))
-
     @property
     def in_batch(self) -> bool:
         """`ckpt batch convert` offers it: it names outputs SRC-SUFFIX.safetensors (a file or folder)."""
@@ -52,17 +49,17 @@ class Target:
 
     # ---- before the input is opened
 
-    def output_format(self, opts, out) -> str:
-        """safetensors / torch from --format and -o; a suffix another target's own format has (.gguf) is
-        refused: that format comes from --to only."""
-        from ckpt import targets
+    def output_format(self, opts, out, ckpt=None, default: str = "safetensors") -> str:
+        """safetensors / torch from --format and -o (else `default`), checked before the input is opened: an -o
+        naming another container (NAME.gguf) is refused by the one rule of every command
+        (`ckpt.io.output.check_container`). `ckpt`: the input, where it is open already."""
+        from ckpt.io.output import check_container
         from ckpt.run import output_format
 
-        suffix = Path(out).suffix if out else ""
-        for t in targets.all_targets():
-            if t.ext is not None and suffix == t.ext:
-                raise CkptError(f"-o {out}: {t.written_by()}, not --to {opts.to}")
-        return output_format(opts.format, out)
+        fmt = output_format(opts.format, out, default)
+        if out:
+            check_container(Path(out), fmt)
+        return fmt
 
     # ---- planning
 
@@ -76,13 +73,15 @@ class Target:
             raise CkptError(f"--clamp applies to dtype targets; --to {opts.to} saturates by design")
         if opts.pure:
             raise CkptError("--pure applies to --to gguf-* only")
+        if getattr(opts, "keep_format", False):
+            raise CkptError("--keep-format writes the input's own encoding: no --to with it")
 
     def outputs(self, views, opts, report):
         """(make, finish): `make(tensor) -> [OutTensor]` for the planners; `finish(plan)` or None, run on
         the whole plan (per-file metadata, notes)."""
         raise NotImplementedError
 
-    def output_dtype(self):
+    def output_dtype(self, views):
         """The model dtype the planner records in config.json files (plan_checkpoint's `output_dtype`)."""
         return None
 
@@ -100,7 +99,7 @@ class Target:
                                max_shard_size=shard_size, file_format=file_format)
         else:
             plan = plan_checkpoint(ckpt, views, make, operation=operation, max_shard_size=shard_size, file_format=file_format,
-                                   output_dtype=lambda c: self.output_dtype())
+                                   output_dtype=lambda c: self.output_dtype(views))
         if finish is not None:
             finish(plan)
         return plan
@@ -108,3 +107,6 @@ class Target:
     def heavy(self, opts, views) -> bool:
         """Whether the run does math worth a GPU (--device auto): decoding quantized inputs, encoding."""
         return any(v.formats for v in views)
+
+    def finish(self, report, dry_run: bool) -> None:
+        """What the target adds to the report once the output is written (--keep-format: the requantization)."""

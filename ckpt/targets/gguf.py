@@ -25,24 +25,16 @@ class GGUF(Target):
         super().__init__(name, suffix=mix.label if mix is not None else name)
         self.mix = mix
 
-    @staticmethod
-    def written_by() -> str:
-        from ckpt import targets
-
-        ours = [t.name for t in targets.all_targets() if isinstance(t, GGUF)]
-        shown = ours if len(ours) <= 4 else [*ours[:2], "...", *ours[-2:]]
-        return f"GGUF is written by --to {'|'.join(shown)}"
-
     @property
     def canonical(self) -> str:
         return f"gguf-{self.mix.name}" if self.mix is not None else self.name
 
-    def output_format(self, opts, out) -> str:
+    def output_format(self, opts, out, ckpt=None, default: str = "safetensors") -> str:
         """GGUF only from --to gguf-*, never from a suffix alone; -o must say .gguf (or be a folder)."""
         from ckpt.run import check_gguf_output
 
         if opts.format is not None:
-            raise CkptError(f"--format does not apply to --to {opts.to} (it writes a .gguf file)")
+            raise CkptError(f"--format {opts.format} with --to {opts.to}: the output is a GGUF file")
         check_gguf_output(out, f"--to {opts.to}")
         return "gguf"
 

@@ -1,4 +1,4 @@
-"""The interface every adapter family implements, and the DoRA post-step the LoRA family shares.
+"""The interface every adapter kind implements, and the DoRA post-step the LoRA kind shares.
 
 An adapter is one LoRA *module* (all keys of one spelling such as `lora_unet_x` or
 `base_model.model.layers.0.q_proj`) turned into a rule for changing the rows of its target slice.
@@ -22,7 +22,7 @@ from ckpt.io.output import bands
 
 
 class Adapter:
-    family: str = ""
+    kind: str = ""
     row_local: bool = True
     has_weight: bool = True  # False for modules that only carry a bias delta
 
@@ -32,7 +32,7 @@ class Adapter:
         self.device = torch.device("cpu")
 
     # -- shape contract -------------------------------------------------------------------------
-    _rows: int | None = None  # set by each family's __init__ from its stored shapes
+    _rows: int | None = None  # set by each kind's __init__ from its stored shapes
     _cols: int | None = None
     bias_role: str | None = None  # the stored part holding a bias delta (`diff_b`, PEFT `lora_B.bias`)
 
@@ -43,7 +43,7 @@ class Adapter:
 
     @property
     def cols(self) -> int | None:
-        """prod(shape[1:]) of the module's delta, or None when the family adapts to any width."""
+        """prod(shape[1:]) of the module's delta, or None when the kind adapts to any width."""
         return self._cols
 
     @property
@@ -74,7 +74,7 @@ class Adapter:
         """The module's whole delta (scale included) in its 2-D row view [rows, cols], fp32 on
         `self.device`, for commands that work on deltas without a base (`ckpt lora resize/merge`).
         Families whose change depends on the base weight have none: an error naming the module."""
-        raise self.error(f"a {self.family} module changes the base weight in a way that depends on it; "
+        raise self.error(f"a {self.kind} module changes the base weight in a way that depends on it; "
                          "it has no delta of its own")
 
     def part(self, role: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ expert e's delta is (PEFT `ParamWrapper.get_delta_weight`, parameters stored [E,
     delta[e] = scaling * einsum("o r e, e r i -> e i o", B.reshape(out, r, E), A.reshape(E, r, in))[e]
 
 The key map (`ckpt.adapters.keymap`) claims the module names for the banks with an `ExpertBank` transform on
-the Target: to the shape checks it presents the bank as the [out, in] a LoRA of these factors has, and it marks
+the Placement: to the shape checks it presents the bank as the [out, in] a LoRA of these factors has, and it marks
 the patch so that `experts_patches` gives it an `ExpertLoRA`, which adds each expert's delta to the whole bank
 (`match_loras` calls it, so merge-lora and `ckpt merge`'s BASE+LORA share it; a path that does not is refused by
 the unprepared transform instead of applying the factors as a plain LoRA).
@@ -34,7 +34,7 @@ from ckpt.adapters.keymap import ExpertBank
 class ExpertLoRA(Adapter):
     """A ParamWrapper LoRA module (`lora`'s factors and scale) merged into an expert bank [E, in, out]."""
 
-    family = "lora"
+    kind = "lora"
     row_local = False
 
     def __init__(self, lora, bank: ExpertBank, shape):

@@ -10,7 +10,7 @@ from ckpt.adapters.kinds.base import Adapter
 class Full(Adapter):
     zero_if_any = ("diff",)  # the delta itself
     bias_role = "diff_b"
-    family = "full"
+    kind = "full"
 
     def __init__(self, module):
         super().__init__(module)

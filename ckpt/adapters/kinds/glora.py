@@ -16,7 +16,7 @@ from ckpt.adapters.kinds.base import Adapter, alpha_scale
 
 
 class GLoRA(Adapter):
-    family = "glora"
+    kind = "glora"
 
     def __init__(self, module):
         super().__init__(module)

@@ -7,7 +7,7 @@ from ckpt.adapters.kinds.base import Adapter
 
 
 class IA3(Adapter):
-    family = "ia3"
+    kind = "ia3"
 
     def __init__(self, module):
         super().__init__(module)

@@ -15,7 +15,7 @@ ROLES = ("w1a", "w1b", "w2a", "w2b")
 
 class LoHa(LowRankFamily):
     zero_if_any = ("w1a", "w1b", "w2a", "w2b", "t1", "t2")  # the delta is a product of these
-    family = "loha"
+    kind = "loha"
 
     def __init__(self, module):
         self.module = module

@@ -19,7 +19,7 @@ from ckpt.adapters.kinds.base import LowRankFamily, alpha_scale
 
 class LoKr(LowRankFamily):
     zero_if_any = ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")  # the delta is a product of these
-    family = "lokr"
+    kind = "lokr"
 
     def __init__(self, module):
         self.module = module

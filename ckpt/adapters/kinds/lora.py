@@ -19,7 +19,7 @@ from ckpt.adapters.kinds.base import LowRankFamily, alpha_scale
 
 class LoRA(LowRankFamily):
     bias_role = "up_bias"
-    family = "lora"
+    kind = "lora"
 
     def __init__(self, module):
         p = module.parts

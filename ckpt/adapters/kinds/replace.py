@@ -11,7 +11,7 @@ from ckpt.adapters.kinds.base import Adapter
 
 class Replace(Adapter):
     bias_role = "bias"
-    family = "replace"
+    kind = "replace"
 
     def __init__(self, module):
         super().__init__(module)
