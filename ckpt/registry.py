@@ -1,7 +1,8 @@
 """How ckpt's registries find their entries: every plain module of a package, imported in name order.
 
-Model families (`ckpt.families`, `FAMILY`), convert targets (`ckpt.targets`, `TARGETS`) and merge methods
-(`ckpt.merge.methods`, `METHODS`) are each one small module that declares its entry; adding one is adding a file.
+Model families (`ckpt.families`, `FAMILY`), output targets (`ckpt.targets`, `TARGETS`), merge methods
+(`ckpt.merge.methods`, `METHODS`) and quantized formats (`ckpt.quant`, `FORMAT`) are each one small module that
+declares its entry; adding one is adding a file.
 Modules named `_private` or `base` (the package's own interface) and subpackages (knowledge that is no entry)
 are not entries.
 """

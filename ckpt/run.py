@@ -14,7 +14,7 @@ from typing import Callable
 from ckpt.dtypes import ST_FLOAT, as_torch, is_float, st_name
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state, published_paths
-from ckpt.io.checkpoint import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
+from ckpt.io.file_kinds import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
 from ckpt.io.gguf_split import partial_sets
 from ckpt.io.plan import FORMATS, OutTensor, Plan
 from ckpt.io.previous_output import is_previous_output, planned_relpaths
@@ -129,7 +129,7 @@ def default_output(src: str, ckpt_path: Path, suffix: str, folder: bool, ext: st
             return p.parent / f"{stem}-{suffix}{LITGPT_LORA}"
         base = p.parent / f"{stem}-lora"
     elif p.is_file() and p.suffix == ".gguf":  # a part of a split GGUF names its set: `m-00002-of-00003.gguf` -> m
-        from ckpt.io.gguf_split import set_prefix
+        from ckpt.io.gguf_parts import set_prefix
 
         base = p.parent / (set_prefix(p.name) or p.stem)
     elif p.is_file():
@@ -222,7 +222,7 @@ def note_byte_copies(plan: Plan, report: Report, dry_run: bool = False) -> None:
 
 def _other_splits(parts: list[Path]) -> list[str]:
     """Files beside the new parts named as parts of another split of the same name (another part count)."""
-    from ckpt.io.gguf_split import PART_RE
+    from ckpt.io.gguf_parts import PART_RE
 
     prefix = PART_RE.fullmatch(parts[0].name)["prefix"]
     try:
@@ -235,7 +235,7 @@ def _other_splits(parts: list[Path]) -> list[str]:
 
 def _split_input(inputs: list[Path]) -> bool:
     """Whether the inputs include parts of a split GGUF (`ckpt.io.gguf_split`; the reader checked the set)."""
-    from ckpt.io.gguf_split import PART_RE
+    from ckpt.io.gguf_parts import PART_RE
 
     return any((m := PART_RE.fullmatch(Path(p).name)) is not None and int(m["count"]) > 1 for p in inputs)
 

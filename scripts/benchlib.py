@@ -21,7 +21,7 @@ Public API (stdlib-only; safe to import in a benchmark's parent process):
     model_specs(params) -> Model            Flux-like tensor list with about `params` elements
     generate(path, params, dtype, layout)   write a synthetic checkpoint (in a subprocess)
     compare(a, b)                           bitwise comparison of two safetensors files (subprocess)
-    markdown_table(headers, rows)           a table ready to paste into README
+    markdown_table(headers, rows)           a table ready to paste into docs/benchmarks.md
     add_run_args(ap)                        --device cpu|cuda (bench_lora: |auto) and --workdir, the same in every bench
     where(path)                             "tmpfs" / "disk (ext4)": what --workdir measures
     cp_baseline(src, dst)                   `cp` + `sync` of the output's bytes (the speed yardstick)

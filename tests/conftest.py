@@ -56,10 +56,13 @@ SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test
 # Single tests of a few seconds in otherwise quick modules (a 100 MB header, a fresh interpreter, a signal).
 SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               "test_mutants_are_refused_in_one_line_or_read_as_gguf_reads_them", "test_a_new_target_is_a_new_module",
-              "test_every_module_imports_in_a_fresh_interpreter", "test_sigterm_to_a_running_convert_leaves_nothing",
+              "test_a_new_format_is_a_new_module",
+              "test_every_module_imports_in_a_fresh_interpreter_without_torch", "test_sigterm_to_a_running_convert_leaves_nothing",
               "test_a_set_a_sigkilled_run_published_in_part_is_recognised_cleaned_and_replaced",
               "test_an_llm_tensor_without_values_is_refused_for_block_types",
-              "test_llm_rows_too_large_for_a_block_scale_are_counted"}
+              "test_llm_rows_too_large_for_a_block_scale_are_counted",
+              # tests/test_docs.py: every example of the README and docs/ run on tiny inputs built once (~20 s)
+              "test_example_runs_as_written", "test_targets_table_says_which_command_takes_which_target"}
 
 
 def pytest_collection_modifyitems(config, items):

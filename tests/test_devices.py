@@ -292,7 +292,7 @@ def test_cuda_reads_that_reuse_one_pinned_buffer_wait_for_its_copy(tmp_path):
     from ckpt.io.buffers import Buffers
     from ckpt.io.checkpoint import open_checkpoint
     from ckpt.io.tensors import RowConcat
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
 
     g = torch.Generator().manual_seed(1)
     src = tmp_path / "p.safetensors"

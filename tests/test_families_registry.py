@@ -128,7 +128,7 @@ def test_unknown_model_names_every_architecture():
 
 
 def test_llm_architecture_facts_are_the_families():
-    from ckpt.families import llm
+    from ckpt.families.llm import architectures as llm
     from ckpt.quant import gguf_llm
 
     assert gguf_llm.ARCHS is llm.ARCHS and gguf_llm.SUPPORTED == "llama, qwen2, qwen3"

@@ -91,7 +91,8 @@ def test_bands_read_only_their_columns(tmp_path):
     """Any band of output rows equals the same rows of the whole tensor; a band reads only its columns."""
     from ckpt.io import header
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import common, gptq, logical_view
+    from ckpt.quant import common, gptq
+    from ckpt.quant.view import logical_view
 
     build(tmp_path / "q", 3, 32, True, False)
     with open_checkpoint(str(tmp_path / "q")) as ck:

@@ -394,7 +394,7 @@ def test_codes_are_encoded_band_by_band_and_bands_equal_the_whole(tmp_path, monk
     import ckpt.io.output as output
     from ckpt.io.checkpoint import open_checkpoint
     from ckpt.io.tensors import read_rows
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
     from ckpt.quant.encoding import ErrorMeter
     from ckpt.report import Report
 

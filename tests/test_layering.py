@@ -1,12 +1,9 @@
 """The package's import structure: every module imports in a fresh interpreter, module-level imports form
 no cycle, and the lower layers (reading, decoding, writing, family knowledge) never import a command.
 
-Read from the source (ast), so a lazy import inside a function counts for the layering rule too: a
-decoder that reaches up into a command module is a knot however it is spelt. Lazy imports do not count
-for cycles across the package (breaking one at a call site is a deliberate choice), but they do within
-`ckpt.quant`: a decoder module imports `ckpt.quant.common` and `ckpt.quant.encoding`, never another
-decoder's internals, so the format modules stay independent of each other however their imports are
-placed. And no module imports another's `_private` name: a name another module needs gets a public
+Read from the source (ast), so a lazy import inside a function counts too: a decoder that reaches up into a
+command module is a knot however it is spelt, and two modules that import each other, at any depth, form a
+cycle however the imports are placed (a lazy import is for start-up time, never to hide a cycle). And no module imports another's `_private` name: a name another module needs gets a public
 spelling in its home module, so what a module offers is what its public names say."""
 
 from __future__ import annotations
@@ -74,10 +71,30 @@ def _imports(name: str, path: Path, top_only: bool) -> set[str]:
     return out & MODULES.keys()
 
 
-def test_every_module_imports_in_a_fresh_interpreter():
-    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+def test_every_module_imports_in_a_fresh_interpreter_without_torch():
+    """Every module imports on its own, and importing all of them imports neither torch nor numpy: they are used
+    through the lazy proxy (`ckpt.lazy`) only, so no module touches them until a command does tensor math, and
+    every path that needs none (help, inspect of headers, every refusal before reading data) stays torch-free by
+    construction, whatever it imports."""
+    code = ("import importlib, json, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "print(json.dumps(sorted(n for n in ('torch', 'numpy') if n in sys.modules)))\n")
     r = subprocess.run([sys.executable, "-c", code, *sorted(MODULES)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["[]"], "imported at module import: " + r.stdout
+
+
+def test_torch_and_numpy_are_imported_one_way():
+    """`from ckpt.lazy import torch` (and `numpy as np`), never `import torch` at any depth: one spelling, so the
+    rule above holds by structure and a function-level import cannot slip a module-level one in later."""
+    found = []
+    for m, p in MODULES.items():
+        if m == "ckpt.lazy":
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in ("torch", "numpy")]
+    assert not found, "\n".join(found)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -104,9 +121,10 @@ def test_module_level_imports_have_no_cycle():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_quant_modules_have_no_cycle_even_through_function_level_imports():
-    quant = {m: p for m, p in MODULES.items() if _under(m, ("ckpt.quant",))}
-    cycles = _cycles({m: (_imports(m, p, top_only=False) & quant.keys()) - {m} for m, p in quant.items()})
+def test_no_cycle_even_through_function_level_imports():
+    """A lazy import (inside a function) breaks a cycle at import time but not in the design: two modules that
+    need each other are one module, or share a third. So none, at any depth."""
+    cycles = _cycles({m: _imports(m, p, top_only=False) - {m} for m, p in MODULES.items()})
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 

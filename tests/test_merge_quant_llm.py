@@ -162,7 +162,7 @@ def test_default_output_is_bf16_rounded_once_and_loads_strictly(made, run_ckpt, 
 def _no_encoder(folder, key="model.layers.0.self_attn.q_proj.weight") -> str | None:
     """Why ckpt cannot re-encode this base's decoded weights (None: an encoder exists)."""
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
     from ckpt.quant.encoding import encoding_of
 
     with open_checkpoint(str(folder)) as ck:

@@ -1,4 +1,4 @@
-"""The rules of every path a command writes (README "Output paths"): `--report FILE` is never an input,
+"""The rules of every path a command writes (docs/commands.md "Output paths"): `--report FILE` is never an input,
 the output, a file inside the output, a file ckpt did not write or a non-regular file, and it is checked
 before any work; a report that cannot be written after the output was published is exit 3, not 2;
 `-o EXISTING_FOLDER` means one thing for every command, and --overwrite deletes only what ckpt wrote or

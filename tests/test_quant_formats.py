@@ -75,7 +75,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 def _view(path):
     """(stored keys, the logical view) of the checkpoint's one component."""
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
 
     with open_checkpoint(str(path)) as ck:
         (component,) = ck.components

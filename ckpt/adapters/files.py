@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.io.checkpoint import Checkpoint
 from ckpt.io.tensors import Tensor

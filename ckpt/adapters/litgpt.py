@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import CkptError, file_error
-from ckpt.io.checkpoint import LITGPT_LORA, NOT_WEIGHTS, WEIGHT_SUFFIXES, open_checkpoint
+from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.file_kinds import LITGPT_LORA, NOT_WEIGHTS, WEIGHT_SUFFIXES
 from ckpt.io.tensors import RowSlice, Tensor
 from ckpt.adapters.files import LoraFile, LoraModule
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.families import Transform
 from ckpt.io.tensors import Tensor
@@ -38,7 +38,10 @@ class Patch:
 
 
 class MergedTensor(Wrapper):
-    dtype = torch.float32
+    @property
+    def dtype(self):
+        """fp32: the sum is computed there (a property so that importing the module needs no torch)."""
+        return torch.float32
 
     def __init__(self, base: Tensor, patches: list[Patch], replaces: Tensor | None = None):
         self.base, self.patches = base, patches

@@ -1,6 +1,6 @@
 """Which checkpoints a folder holds: each model counted once, and nothing that is not an input.
 
-Rules (the README lists them for users):
+Rules (docs/batch.md lists them for users):
 - A folder with `model_index.json` (a diffusers pipeline), `config.json` or a `*.index.json` is one
   model, with everything below it: shards of one model are one job. Exception: a training output folder
   (config.json and its own unsharded weights, plus `checkpoint-*`-style subfolders that are models of
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
+from ckpt.io.file_kinds import NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
 from ckpt.io.small_inputs import check_regular, read_text
 
 JOB_SUFFIXES = SAFETENSORS + PICKLES

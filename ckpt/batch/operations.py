@@ -205,7 +205,8 @@ class ConvertOp(Operation):
 
     def estimate(self, item: Found) -> int:
         from ckpt.convert.command import plan_convert
-        from ckpt.io.checkpoint import PICKLES, open_checkpoint
+        from ckpt.io.checkpoint import open_checkpoint
+        from ckpt.io.file_kinds import PICKLES
 
         if any(f.suffix in PICKLES for f in _weight_files(item.path)):
             return header_estimate(item.path)  # opening would load the pickle just to plan
@@ -254,7 +255,8 @@ class DequantOp(Operation):
         return default_output(str(item.path), item.path, suffix, folder=self.output_is_folder(item))
 
     def estimate(self, item: Found) -> int:
-        from ckpt.io.checkpoint import PICKLES, open_checkpoint
+        from ckpt.io.checkpoint import open_checkpoint
+        from ckpt.io.file_kinds import PICKLES
         from ckpt.dequant.command import plan_dequant
 
         if any(f.suffix in PICKLES for f in _weight_files(item.path)):

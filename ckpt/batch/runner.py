@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.batch.discover import Found, discover, fingerprint, made_by_ckpt
+from ckpt.batch.job_run import run_job
 from ckpt.batch.manifest import HIDDEN_NAME, NAME, Manifest, ManifestRecord
 from ckpt.batch.operations import Operation
 from ckpt.batch.worker import command as worker_command
@@ -279,25 +280,6 @@ def check_memory(op: Operation, jobs: list[BatchJob], n: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------- running
-
-
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, CkptError):
-        return str(e).splitlines()[0] if str(e) else type(e).__name__
-    return f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-
-
-def run_job(op: Operation, src: Path, out: Path | None, overwrite: bool) -> dict:
-    """One job through the operation's API; never raises except KeyboardInterrupt."""
-    t0 = time.monotonic()
-    try:  # the writer creates OUT's missing parent folders, and removes them if the job fails
-        path, report, row = op.run(src, out, overwrite)
-        msgs = [f"note: {n}" if not n.startswith("warning:") else n for n in report.notes] + report.warnings()
-        return {"status": "ok", "output": str(path) if path else None, "error": None,
-                "seconds": time.monotonic() - t0, "messages": msgs, "row": row}
-    except Exception as e:  # isolate the failure: the other checkpoints go on
-        return {"status": "failed", "output": None, "error": _one_line(e), "seconds": time.monotonic() - t0,
-                "messages": [], "row": None}
 
 
 SCRATCH_PREFIX = "ckpt-batch-"  # the workers' stderr files: TMPDIR/ckpt-batch-PID-XXXXXXXX/

@@ -45,7 +45,7 @@ def run_spec(spec: dict) -> dict:
     """One job from its JSON spec ({op, params, src, out, overwrite}): what every executor runs, a local
     worker process, a Ray task (`ckpt.batch.ray_pool`) and `ckpt batch run-job` (`ckpt.batch.joblist`)."""
     from ckpt.batch.operations import make_operation
-    from ckpt.batch.runner import run_job
+    from ckpt.batch.job_run import run_job
 
     op = make_operation(spec["op"], spec["params"])
     return run_job(op, Path(spec["src"]), Path(spec["out"]) if spec["out"] else None, spec["overwrite"])

@@ -126,7 +126,7 @@ def record(report=None, *, inputs=(), output=None, status: str | None = None, **
 
 def finish(exit_code: int, error: str | None = None, report=None) -> None:
     """Write the report file, if --report was given. A report that cannot be written is a
-    ReportNotWritten (exit 3: the command's own work stands; see README "--report")."""
+    ReportNotWritten (exit 3: the command's own work stands; see docs/commands.md "The report file")."""
     path = _STATE.get("path")
     if path is None or OTHER_WRITES.pop(path.absolute(), None) is None:  # none, or the path was refused
         return

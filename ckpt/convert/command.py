@@ -10,7 +10,7 @@ from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.options import WriteOptions
-from ckpt.quant import logical_view
+from ckpt.quant.view import logical_view
 from ckpt.report import Report
 from ckpt.targets.casts import KEEP
 from ckpt.run import default_output, file_ext, output_path, write

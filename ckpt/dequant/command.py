@@ -19,7 +19,7 @@ from ckpt.dtypes import short_name
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.options import WriteOptions
-from ckpt.quant import logical_view
+from ckpt.quant.view import logical_view
 from ckpt.quant.formats import labels
 from ckpt.quant.quanto import canonical_qtype, shapes_from
 from ckpt.report import Report, plural

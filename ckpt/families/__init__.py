@@ -17,7 +17,7 @@ Using it:
 Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY = Family(...)`
 (`ckpt.families.spec` documents every field); the registry finds it, nothing else changes:
 
-1. `family_id` (stable, lower case, listed in README "Families"), `label`, `diffusers_class` and
+1. `family_id` (stable, lower case, listed in docs/families.md "The families"), `label`, `diffusers_class` and
    `config_classes` (regexes on config.json `_class_name` / `architectures[0]`).
 2. `layouts`: one `Signature` per layout: a primary regex whose hits score the match (write `_.` where a
    name may use `.` or `_`, via `spec.at()`/`spec.start()`), `required`/`forbidden` regexes and an
@@ -31,7 +31,7 @@ Adding a family = adding one file `ckpt/families/<name>.py` that defines `FAMILY
    read it for the facts, write the table in our own words. Tables may list optional tensors (biases,
    I2V-only modules): `spec.present()` keeps the ones the file has.
 4. LoRA facts: `kohya_layout` (which layout `lora_unet_<path>` names follow), `lora_aliases` (names in
-   neither layout: XLabs, old diffusers processors), `lora_namings` (README table).
+   neither layout: XLabs, old diffusers processors), `lora_namings` (docs/families.md table).
 5. `high_precision`: per layout, regexes of tensors a quantizing writer keeps in high precision;
    `gguf`: ComfyUI-GGUF's architecture name and F32 list for the family (`spec.GGUFStorage`).
 6. Tests: build a tiny model with the diffusers class, make the original layout from it (diffusers'

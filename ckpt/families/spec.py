@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Callable, Iterable
 
 from ckpt.report import plural
+from ckpt.lazy import torch
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -109,8 +110,6 @@ class Transform(StrEnum):
         if self is Transform.TRANSPOSE:
             return x.mT
         if self is Transform.SWAP_HALVES:
-            import torch
-
             return torch.cat([x[a:b] for a, b in self.row_spans(shape[0])])
         return x.reshape(shape)
 

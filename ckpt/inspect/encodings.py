@@ -1,10 +1,14 @@
-"""How a component's weights are stored: plain, FP8 (kind and layout), optimum-quanto, bitsandbytes, GPTQ/AWQ.
+"""How a component's weights are stored, as inspect names them: plain, FP8 (dtype and layout), each quantized
+format, and the per-setting layers of the LLM quantizations.
 
-FP8 layouts are named by the decoders of `ckpt.quant.logical_view` (the same code convert uses), so
-inspect never disagrees with what convert would do. Integer-quantized layouts that no decoder handles
-are recognised here from their key suffixes, only to report them (optimum-quanto: `X.weight._data`,
-`._scale`, `._shift`; bitsandbytes: `absmax`, `quant_map`, `quant_state.bitsandbytes__nf4`, `SCB`;
-GPTQ/AWQ: `qweight`, `qzeros`, `g_idx`).
+Every layout ckpt decodes is named by its decoder (`View.formats` of `ckpt.quant.view.logical_view`, the code
+convert and dequant run; the formats are the registry `ckpt/quant/formats.py`), so inspect never disagrees with
+what convert would do. Some layouts are also recognised from their stored keys, to count their weights and to
+name them even where the decoder refuses the checkpoint (inspect reports what dequant would refuse):
+optimum-quanto by its decoder's own key grouping (`ckpt.quant.quanto.stored_entries`), bitsandbytes by
+`quant_state.bitsandbytes__nf4|fp4` and `SCB` (its state: `absmax`, `quant_map`, ...), GPTQ/AWQ packs by
+`qweight` (with `qzeros`, `g_idx`, `scales`). `quantized_layers` asks the registered format of each decoded
+weight (`ckpt.quant.formats.format_of`) for its settings.
 """
 
 from __future__ import annotations
@@ -100,8 +104,9 @@ def _quanto(tensors: dict, enc: Encodings, qmap) -> None:
 
 
 def quantized_layers(view, config) -> dict | None:
-    """What the LLM-quantization decoders (GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ)
-    decoded, per setting, and which tensors stay plain; None when none of them decoded anything.
+    """What the decoders of the formats with inspect `settings` (the LLM quantizations of `ckpt.quant.formats`:
+    GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ, torchao) decoded, per setting, and which
+    tensors stay plain; None when none of them decoded anything.
 
     The settings are asked of the decoded tensors (`ckpt.quant.*` weights keep the bits, group size, zero
     points, strategy they decode with), so inspect names what `dequant` would do. GPTQ's sym flag is the one

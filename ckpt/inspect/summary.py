@@ -30,7 +30,8 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
                                              points", "tensors": n, "settings": {"format", "bits", "group_size",
                                              ... as the decoder reads them}}],
                                 "unquantized": {"tensors": n, "matrices": [plain tensors of 2+ dims]}}
-                        (GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ; encodings.quantized_layers),
+                        (the formats with inspect settings: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss
+                         MXFP4, HQQ, torchao; encodings.quantized_layers),
         "tensors": n (stored tensors),
         "parameters": n (the plain model's: decoded shapes of quantized weights, their scales and other
                       companions 0; stored elements where ckpt cannot decode the layout),
@@ -77,20 +78,8 @@ def inspect(src: str, scan: bool = False) -> dict:
 
 def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
     comps = [summarize_component(ckpt, c, scan) for c in ckpt.components]
-    training = bool(ckpt.state)  # trainer state beside the weights (ckpt.io.checkpoint.is_training_state)
-    notes: list[str] = []
-    quanto = any(e.startswith("optimum-quanto") for c in comps for e in c["encodings"])
-    if training:
-        notes.append("training checkpoint: trainer state (optimizer/scheduler/random states) sits beside the "
-                     "weights; only the weights are inspected")
-    if training and not quanto:
-        lora = any(c["kind"] == "lora" for c in comps)
-        notes.append(("nothing here is quantized" + (" (LoRA-only training checkpoint)" if lora else "")
-                      + ": there is nothing to dequantize; " + QUANTO_KEYERROR))
-    installed = _installed_quanto() if quanto else None  # reading installed metadata costs ~20 ms: only when asked
-    if installed and _older(installed, QUANTO_FIX):
-        notes.append(f"installed optimum-quanto {installed} is older than {QUANTO_FIX}: " + QUANTO_KEYERROR)
-    report = {
+    training = bool(ckpt.state)  # trainer state beside the weights (ckpt.io.file_kinds.is_training_state)
+    return {
         "source": ckpt.spec,
         "path": str(ckpt.path),
         "kind": ckpt.kind,
@@ -98,98 +87,80 @@ def inspect_checkpoint(ckpt: Checkpoint, scan: bool = False) -> dict:
         "training_checkpoint": training,
         "components": comps,
         "totals": {k: sum(c[k] for c in comps) for k in ("tensors", "parameters", "bytes")},
-        "warnings": [f"{c['name'] if c['name'] != '.' else 'top folder'}: {w}" if len(comps) > 1 else w
-                     for c in comps for w in c["warnings"]],
-        "notes": notes,
+        "warnings": _checkpoint_warnings(comps),
+        "notes": [n for make in CHECKPOINT_NOTES if (n := make(training, comps))],
     }
-    return report
+
+
+def _checkpoint_warnings(comps: list[dict]) -> list[str]:
+    """Every component's warnings, each led by the component's name when there are several, so that a
+    warning in a pipeline folder says which subfolder it is about."""
+    if len(comps) <= 1:
+        return [w for c in comps for w in c["warnings"]]
+    return [f"{c['name'] if c['name'] != '.' else 'top folder'}: {w}" for c in comps for w in c["warnings"]]
+
+
+def _has_quanto(comps: list[dict]) -> bool:
+    """Any optimum-quanto weight: the notes about the quanto resume KeyError are only about those."""
+    return any(e.startswith("optimum-quanto") for c in comps for e in c["encodings"])
+
+
+def _training_note(training: bool, comps: list[dict]) -> str | None:
+    """Says that the optimizer/scheduler state beside the weights is seen but not inspected."""
+    if training:
+        return ("training checkpoint: trainer state (optimizer/scheduler/random states) sits beside the weights; "
+                "only the weights are inspected")
+    return None
+
+
+def _nothing_quantized_note(training: bool, comps: list[dict]) -> str | None:
+    """A training checkpoint with no quanto weight: people come with the quanto resume KeyError thinking they
+    must dequantize; say there is nothing to dequantize and where the error really comes from."""
+    if not training or _has_quanto(comps):
+        return None
+    lora = " (LoRA-only training checkpoint)" if any(c["kind"] == "lora" for c in comps) else ""
+    return f"nothing here is quantized{lora}: there is nothing to dequantize; " + QUANTO_KEYERROR
+
+
+def _old_quanto_note(training: bool, comps: list[dict]) -> str | None:
+    """quanto weights with an installed optimum-quanto older than the KeyError fix: the upgrade is the cure.
+    Reading the installed version costs ~20 ms, so only when there are quanto weights."""
+    installed = _installed_quanto() if _has_quanto(comps) else None
+    if installed and _older(installed, QUANTO_FIX):
+        return f"installed optimum-quanto {installed} is older than {QUANTO_FIX}: " + QUANTO_KEYERROR
+    return None
+
+
+# The report's own notes, in this order: each (training, components) -> a note or None.
+CHECKPOINT_NOTES = (_training_note, _nothing_quantized_note, _old_quanto_note)
 
 
 def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
-    tensors = comp.tensors
-    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    metadata: dict[str, str] = {}
-    for f in comp.files:
-        if f.kind == "safetensors":
-            metadata.update(f.metadata)
-        elif f.kind == "gguf":
-            metadata.update(f.gguf.scalars())
+    """One component's entry of the report (layout above); each fact is decided by the step named for it."""
+    metadata = _file_metadata(comp)
     folder = ckpt.path / comp.subdir if ckpt.path.is_dir() else ckpt.path.parent
     sidecars = {name: _json(folder / name) for name in ("quanto_qmap.json", "adapter_config.json")}
-    warnings: list[str] = []
-    notes = list(comp.notes)
-
-    view, view_error = None, None
-    try:
-        from ckpt.quant import logical_view
-
-        view = logical_view(comp)  # its notes describe decoding, which inspect does not do
-    except CkptError as e:
-        view_error = str(e).replace("; nothing was written", "")
-        warnings.append(f"cannot be decoded by ckpt: {view_error}")
-    enc = detect_encodings(tensors, view, view_error, comp.config, metadata, sidecars)
+    view, view_error = _decode(comp)
+    enc = detect_encodings(comp.tensors, view, view_error, comp.config, metadata, sidecars)
     quantization = quantized_layers(view, comp.config)
-    gguf = {n: t for n, t in tensors.items() if isinstance(t, GGUFStored)}
-    if gguf and view is not None and view.config is not None:  # a GGUF LLM: its HF names say the family
-        shapes = {n: tuple(t.shape) for n, t in view.tensors.items()}
-        tensors = view.tensors
+    gguf = {n: t for n, t in comp.tensors.items() if isinstance(t, GGUFStored)}
+    tensors, shapes = _named_tensors(comp.tensors, view, gguf)
     enc.aux_keys |= set(gguf)  # GGUF mixes F32 norms with F16 or quantized matrices by design
-
-    kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
-    is_lora = mostly_lora(kinds, alphas, len(tensors))
-    if is_lora and "LitGPT LoRA" in kinds:
-        ranks = _litgpt_rank(folder) or ranks  # hyperparameters.yaml lora_r: the fused q/k/v rows are r per projection
-    if is_lora:
-        parts, lora = _lora_parts(kinds, base_shapes, ranks, alphas, sidecars.get("adapter_config.json"), metadata)
-    else:
-        parts, lora = _model_parts(tensors, shapes), None
+    is_lora, parts, lora = _parts(tensors, shapes, folder, sidecars, metadata)
     config_class = family_from_config(comp.config or (view.config if view is not None else None))
-    family = _family_line(parts, is_lora, config_class)
     family_id, layout = _family_id(parts, comp.config)
-
-    dtypes: dict[str, dict[str, int]] = {}
-    logical = _logical_params(comp.tensors, view) if view is not None and not gguf else {}
-    for name, t in (comp.tensors if gguf else tensors).items():
-        if isinstance(t, GGUFStored):  # stored blocks: the GGUF type, the values they hold, their bytes
-            kind, n, size = t.type_name if t.quantized else _dtype(t)[0], t.logical_numel, t.info.nbytes
-        else:
-            kind, itemsize = _dtype(t)
-            n, size = logical.get(name, t.numel), t.numel * itemsize
-        d = dtypes.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
-        d["tensors"] += 1
-        d["parameters"] += n
-        d["bytes"] += size
-
-    warnings += _warnings(tensors, enc, shlex.quote(ckpt.spec))
-    if gguf and any(t.quantized for t in gguf.values()):
-        out = "an HF model folder with config.json" if view is not None and view.config else "plain weights"
-        warnings.append(f"{plural(sum(t.quantized for t in gguf.values()), 'GGUF-quantized weight')}: only GGUF loaders "
-                        f"(llama.cpp, ComfyUI-GGUF) use them; `ckpt convert {shlex.quote(ckpt.spec)} --to bf16` "
-                        f"writes {out}")
-    prefixes = None if is_lora else prefix_message(parts)
-    if prefixes:
-        (warnings if prefixes[0] == "warning" else notes).append(prefixes[1])
+    dtypes = _dtype_table(comp.tensors, view, gguf)
+    src = shlex.quote(ckpt.spec)
+    prefix_warnings, prefix_notes = _prefix_findings(parts, is_lora)
     scan_result = scan_tensors(tensors) if scan else None
-    if scan_result:
-        for what in ("nan", "inf"):
-            per = scan_result[what]
-            if per:
-                worst = sorted(per.items(), key=lambda kv: -kv[1])[:5]
-                listed = ", ".join(f"{k} ({v})" for k, v in worst) + (", ..." if len(per) > 5 else "")
-                total = sum(per.values())
-                warnings.append(f"{plural(total, ('NaN' if what == 'nan' else 'Inf') + ' value')} in "
-                                f"{plural(len(per), 'tensor')}: {listed}")
-    if is_lora and not any(p["family"] for p in parts):
-        notes.append("LoRA target model not recognised from its module names")
-    kinds_present = {f.kind for f in comp.files}
     return {
         "name": comp.subdir or ".",
         "files": [f.relpath for f in comp.files],
         "index": comp.index_name,
-        "container": "+".join(k for k in ("safetensors", "pickle", "gguf") if k in kinds_present),
+        "container": _container(comp),
         "config_class": config_class,
-        "kind": "empty" if not tensors else "lora" if is_lora else "model",
-        "family": family,
+        "kind": _component_kind(tensors, is_lora),
+        "family": _family_line(parts, is_lora, config_class),
         "family_id": family_id,
         "layout": layout,
         "parts": parts,
@@ -201,10 +172,144 @@ def summarize_component(ckpt: Checkpoint, comp: Component, scan: bool) -> dict:
         "bytes": sum(d["bytes"] for d in dtypes.values()),
         "dtypes": dtypes,
         "metadata": metadata,
-        "warnings": warnings,
-        "notes": notes,
+        "warnings": (_decode_warnings(view_error) + _warnings(tensors, enc, src) + _gguf_warnings(gguf, view, src)
+                     + prefix_warnings + _scan_warnings(scan_result)),
+        "notes": list(comp.notes) + prefix_notes + _unknown_lora_notes(is_lora, parts),
         "scan": scan_result,
     }
+
+
+def _file_metadata(comp: Component) -> dict[str, str]:
+    """safetensors `__metadata__` and GGUF key-values of the component's files, merged in file order (a later
+    shard's key wins): what the trainer or converter wrote about the weights."""
+    metadata: dict[str, str] = {}
+    for f in comp.files:
+        if f.kind == "safetensors":
+            metadata.update(f.metadata)
+        elif f.kind == "gguf":
+            metadata.update(f.gguf.scalars())
+    return metadata
+
+
+def _decode(comp: Component):
+    """(logical view, None), or (None, why) when ckpt's decoders refuse the component: inspect reports what
+    convert would refuse instead of failing. The view's notes describe decoding, which inspect does not do."""
+    try:
+        from ckpt.quant.view import logical_view
+
+        return logical_view(comp), None
+    except CkptError as e:
+        return None, str(e).replace("; nothing was written", "")
+
+
+def _decode_warnings(view_error: str | None) -> list[str]:
+    """Why ckpt cannot decode the component, first: the facts after it come from the stored tensors alone."""
+    return [] if view_error is None else [f"cannot be decoded by ckpt: {view_error}"]
+
+
+def _named_tensors(stored: dict, view, gguf: dict) -> tuple[dict, dict]:
+    """(tensors, shapes) that family, LoRA and hazard detection read: the stored ones, except for a GGUF LLM
+    (a view with config.json), whose decoded HF names say the family where the GGUF names do not."""
+    tensors = view.tensors if gguf and view is not None and view.config is not None else stored
+    return tensors, {n: tuple(t.shape) for n, t in tensors.items()}
+
+
+def _parts(tensors: dict, shapes: dict, folder: Path, sidecars: dict, metadata: dict):
+    """(is_lora, parts, lora summary | None): a LoRA's parts are its module names split by prefix, a model's
+    its keys split by bundle prefix."""
+    kinds, base_shapes, ranks, alphas = lora_modules(tensors, shapes)
+    is_lora = mostly_lora(kinds, alphas, len(tensors))
+    if not is_lora:
+        return is_lora, _model_parts(tensors, shapes), None
+    if "LitGPT LoRA" in kinds:
+        ranks = _litgpt_rank(folder) or ranks  # hyperparameters.yaml lora_r: the fused q/k/v rows are r per projection
+    parts, lora = _lora_parts(kinds, base_shapes, ranks, alphas, sidecars.get("adapter_config.json"), metadata)
+    return is_lora, parts, lora
+
+
+def _component_kind(tensors: dict, is_lora: bool) -> str:
+    """"empty" | "lora" | "model": what a loader would be handed."""
+    if not tensors:
+        return "empty"
+    return "lora" if is_lora else "model"
+
+
+def _container(comp: Component) -> str:
+    """The file kinds present, in a fixed order ("safetensors+pickle"), whatever the file order."""
+    present = {f.kind for f in comp.files}
+    return "+".join(k for k in ("safetensors", "pickle", "gguf") if k in present)
+
+
+def _dtype_table(stored: dict, view, gguf: dict) -> dict[str, dict[str, int]]:
+    """Stored dtype (a GGUF block type by name) -> its tensors, the plain model's parameters, stored bytes."""
+    logical = _logical_params(stored, view) if view is not None and not gguf else {}
+    dtypes: dict[str, dict[str, int]] = {}
+    for name, t in stored.items():
+        kind, n, size = _dtype_entry(name, t, logical)
+        d = dtypes.setdefault(kind, {"tensors": 0, "parameters": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["parameters"] += n
+        d["bytes"] += size
+    return dtypes
+
+
+def _dtype_entry(name: str, t, logical: dict[str, int]) -> tuple[str, int, int]:
+    """(dtype row, parameters, bytes) of one stored tensor: GGUF blocks by their type, the values they hold and
+    their bytes; anything else by its dtype, its logical parameters (`_logical_params`) and its bytes."""
+    if isinstance(t, GGUFStored):
+        return (t.type_name if t.quantized else _dtype(t)[0]), t.logical_numel, t.info.nbytes
+    kind, itemsize = _dtype(t)
+    return kind, logical.get(name, t.numel), t.numel * itemsize
+
+
+def _gguf_warnings(gguf: dict, view, src: str) -> list[str]:
+    """GGUF-quantized weights only GGUF loaders read: say so, and what `convert --to bf16` writes from them."""
+    quantized = sum(t.quantized for t in gguf.values())
+    if not quantized:
+        return []
+    out = "an HF model folder with config.json" if view is not None and view.config else "plain weights"
+    return [f"{plural(quantized, 'GGUF-quantized weight')}: only GGUF loaders (llama.cpp, ComfyUI-GGUF) use them; "
+            f"`ckpt convert {src} --to bf16` writes {out}"]
+
+
+def _prefix_findings(parts: list[dict], is_lora: bool) -> tuple[list[str], list[str]]:
+    """(warnings, notes) about bundle prefixes on a model's keys (`prefix_message`); a LoRA's module
+    prefixes are its own naming, never a hazard."""
+    found = None if is_lora else prefix_message(parts)
+    if not found:
+        return [], []
+    level, text = found
+    return ([text], []) if level == "warning" else ([], [text])
+
+
+# --scan's counts: (report key, word in the warning)
+SCAN_COUNTS = (("nan", "NaN"), ("inf", "Inf"))
+
+
+def _scan_warnings(scan_result: dict | None) -> list[str]:
+    """One warning per kind of non-finite value --scan found: the total, and the worst five tensors."""
+    if not scan_result:
+        return []
+    return [_scan_warning(scan_result[key], word) for key, word in SCAN_COUNTS if scan_result[key]]
+
+
+def _scan_warning(per: dict[str, int], word: str) -> str:
+    """"N NaN values in M tensors: worst (count), ...": the worst first, so a few names point at the damage."""
+    worst = sorted(per.items(), key=lambda kv: -kv[1])
+    return (f"{plural(sum(per.values()), word + ' value')} in {plural(len(per), 'tensor')}: "
+            + _first([f"{k} ({v})" for k, v in worst], 5))
+
+
+def _unknown_lora_notes(is_lora: bool, parts: list[dict]) -> list[str]:
+    """A LoRA whose module names match no known family: say so rather than leave the family blank unexplained."""
+    if is_lora and not any(p["family"] for p in parts):
+        return ["LoRA target model not recognised from its module names"]
+    return []
+
+
+def _first(names: list[str], show: int) -> str:
+    """The first `show` names, then ", ..." when there are more (the inspect wording of a list cut short)."""
+    return ", ".join(names[:show]) + (", ..." if len(names) > show else "")
 
 
 def _logical_params(stored: dict, view) -> dict[str, int]:
@@ -311,41 +416,78 @@ def _family_line(parts, is_lora, config_class) -> str | None:
 
 
 def _warnings(tensors, enc, src: str) -> list[str]:
-    out = []
-    skip = enc.aux_keys
+    """The hazards the tensors predict for a trainer or loader, each check in `TENSOR_WARNINGS` order."""
+    return [w for check in TENSOR_WARNINGS for w in check(tensors, enc, src)]
+
+
+def _mixed_dtype_warnings(tensors, enc, src: str) -> list[str]:
+    """Weights of more than one floating dtype: code that loads without casting fails on the minority."""
+    floats = _floats_by_dtype(tensors, enc.aux_keys)
+    if len(floats) <= 1:
+        return []
+    major = max(floats, key=lambda k: len(floats[k]))
+    listed = "; ".join(f"{k} ({len(v)}: {_first(v, 3)})" for k, v in floats.items() if k != major)
+    return [f"mixed floating dtypes: {major} ({plural(len(floats[major]), 'tensor')}) and {listed}; code that loads "
+            "without casting fails with \"expected scalar type Half but found Float\"-style errors; "
+            f"`ckpt convert {src} --to {major}` makes them one dtype"]
+
+
+def _floats_by_dtype(tensors, skip: set[str]) -> dict[str, list[str]]:
+    """Floating dtype -> the weights stored in it; scalars, fp8 (warned apart) and the scales and states of a
+    quantized layout (`skip`, which mix dtypes by design) are left out."""
     floats: dict[str, list[str]] = {}
     for n, t in tensors.items():
         if n in skip or t.numel <= 1 or t.dtype_name in ST_FP8 or t.dtype_name not in ST_FLOAT:
             continue
         floats.setdefault(st_short_name(t.dtype_name), []).append(n)
-    if len(floats) > 1:
-        major = max(floats, key=lambda k: len(floats[k]))
-        minor = {k: v for k, v in floats.items() if k != major}
-        listed = "; ".join(f"{k} ({len(v)}: {', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                           for k, v in minor.items())
-        out.append(f"mixed floating dtypes: {major} ({plural(len(floats[major]), 'tensor')}) and {listed}; code that loads "
-                   "without casting fails with \"expected scalar type Half but found Float\"-style errors; "
-                   f"`ckpt convert {src} --to {major}` makes them one dtype")
-    for kind, n in enc.fp8.items():
-        # the dtype table counts every stored tensor; scale and marker tensors (`scaled_fp8`) are named apart
-        aux = [k for k, t in tensors.items()
-               if k in enc.aux_keys and t.dtype_name in ST_FP8 and st_short_name(t.dtype_name) == kind]
-        also = (f" (the dtype table's {n + len(aux)} also count{'s' * (n + len(aux) == 1)} "
-                f"{plural(len(aux), 'scale/marker tensor')}: {', '.join(aux[:3])}{', ...' if len(aux) > 3 else ''})"
-                if aux else "")
-        out.append(f"{plural(n, 'tensor')} stored as {kind}{also}: trainers cannot compute with fp8 weights "
-                   f"('expected m1 and m2 to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
-    for label, n in enc.quantized.items():
-        hint = f"`ckpt dequant {src}` writes plain weights" \
-            if label.startswith(("optimum-quanto", "bitsandbytes", "GPTQ", "AWQ")) else "ckpt cannot decode this layout"
-        extra = ("; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' "
-                 "before)") if label.startswith("optimum-quanto") else ""
-        out.append(f"{plural(n, 'quantized weight')} ({label}): loaders without that library cannot use "
-                   f"{'it' if n == 1 else 'them'}; {hint}{extra}")
+    return floats
+
+
+def _fp8_warnings(tensors, enc, src: str) -> list[str]:
+    """fp8 weights, per fp8 dtype: trainers cannot compute with them."""
+    return [_fp8_warning(kind, n, _fp8_aux(tensors, enc.aux_keys, kind), src) for kind, n in enc.fp8.items()]
+
+
+def _fp8_aux(tensors, aux_keys: set[str], kind: str) -> list[str]:
+    """The scale and marker tensors (`scaled_fp8`) stored in fp8 `kind`: the dtype table counts every stored
+    tensor, so the warning names them apart."""
+    return [k for k, t in tensors.items()
+            if k in aux_keys and t.dtype_name in ST_FP8 and st_short_name(t.dtype_name) == kind]
+
+
+def _fp8_warning(kind: str, n: int, aux: list[str], src: str) -> str:
+    also = (f" (the dtype table's {n + len(aux)} also count{'s' * (n + len(aux) == 1)} "
+            f"{plural(len(aux), 'scale/marker tensor')}: {_first(aux, 3)})" if aux else "")
+    return (f"{plural(n, 'tensor')} stored as {kind}{also}: trainers cannot compute with fp8 weights "
+            f"('expected m1 and m2 to have the same dtype'); `ckpt convert {src} --to bf16` decodes them")
+
+
+# the quantized layouts whose labels `ckpt dequant` decodes (the others are only recognised)
+DEQUANTIZABLE = ("optimum-quanto", "bitsandbytes", "GPTQ", "AWQ")
+QUANTO_LORA = "; loading a LoRA onto this base needs optimum-quanto >= 0.2.5 (KeyError '...weight._data' before)"
+
+
+def _quantized_warnings(tensors, enc, src: str) -> list[str]:
+    """Integer-quantized weights, per layout: only loaders with that library use them."""
+    return [_quantized_warning(label, n, src) for label, n in enc.quantized.items()]
+
+
+def _quantized_warning(label: str, n: int, src: str) -> str:
+    hint = f"`ckpt dequant {src}` writes plain weights" if label.startswith(DEQUANTIZABLE) \
+        else "ckpt cannot decode this layout"
+    extra = QUANTO_LORA if label.startswith("optimum-quanto") else ""
+    return (f"{plural(n, 'quantized weight')} ({label}): loaders without that library cannot use "
+            f"{'it' if n == 1 else 'them'}; {hint}{extra}")
+
+
+def _meta_warnings(tensors, enc, src: str) -> list[str]:
+    """Meta tensors in a pickle: shapes without data, which a loader cannot copy."""
     meta = [n for n, t in tensors.items() if isinstance(t, PickleTensor) and t.value.is_meta]
-    if meta:
-        out.append(f"{plural(len(meta), 'meta tensor')} (no data): {', '.join(meta[:5])}")
-    return out
+    return [f"{plural(len(meta), 'meta tensor')} (no data): {', '.join(meta[:5])}"] if meta else []
+
+
+# The tensor hazards, in the order their warnings print: each (tensors, encodings, quoted SRC) -> warnings.
+TENSOR_WARNINGS = (_mixed_dtype_warnings, _fp8_warnings, _quantized_warnings, _meta_warnings)
 
 
 LDM_CLASSIC = re.compile(r"^(model\.diffusion_model\.|model_ema\.|first_stage_model\.|cond_stage_model\."

@@ -20,7 +20,9 @@ from __future__ import annotations
 import errno
 import os
 
-CHUNK = 64 << 20  # bytes per call: progress and interrupts are seen between calls (also ckpt.io.writer.WRITE_BEHIND)
+from ckpt.io.fds import pwrite_all
+
+CHUNK = 64 << 20  # bytes per call: progress and interrupts are seen between calls (also ckpt.io.fds.WRITE_BEHIND)
 FALLBACK_BUFFER = 8 << 20  # the pread/pwrite fallback's one buffer
 
 # errors that say "not this way here", never "this write failed": the next way is tried (ENOTSOCK: macOS's
@@ -114,7 +116,5 @@ class Copier:
             self.buf = bytearray(FALLBACK_BUFFER)
         mv = memoryview(self.buf)[: min(n, FALLBACK_BUFFER)]
         got = os.preadv(src_fd, [mv], src_pos)
-        from ckpt.io.writer import pwrite_all
-
         pwrite_all(self.out_fd, mv[:got], out_pos)
         return got

@@ -19,32 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.errors import file_error
+from ckpt.io.file_kinds import GGUF, LITGPT_LORA, NOT_WEIGHTS, PICKLES, SAFETENSORS, is_training_state
 from ckpt.io.header import read_header
 from ckpt.io.pickles import load_pickle_state_dict
 from ckpt.io.small_inputs import check_regular, json_kind, load_json
 from ckpt.io.tensors import FileHandles, PickleTensor, RawTensor, Tensor
-
-SAFETENSORS = (".safetensors",)
-PICKLES = (".ckpt", ".pt", ".pth", ".bin")
-GGUF = ".gguf"  # llama.cpp / ComfyUI-GGUF files, one model each (ckpt.io.gguf)
-# LitGPT's LoRA-only state dict (`lit_model.pth.lora`, a torch zip): read when named, never picked
-# from a folder as the model's weights.
-LITGPT_LORA = ".pth.lora"
-# An -o ending like this names one file, never a folder (`ckpt.run.output_path`).
-WEIGHT_SUFFIXES = SAFETENSORS + PICKLES + (".gguf",)
-# Files that are never weights even though they end like a pickle.
-NOT_WEIGHTS = re.compile(r"(optimizer|scheduler|scaler|rng_state|random_states|training_args)[^/]*$")
-# Trainer state that is not a pickle by its suffix: accelerate's RNG states, the trainers' progress files
-# (SimpleTuner training_state.json, HF Trainer trainer_state.json, kohya train_state.json).
-TRAINER_FILES = re.compile(r"(random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|training_state[\w.-]*\.json|"
-                           r"trainer_state\.json|train_state\.json)")
-
-
-def is_training_state(p: Path) -> bool:
-    """Optimizer, scheduler, scaler, RNG and progress files a trainer saves beside the weights: never part
-    of a model, so never copied into an output (a converted checkpoint is a model, not a resumable run)."""
-    return (p.suffix in PICKLES and bool(NOT_WEIGHTS.search(p.name))) or bool(TRAINER_FILES.fullmatch(p.name))
-
 
 @dataclass
 class WeightFile:
@@ -57,7 +36,7 @@ class WeightFile:
 
     @property
     def paths(self) -> list[Path]:
-        """The files it reads: itself, or every part of a split GGUF (`ckpt.io.gguf_split`)."""
+        """The files it reads: itself, or every part of a split GGUF (`ckpt.io.gguf.open_split_set`)."""
         return list(self.gguf.parts) if self.gguf is not None and self.gguf.parts else [self.path]
 
 
@@ -238,7 +217,7 @@ def _component_in(root: Path, folder: Path, handles: FileHandles) -> Component |
 def _one_split_set(paths: list[Path]) -> list[Path]:
     """The GGUF files of a folder, or only the first of them when they are all the parts of one split set
     (`m-00001-of-00003.gguf` ...: reading it reads the others)."""
-    from ckpt.io.gguf_split import PART_RE
+    from ckpt.io.gguf_parts import PART_RE
 
     parts = [PART_RE.fullmatch(p.name) for p in paths]
     if len(paths) > 1 and all(parts) and len({(m["prefix"], m["count"]) for m in parts}) == 1:
@@ -321,7 +300,7 @@ def _load_file(path: Path, relpath: str, handles: FileHandles, tensors: dict, no
 
         h = read_gguf_header(path, handles, relpath)
         if h.parts:  # a split set: one weight file, named by its first part (`ckpt.io.gguf_split`)
-            from ckpt.io.gguf_split import split_note
+            from ckpt.io.gguf import split_note
 
             path, relpath = h.path, h.path.name
             notes.append(split_note(h))

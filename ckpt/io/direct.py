@@ -21,6 +21,8 @@ import errno
 import mmap
 import os
 
+from ckpt.io.fds import pwrite_all
+
 BUFFER = 16 << 20  # bytes per O_DIRECT write (4 MiB and 64 MiB measured the same; a multiple of ALIGN)
 ALIGN = 4096  # offsets, lengths and buffer addresses of O_DIRECT I/O: the largest logical block size in use
 
@@ -55,8 +57,6 @@ class DirectSink:
     def put(self, pos: int, data) -> None:
         mv = memoryview(data).cast("B")
         if pos < self.base:  # behind what was written: rare, buffered (coherent with direct I/O once written)
-            from ckpt.io.writer import pwrite_all
-
             self._wait()
             pwrite_all(self.fd, mv, pos)
             return
@@ -125,8 +125,6 @@ class DirectSink:
                 f.result()
 
     def _write(self, mv: memoryview, pos: int, keep: int) -> None:
-        from ckpt.io.writer import pwrite_all
-
         if self.fd_direct >= 0:
             try:
                 done = 0

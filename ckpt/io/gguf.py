@@ -28,10 +28,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.lazy import torch
 
-from ckpt.dtypes import ST_TO_TORCH
 from ckpt.errors import file_error
+from ckpt.io.ggml_types import gguf_package, plain_names, type_name
+from ckpt.io.gguf_parts import KEY_COUNT, KEY_NO, KEY_TENSORS, PART_RE, SPLIT_KEYS, part_name
 from ckpt.io.header import TensorInfo
 from ckpt.io.tensors import FileHandles, RawTensor
 
@@ -42,42 +42,6 @@ MAX_DIMS = 8
 # Values in all metadata arrays: GGUFReader keeps one numpy view per value (~150 bytes each, 2 per string);
 # real files hold a tokenizer of under 1.5M values (tokens, scores, types, merges of a 262k vocabulary).
 MAX_ARRAY_VALUES = 1 << 23
-
-
-def _gguf():
-    import gguf  # imported on first use: the package is only needed when a GGUF is read or written
-
-    return gguf
-
-
-def plain_names() -> dict[int, str]:
-    """GGML types that are plain arrays of one dtype, by its safetensors name (reading headers needs no torch)."""
-    T = _gguf().GGMLQuantizationType
-    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.F64: "F64", T.I8: "I8", T.I16: "I16", T.I32: "I32",
-            T.I64: "I64"}
-
-
-def plain_types() -> dict[int, torch.dtype]:
-    """GGML types that are plain arrays of one torch dtype."""
-    return {k: ST_TO_TORCH[v] for k, v in plain_names().items()}
-
-
-def type_name(ggml_type: int) -> str:
-    T = _gguf().GGMLQuantizationType
-    try:
-        return T(ggml_type).name
-    except ValueError:
-        return f"type {ggml_type}"
-
-
-def block_size(ggml_type: int) -> tuple[int, int]:
-    """(elements per block, bytes per block); plain types are blocks of one element."""
-    return _gguf().GGML_QUANT_SIZES[ggml_type]
-
-
-def encoded_nbytes(ggml_type: int, shape) -> int:
-    blk, size = block_size(ggml_type)
-    return math.prod(shape) // blk * size
 
 
 class GGUFStored(RawTensor):
@@ -145,7 +109,7 @@ class GGUFHeader:
             if key.startswith("GGUF."):
                 continue
             types = list(f.types)
-            if types and types[0] == _gguf().GGUFValueType.ARRAY and len(f.data) > 16:
+            if types and types[0] == gguf_package().GGUFValueType.ARRAY and len(f.data) > 16:
                 out[key] = f"[{len(f.data)} values]"
             else:
                 out[key] = str(self.value(key))
@@ -167,7 +131,7 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str, whole_set: 
         raise file_error(path, "empty file, not a GGUF file")
     if magic != GGUF_MAGIC:
         raise file_error(path, "not a GGUF file (no GGUF magic)")
-    gguf = _gguf()
+    gguf = gguf_package()
     prescan(path, size)
     try:
         reader = gguf.GGUFReader(path, "r")
@@ -190,9 +154,92 @@ def read_gguf_header(path: Path, handles: FileHandles, relpath: str, whole_set: 
     header = GGUFHeader(path, version, int(reader.alignment), int(reader.data_offset), tensors, fields)
     if not whole_set:
         return header
-    from ckpt.io.gguf_split import open_split_set
-
     return open_split_set(header, handles)
+
+
+# ------------------------------------------------------------------------------ a split set, read as one
+
+
+def _count(header, key: str, what: str) -> int | None:
+    v = header.value(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise file_error(header.path, f"metadata {key!r} is {v!r}, not {what}")
+    return v
+
+
+def split_count(header) -> int:
+    """The header's `split.count` (1 when absent)."""
+    n = _count(header, KEY_COUNT, "a count of parts")
+    return 1 if n is None else n
+
+
+def open_split_set(header, handles):
+    """`header` as read from one file; a part of a split set (`split.count` > 1) becomes the whole set's."""
+    count = split_count(header)
+    if count <= 1:
+        return header
+    path = Path(header.path)
+    no = _count(header, KEY_NO, "a part number")
+    if no is None:
+        raise file_error(path, f"split GGUF ({KEY_COUNT} {count}) without {KEY_NO}: not a part llama.cpp can load")
+    if no >= count:
+        raise file_error(path, f"split GGUF part {KEY_NO} {no}, but {KEY_COUNT} is {count} (parts are numbered "
+                               f"0..{count - 1})")
+    m = PART_RE.fullmatch(path.name)
+    if m is None or int(m["count"]) != count:
+        raise file_error(path, f"split GGUF part {no + 1} of {count}, but its name is not "
+                               f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf (llama.cpp finds the parts by their names); "
+                               "rename it")
+    if int(m["no"]) != no + 1:
+        raise file_error(path, f"{KEY_NO} is {no}, but its name says part {m['no']} of {count} "
+                               f"({KEY_NO} {int(m['no']) - 1})")
+    names = [part_name(m["prefix"], i, count) for i in range(count)]
+    paths = [path.with_name(n) for n in names]
+    missing = [n for p, n in zip(paths, names) if p != path and not p.is_file()]
+    if missing:
+        raise file_error(path, f"part {missing[0]} of this split GGUF ({count} parts) is missing"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    first_name = names[0]
+    headers = [header if p == path else read_gguf_header(p, handles, first_name, whole_set=False) for p in paths]
+    first = headers[0]
+    total = _count(first, KEY_TENSORS, "a count of tensors")
+    arch = first.value("general.architecture")
+    tensors, where = {}, {}
+    for i, (h, p) in enumerate(zip(headers, paths)):
+        other = split_count(h)
+        if other != count:
+            raise file_error(p, f"part of another split set: {KEY_COUNT} is {other}, {first_name} says {count}")
+        if _count(h, KEY_NO, "a part number") != i:
+            raise file_error(p, f"{KEY_NO} is {h.value(KEY_NO)!r}, but its name says part {i + 1:05d} of {count} "
+                                f"({KEY_NO} {i})")
+        n = _count(h, KEY_TENSORS, "a count of tensors")
+        if n != total:
+            raise file_error(p, f"part of another split set: {KEY_TENSORS} is {n}, {first_name} says {total}")
+        a = h.value("general.architecture")
+        if i and a is not None and a != arch:
+            raise file_error(p, f"part of another model: general.architecture is {a!r}, {first_name} says {arch!r}")
+        for name, t in h.tensors.items():
+            if name in tensors:
+                raise file_error(p, f"tensor {name!r} is also in {where[name]}: a split GGUF holds each tensor once")
+            t.home = first_name  # the set is one weight file, named by its first part; `t.info.path` is its part
+            tensors[name], where[name] = t, p.name
+    if total is None:
+        raise file_error(paths[0], f"split GGUF without {KEY_TENSORS}")
+    if len(tensors) != total:
+        raise file_error(paths[0], f"split GGUF of {count} parts holds {len(tensors)} tensors, but "
+                                   f"{KEY_TENSORS} says {total} (a part is truncated or of another model)")
+    fields = {k: f for k, f in first.fields.items() if k not in SPLIT_KEYS}
+    return GGUFHeader(first.path, first.version, first.alignment, first.data_start, tensors, fields, parts=paths)
+
+
+def split_note(header) -> str | None:
+    """The note a reader of a split set gets."""
+    if not header.parts:
+        return None
+    return (f"{header.parts[0].name} .. {header.parts[-1].name}: split GGUF of {len(header.parts)} parts, "
+            "read as one model")
 
 
 # GGUFValueType of each scalar (UINT8 .. FLOAT64, BOOL) -> its little-endian struct format: what the prescan
@@ -317,7 +364,7 @@ def _prescan(s: _Scan) -> None:
                     raise s.fail(f"invalid GGUF header: 'general.alignment' is {alignment}, not a power of two")
         else:
             raise s.fail(f"unknown metadata value type {vtype} (key {key!r})")
-    sizes = _gguf().GGML_QUANT_SIZES
+    sizes = gguf_package().GGML_QUANT_SIZES
     names: set[str] = set()
     spans = []
     for _ in range(n_tensors):

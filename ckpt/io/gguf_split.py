@@ -10,7 +10,7 @@ keep the model's order across the parts; a new part starts when the next tensor'
 bytes) would take the part's tensor data past the size (headers are not counted); a tensor larger than
 the size gets a part of its own.
 
-Reading (`open_split_set`): any part opens the whole set, as one `GGUFHeader` whose metadata is the first
+Reading (`ckpt.io.gguf.open_split_set`, the names in `ckpt.io.gguf_parts`): any part opens the whole set, as one `GGUFHeader` whose metadata is the first
 part's (split keys left out: they describe files, not the model) and whose tensors are every part's,
 each read from its own file at its own offset. What llama.cpp's loader checks is checked (each part's
 `split.no`, no tensor in two parts, the total against `split.tensors.count`), and more, each a one-line
@@ -35,117 +35,14 @@ file that was recognised). Parts of a set that is not recognised as ckpt's are n
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.errors import CkptError, file_error
+from ckpt.errors import CkptError
+from ckpt.io.gguf import read_gguf_header
+from ckpt.io.gguf_parts import KEY_COUNT, KEY_NO, KEY_TENSORS, PART_RE, SPLIT_KEYS, part_paths, set_member
 from ckpt.io.plan import OutFile, Plan
-
-KEY_NO, KEY_COUNT, KEY_TENSORS = "split.no", "split.count", "split.tensors.count"
-SPLIT_KEYS = (KEY_NO, KEY_COUNT, KEY_TENSORS)
-PART_RE = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
-PAD = 32  # GGUF_DEFAULT_ALIGNMENT: gguf-split sizes each tensor padded to it
-
-
-def part_name(prefix: str, no: int, count: int) -> str:
-    """llama_split_path: part `no` (from 0) of `count`."""
-    return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
-
-
-def set_prefix(name: str) -> str | None:
-    """`m-00002-of-00003.gguf` -> `m`; None for a name that is not a part's."""
-    m = PART_RE.fullmatch(name)
-    return m["prefix"] if m else None
-
-
-# ------------------------------------------------------------------------------------------ reading
-
-
-def _count(header, key: str, what: str) -> int | None:
-    v = header.value(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise file_error(header.path, f"metadata {key!r} is {v!r}, not {what}")
-    return v
-
-
-def split_count(header) -> int:
-    """The header's `split.count` (1 when absent)."""
-    n = _count(header, KEY_COUNT, "a count of parts")
-    return 1 if n is None else n
-
-
-def open_split_set(header, handles):
-    """`header` as read from one file; a part of a split set (`split.count` > 1) becomes the whole set's."""
-    count = split_count(header)
-    if count <= 1:
-        return header
-    from ckpt.io.gguf import GGUFHeader, read_gguf_header
-
-    path = Path(header.path)
-    no = _count(header, KEY_NO, "a part number")
-    if no is None:
-        raise file_error(path, f"split GGUF ({KEY_COUNT} {count}) without {KEY_NO}: not a part llama.cpp can load")
-    if no >= count:
-        raise file_error(path, f"split GGUF part {KEY_NO} {no}, but {KEY_COUNT} is {count} (parts are numbered "
-                               f"0..{count - 1})")
-    m = PART_RE.fullmatch(path.name)
-    if m is None or int(m["count"]) != count:
-        raise file_error(path, f"split GGUF part {no + 1} of {count}, but its name is not "
-                               f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf (llama.cpp finds the parts by their names); "
-                               "rename it")
-    if int(m["no"]) != no + 1:
-        raise file_error(path, f"{KEY_NO} is {no}, but its name says part {m['no']} of {count} "
-                               f"({KEY_NO} {int(m['no']) - 1})")
-    names = [part_name(m["prefix"], i, count) for i in range(count)]
-    paths = [path.with_name(n) for n in names]
-    missing = [n for p, n in zip(paths, names) if p != path and not p.is_file()]
-    if missing:
-        raise file_error(path, f"part {missing[0]} of this split GGUF ({count} parts) is missing"
-                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    first_name = names[0]
-    headers = [header if p == path else read_gguf_header(p, handles, first_name, whole_set=False) for p in paths]
-    first = headers[0]
-    total = _count(first, KEY_TENSORS, "a count of tensors")
-    arch = first.value("general.architecture")
-    tensors, where = {}, {}
-    for i, (h, p) in enumerate(zip(headers, paths)):
-        other = split_count(h)
-        if other != count:
-            raise file_error(p, f"part of another split set: {KEY_COUNT} is {other}, {first_name} says {count}")
-        if _count(h, KEY_NO, "a part number") != i:
-            raise file_error(p, f"{KEY_NO} is {h.value(KEY_NO)!r}, but its name says part {i + 1:05d} of {count} "
-                                f"({KEY_NO} {i})")
-        n = _count(h, KEY_TENSORS, "a count of tensors")
-        if n != total:
-            raise file_error(p, f"part of another split set: {KEY_TENSORS} is {n}, {first_name} says {total}")
-        a = h.value("general.architecture")
-        if i and a is not None and a != arch:
-            raise file_error(p, f"part of another model: general.architecture is {a!r}, {first_name} says {arch!r}")
-        for name, t in h.tensors.items():
-            if name in tensors:
-                raise file_error(p, f"tensor {name!r} is also in {where[name]}: a split GGUF holds each tensor once")
-            t.home = first_name  # the set is one weight file, named by its first part; `t.info.path` is its part
-            tensors[name], where[name] = t, p.name
-    if total is None:
-        raise file_error(paths[0], f"split GGUF without {KEY_TENSORS}")
-    if len(tensors) != total:
-        raise file_error(paths[0], f"split GGUF of {count} parts holds {len(tensors)} tensors, but "
-                                   f"{KEY_TENSORS} says {total} (a part is truncated or of another model)")
-    fields = {k: f for k, f in first.fields.items() if k not in SPLIT_KEYS}
-    return GGUFHeader(first.path, first.version, first.alignment, first.data_start, tensors, fields, parts=paths)
-
-
-def split_note(header) -> str | None:
-    """The note a reader of a split set gets."""
-    if not header.parts:
-        return None
-    return (f"{header.parts[0].name} .. {header.parts[-1].name}: split GGUF of {len(header.parts)} parts, "
-            "read as one model")
-
 
 # ------------------------------------------------------------------------------------------ writing
 
@@ -159,17 +56,7 @@ class SplitPlan(Plan):
         return part_paths(out, len(self.files))
 
 
-def _set_stem(out: Path) -> str:
-    """The PREFIX of the set an output named `out` is (`m.gguf` and `m-00001-of-00002.gguf` -> `m`)."""
-    name = Path(out).name
-    stem = name[: -len(".gguf")] if name.endswith(".gguf") else name
-    return set_prefix(stem + ".gguf") or stem
-
-
-def part_paths(out: Path, count: int) -> list[Path]:
-    """The parts of a set named OUT (`m.gguf`; a part's own name `m-00001-of-00002.gguf` names its set too)."""
-    out = Path(out)
-    return [out.with_name(part_name(_set_stem(out), i, count)) for i in range(count)]
+PAD = 32  # GGUF_DEFAULT_ALIGNMENT: gguf-split sizes each tensor padded to it
 
 
 def _padded(n: int) -> int:
@@ -213,20 +100,6 @@ def split_gguf_plan(plan: Plan, max_bytes: int) -> Plan:
 # ------------------------------------------------------------------------------- what stopped runs left
 
 
-def set_member(out: Path):
-    """A test on file names: the parts of any split set of the GGUF output named `out` (`m-NNNNN-of-MMMMM.gguf`
-    for `m.gguf`); None for an output that is not a GGUF file name."""
-    if not Path(out).name.endswith(".gguf"):
-        return None
-    stem = _set_stem(out)
-
-    def member(name: str) -> bool:
-        m = PART_RE.fullmatch(name)
-        return m is not None and m["prefix"] == stem
-
-    return member
-
-
 @dataclass
 class PartialSet:
     """The parts of a split GGUF named OUT that a ckpt run published but not all (`partial_sets`)."""
@@ -260,7 +133,6 @@ def _ours(paths: dict[int, Path], count: int) -> dict[Path, tuple[int, int]] | N
     """(path -> identity) of parts `paths` (number from 1 -> path) if they are a ckpt run's parts of a set of
     `count`, else None: the first is there and carries ckpt's mark, and every part there is a regular file whose
     split keys are those ckpt writes for its place (the first part's model metadata, the others nothing else)."""
-    from ckpt.io.gguf import read_gguf_header
     from ckpt.io.previous_output import written_by_ckpt
     from ckpt.io.tensors import FileHandles
 

@@ -85,7 +85,7 @@ def ggml_type(e: Entry) -> int:
     """The GGML type of an entry: its block type, or the plain type of its dtype."""
     if e.gguf_type is not None:
         return e.gguf_type
-    from ckpt.io.gguf import plain_types
+    from ckpt.io.ggml_types import plain_types
 
     for t, dtype in plain_types().items():
         if dtype == as_torch(e.dtype):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ckpt import env
 from ckpt.errors import CkptError
+from ckpt.io.file_kinds import LITGPT_LORA, WEIGHT_SUFFIXES
 
 REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w.\-]+))?(?:/(?P<sub>.+))?$")
 SIDECARS = ("*.json", "*.txt", "*.model", "*.yaml", "*.tiktoken")
@@ -81,8 +82,6 @@ def local_input(spec: str | os.PathLike, what: str = "") -> Path | None:
 
 
 def _weight_suffixes() -> tuple[str, ...]:
-    from ckpt.io.checkpoint import LITGPT_LORA, WEIGHT_SUFFIXES  # imported only for a path that is missing
-
     return WEIGHT_SUFFIXES + (LITGPT_LORA, ".json")
 
 

@@ -279,7 +279,7 @@ def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
     entries = [t.entry for t in f.tensors]
     if f.format == "gguf":
         from ckpt.io.gguf_writer import GGUFFileWriter
-        from ckpt.io.writer import close_fd
+        from ckpt.io.fds import close_fd
 
         close_fd(fd)  # the GGUF writer opens its (already created) temp file by name
         return GGUFFileWriter(path, entries, f.fields, direct=_direct(path, f, copies))

@@ -1,7 +1,7 @@
 """Recognising what an earlier ckpt run wrote, so that `-o EXISTING_FOLDER` has one meaning and
 `--overwrite` never deletes a file ckpt did not write.
 
-The rule (README "Output paths"), the same for every command:
+The rule (docs/commands.md "Output paths"), the same for every command:
 
 - `-o` naming an existing folder that is not a previous output of this kind receives the output inside
   it, under the default name (a file output always does; a folder output does when the folder is empty

@@ -6,7 +6,7 @@ Every writing command ends here (through `ckpt.io.output.execute`). The rules it
   created exclusively and locked (`flock`) by its owner for as long as it lives. A later run writing OUT
   removes such leftovers only when they are provably stale: the name is ckpt's, the process PID is gone and
   nobody holds the lock (`remove_stale_temps`); for a GGUF OUT also those of every part of a split set of
-  its name (`ckpt.io.gguf_split.set_member`: a run killed while it wrote or published a set leaves one per
+  its name (`ckpt.io.gguf_parts.set_member`: a run killed while it wrote or published a set leaves one per
   part). What it removed is recorded in `CLEANED`, which the run's summary says (`cleanup_notes`).
 - Everything inside the temp output is created relative to directory descriptors opened once
   (`O_EXCL`, `O_NOFOLLOW`, never `mkdir(parents=True)` by path): if the temp output, one of its
@@ -200,9 +200,9 @@ def _stale_name(name: str, member) -> int | None:
 def remove_stale_temps(out: Path, siblings: bool = True) -> list[str]:
     """Remove ckpt's own leftovers beside OUT (`.OUT.ckpt-tmp-PID-X`, `.OUT.ckpt-old-PID-X`) whose
     process is gone: what a SIGKILL or a power loss left. With `siblings`, also those of the files that make
-    one output with OUT (the parts of a split GGUF named OUT, any count: `ckpt.io.gguf_split.set_member`).
+    one output with OUT (the parts of a split GGUF named OUT, any count: `ckpt.io.gguf_parts.set_member`).
     Returns the names removed (also recorded in `CLEANED`). Never raises."""
-    from ckpt.io.gguf_split import set_member
+    from ckpt.io.gguf_parts import set_member
 
     out = Path(out).absolute()
     of_set = set_member(out) if siblings else None

@@ -33,10 +33,11 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import as_torch
-from ckpt.io.writer import Entry, RegionWriter, close_fd, pwrite_all
+from ckpt.io.fds import close_fd, pwrite_all
+from ckpt.io.writer import Entry, RegionWriter
 
 ALIGN = 64
 ZIP64_LIMIT = 0xFFFFFFFF  # miniz: a size or offset >= this gets zip64 fields (tests lower it to exercise them)

@@ -34,7 +34,7 @@ import contextlib
 import queue
 import threading
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.devices import exact_fp32
 from ckpt.io.buffers import Buffers

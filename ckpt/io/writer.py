@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ckpt.lazy import torch
 
 from ckpt.dtypes import itemsize, nbytes, st_name
+from ckpt.io.fds import WRITE_BEHIND, close_fd, pwrite_all, start_writeback
+from ckpt.io.ggml_types import encoded_nbytes
 from ckpt.report import plural
 
 
@@ -29,8 +31,6 @@ class Entry:
     @property
     def nbytes(self) -> int:
         if self.gguf_type is not None:
-            from ckpt.io.gguf import encoded_nbytes
-
             return encoded_nbytes(self.gguf_type, self.shape)
         return nbytes(self.dtype, self.shape)
 
@@ -69,47 +69,6 @@ def layout(entries: list[Entry], metadata: dict[str, str] | None, pad: int = 0) 
 def file_size(entries: list[Entry], metadata) -> int:
     head, regions = layout(entries, metadata)
     return len(head) + sum(e.nbytes for e in entries)
-
-
-def pwrite_all(fd: int, mv: memoryview, pos: int) -> None:
-    """pwrite may write less than asked (signals, quotas): loop until all of `mv` is at `pos`."""
-    while len(mv):
-        n = os.pwrite(fd, mv, pos)
-        mv, pos = mv[n:], pos + n
-
-
-WRITE_BEHIND = 64 << 20  # bytes written between two requests to start writing them back to disk
-
-_sync_file_range = None  # libc's sync_file_range once looked up; False where there is none
-
-
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting for it (Linux
-    `sync_file_range(SYNC_FILE_RANGE_WRITE)`; nothing elsewhere). Left alone, writeback starts only when
-    a tenth of RAM is dirty, so the closing fsync would wait for most of the file at once; started as we
-    go, the disk writes while later bands are computed. A hint only: errors surface in the fsync."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        try:
-            import ctypes
-
-            f = ctypes.CDLL(None, use_errno=True).sync_file_range
-            f.argtypes, f.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int
-            _sync_file_range = f
-        except (OSError, AttributeError):
-            pass
-    if _sync_file_range:
-        _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE, the whole file
-
-
-def close_fd(fd: int | None) -> None:
-    """Close a descriptor handed to a writer that failed before taking it."""
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 class RegionWriter:

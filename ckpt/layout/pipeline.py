@@ -91,7 +91,7 @@ def _converted(tensors: dict[str, Tensor], part: PipelinePart, to: str) -> tuple
 def plan_pipeline_to_file(ckpt, views, make, kind: str, operation: str, file_format: str,
                           max_shard_size: int | None = None) -> Plan:
     """One all-in-one file; with `max_shard_size`, transformers-named shards and their index in a folder, as
-    `--layout original` shards one model (`ckpt.layout.relayout.plan_layout`)."""
+    `--layout original` shards one model (`ckpt.layout.relayout.plan_model_layout`)."""
     cls, parts = PIPELINES[kind]
     by_folder = {c.subdir: (c, v) for c, v in zip(ckpt.components, views)}
     missing = [p.folder for p in parts if p.folder not in by_folder]

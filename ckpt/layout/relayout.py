@@ -208,7 +208,7 @@ def _container(ckpt, comp) -> str:
     return DIFFUSERS if all(f.relpath.startswith(DIFFUSERS_STEM) for f in comp.files) else ORIGINAL
 
 
-def _refuse_lora(ckpt, layout: str) -> None:
+def refuse_lora(ckpt, layout: str) -> None:
     """A LoRA passed to --layout matches a family by its module names and then fails on every factor key;
     say what it is instead, with the command that converts a LoRA's naming (inspect's and merge-lora's
     rule decides what a LoRA is)."""
@@ -250,28 +250,10 @@ def load_config_ref(ref: str) -> dict:
     return cfg
 
 
-def plan_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: str | None = None,
-                max_shard_size: int | None = None, file_format: str = "safetensors") -> Plan:
-    """The plan of `convert --layout`: `views` are the components' logical views, `make` turns each
-    output tensor into OutTensors (the dtype choice)."""
-    if layout not in (DIFFUSERS, ORIGINAL):
-        raise CkptError(f"--layout {layout}: choose diffusers or original")
-    _refuse_lora(ckpt, layout)
-    from ckpt.layout import pipeline
-
-    kind = pipeline.pipeline_kind(ckpt)
-    if kind is not None:
-        if layout == DIFFUSERS:
-            raise CkptError(f"{ckpt.path}: already a diffusers pipeline")
-        return pipeline.plan_pipeline_to_file(ckpt, views, make, kind, operation, file_format, max_shard_size)
-    if len(ckpt.components) == 1:
-        kind = pipeline.single_file_kind(views[0].tensors)
-        if kind is not None:
-            if layout == ORIGINAL:
-                raise CkptError(f"{ckpt.components[0].where}: already an all-in-one {kind} file (original layout)")
-            if file_format != "safetensors":
-                raise CkptError("--layout diffusers writes safetensors (diffusers folders hold no torch pickles)")
-            return pipeline.plan_file_to_pipeline(ckpt, views, make, kind, operation, config_ref, max_shard_size)
+def plan_model_layout(ckpt, views, make, *, layout: str, operation: str, config_ref: str | None = None,
+                      max_shard_size: int | None = None, file_format: str = "safetensors") -> Plan:
+    """`--layout` for one model (a single file, a sharded set or a model folder) that is neither a diffusers
+    pipeline folder nor an all-in-one file (those are `ckpt.layout.pipeline`'s; `ckpt.layout.plan` decides)."""
     if len(ckpt.components) != 1:
         raise CkptError(f"{ckpt.path}: --layout converts one model (a single file, a sharded set or a model "
                         f"folder); this holds {len(ckpt.components)} ({', '.join(c.subdir or '.' for c in ckpt.components)})")

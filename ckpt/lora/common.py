@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.output import check_target
@@ -17,7 +17,7 @@ from ckpt.options import RunOptions
 from ckpt.adapters.checks import finite
 from ckpt.report import Report, listed, plural
 
-SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SAVE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --save-dtype -> torch's name
 
 
 @dataclass
@@ -73,7 +73,7 @@ class LoraOptions(RunOptions):
 
     @property
     def dtype(self) -> torch.dtype:
-        return SAVE_DTYPES[self.save_dtype]
+        return getattr(torch, SAVE_DTYPES[self.save_dtype])
 
 
 @dataclass

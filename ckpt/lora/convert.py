@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError
@@ -101,7 +101,7 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
         sources = {m.name: Source(m, device) for m in f.modules.values()}
         if base is not None:
             from ckpt.io.checkpoint import open_checkpoint
-            from ckpt.quant import logical_view
+            from ckpt.quant.view import logical_view
 
             ckpt = stack.enter_context(open_checkpoint(base))
             comps = [(c.subdir, {k: tuple(t.shape) for k, t in logical_view(c).tensors.items()}, c.config)

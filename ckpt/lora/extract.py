@@ -24,7 +24,7 @@ import fnmatch
 import math
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.devices import exact_fp32, resolve_device
 from ckpt.dtypes import is_float
@@ -44,7 +44,7 @@ from ckpt.lora.operations import lora_extract_operation
 from ckpt.lora.store import FactorStore
 from ckpt.adapters.checks import finite
 from ckpt.progress import progress_bar
-from ckpt.quant import logical_view
+from ckpt.quant.view import logical_view
 from ckpt.report import listed, plural
 from ckpt.run import default_output, human_size, output_path, write
 

@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.cast import Caster
 from ckpt.dtypes import is_float

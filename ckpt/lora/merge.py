@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.devices import exact_fp32, resolve_device
 from ckpt.errors import CkptError

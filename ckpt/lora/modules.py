@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.lora.formats import OutModule, alpha_tensor

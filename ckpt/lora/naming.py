@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.families import DIFFUSERS, ORIGINAL, Transform, module_of
 from ckpt.adapters.keymap import base_parts, build_keymap

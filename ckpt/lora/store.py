@@ -18,7 +18,7 @@ import fcntl
 import os
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.dtypes import TORCH_TO_ST
 from ckpt.errors import CkptError

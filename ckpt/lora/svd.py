@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 DYNAMIC = ("sv_ratio", "sv_fro", "sv_cumulative")
 MIN_SV = 1e-6  # kohya: a delta whose largest singular value is at most this is a zero delta (rank 1)

@@ -20,14 +20,14 @@ from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
 from ckpt.merge import blocks
 from ckpt.merge.methods import get_method
-from ckpt.merge.methods.base import INPUT, Job
-from ckpt.merge.params import resolve
+from ckpt.merge.jobs import compute_dtypes, make_job
 from ckpt.merge.recipe import Recipe
 from ckpt.merge.sources import Model, aligned, open_model, original_names
 from ckpt.options import WriteOptions
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
 from ckpt.targets.casts import Natural
+from ckpt.lazy import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -103,8 +103,6 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
 def _target(opts: ModelMergeOptions):
     """--keep-format (the reference's encoding), --to (every target: a dtype, fp8, comfy_quant, GGUF, in one pass
     with the merge), else the reference's own dtypes, FP8 and LLM-quantization inputs in bf16."""
-    import torch
-
     if opts.layout is not None and opts.layout not in ("original", "diffusers"):
         raise CkptError(f"--layout {opts.layout}: choose original or diffusers")
     return targets.choose(opts, Natural(fp8=torch.bfloat16, llm=torch.bfloat16, role="reference"))
@@ -118,37 +116,11 @@ def _reference(recipe: Recipe, models: dict[str, Model]) -> Model:
     return models[recipe.models[0].model.text]
 
 
-def compute_dtypes(recipe: Recipe):
-    import torch
-
-    compute = torch.float64 if recipe.dtype == "fp64" else torch.float32
-    round_to = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(recipe.dtype or "")
-    return compute, round_to
-
-
 def _params_of(recipe: Recipe) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for m in recipe.models:
         out.setdefault(m.model.text, m.parameters)
     return out
-
-
-def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs, keys, base, chains, shared_chain,
-             recipe, compute) -> Job:
-    """One output tensor's Job: its parameters resolved from the settings chains (shared, and per input: the base
-    gets only INPUT-scope ones); a missing one is named with the recipe's source, as are values the method cannot
-    merge this tensor with (`Method.check_job`)."""
-    where = f"{recipe.source}: parameters"
-    shared = {p.name: resolve(p, shared_chain, names, t, where) for p in method.shared_params}
-    per_input = []
-    for i, key in enumerate(keys):
-        per_input.append({p.name: resolve(p, chains[i], names, t, f"{where} ({key})") for p in method.input_params
-                          if i != base or p.scope == INPUT})
-    job = Job(name=name, names=names, shape=tuple(shape), inputs=inputs, keys=list(keys), base=base, shared=shared,
-              per_input=per_input, seed=recipe.seed, compute=compute, source=recipe.source)
-    if method.check_job is not None:
-        method.check_job(job)
-    return job
 
 
 def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, opts, report) -> list:

@@ -41,7 +41,7 @@ def _split(model):
 
 
 def sliced_views(recipe, method, models, ref, opts, report):
-    from ckpt.merge.command import compute_dtypes, make_job
+    from ckpt.merge.jobs import compute_dtypes, make_job
     from ckpt.merge.tensor import MergedModelTensor
 
     compute, round_to = compute_dtypes(recipe)

@@ -47,7 +47,7 @@ class Model:
 
 def open_model(ref: ModelRef, stack: contextlib.ExitStack, report: Report) -> Model:
     """Open one input (and its LoRA, for `BASE+LORA`) for the life of `stack`."""
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
 
     try:
         ckpt = stack.enter_context(open_checkpoint(ref.spec))

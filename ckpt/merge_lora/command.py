@@ -22,13 +22,15 @@ from ckpt.adapters.loading import LoraFile, load_lora
 from ckpt.adapters.matching import MatchReport, match_loras, swapped_hint
 from ckpt.devices import resolve_device
 from ckpt.errors import CkptError
-from ckpt.io.checkpoint import WEIGHT_SUFFIXES, open_checkpoint
+from ckpt.io.checkpoint import open_checkpoint
+from ckpt.io.file_kinds import WEIGHT_SUFFIXES
 from ckpt.merge_lora.base_values import merged_views
 from ckpt.options import WriteOptions
-from ckpt.quant import logical_view
+from ckpt.quant.view import logical_view
 from ckpt.run import default_output, file_ext, output_path, write
 from ckpt.targets.casts import Natural
 from ckpt.targets.planners.keep_format import refuse_plain
+from ckpt.lazy import torch
 
 
 @dataclass
@@ -106,8 +108,6 @@ def _target(opts: MergeLoraOptions, lit):
     if lit is not None and opts.to is not None and opts.to.startswith("gguf-"):
         raise CkptError(f"--to {opts.to} with a LitGPT LoRA: merge into the LitGPT checkpoint first, convert its "
                         "HF export to GGUF")
-    import torch
-
     default = Natural(fp8=torch.bfloat16, llm=torch.bfloat16, dtype=lit.dtype if lit is not None else None,
                       dtype_source="the LitGPT LoRA's dtype, as litgpt merge_lora does")
     return targets.choose(opts, default)

@@ -37,7 +37,8 @@ class Format:
     priority: int  # its decoders run in this order among the formats' (lower first)
     decoders: tuple  # decode(ctx) -> Decoded | None, in the format's own order
     weights: tuple = ()  # the classes of the logical tensors its decoders make
-    settings: Callable | None = None  # (weight, config.json) -> inspect's settings dict of one decoded weight
+    settings: Callable | None = None  # (weight, config.json) -> inspect's settings of one decoded weight: a dict
+    # with the format's name under "format" and "bits" or "type" (ckpt.inspect.encodings makes its label of them)
     llm: bool = False  # an LLM quantization: decoded values are its library's compute dtype, merges write bf16
     refusals: dict = field(default_factory=dict)  # name -> (compiled pattern of a leftover key, what is wrong)
     contradicts: tuple = ()  # Contradiction, ...
@@ -55,11 +56,10 @@ def formats() -> list[Format]:
     """Every registered format, in decoding order."""
     global _FORMATS
     if _FORMATS is None:
-        from pathlib import Path
-
+        import ckpt.quant
         from ckpt.registry import entry_modules
 
-        found = [m.FORMAT for m in entry_modules("ckpt.quant", [str(Path(__file__).parent)], "FORMAT")]
+        found = [m.FORMAT for m in entry_modules("ckpt.quant", ckpt.quant.__path__, "FORMAT")]
         names = [f.name for f in found]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

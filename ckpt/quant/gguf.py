@@ -27,7 +27,8 @@ from ckpt.lazy import numpy as np, torch
 
 from ckpt.errors import CkptError, file_error
 from ckpt.dtypes import ST_TO_TORCH
-from ckpt.io.gguf import GGUFStored, block_size, plain_names, plain_types, type_name
+from ckpt.io.ggml_types import block_size, plain_names, plain_types, type_name
+from ckpt.io.gguf import GGUFStored
 from ckpt.io.header import read_into
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper

@@ -28,13 +28,16 @@ import math
 import re
 
 from ckpt.errors import file_error
-from ckpt.families.llm import ARCHS, TOP, LLMArch
+from ckpt.families.llm.arch import LLMArch, Readback
+from ckpt.families.llm.architectures import ARCHS
+from ckpt.families.llm.tensors import HeadRowsPermuted
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Renamed, Wrapper
 from ckpt.quant.encoding import Encoding, encoding_of
 from ckpt.quant.common import Decoded
 from ckpt.report import plural
+from ckpt.lazy import numpy as np
 
 SUPPORTED = ", ".join(ARCHS)
 DROPPED = {"rope_freqs.weight": "Llama 3 RoPE scaling factors computed by llama.cpp's converter (no HF tensor)"}
@@ -56,9 +59,8 @@ def name_map(arch: LLMArch, n_blocks: int) -> dict[str, str]:
     gguf = _gguf()
     enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
     table = gguf.get_tensor_name_map(enum, n_blocks)
-    hf = list(TOP) + [f"model.layers.{i}.{m}" for i in range(n_blocks) for m in arch.layer_modules]
     out = {}
-    for name in hf:
+    for name in arch.hf_modules(n_blocks):
         g = table.get_name(name)
         if g is None:
             continue
@@ -93,21 +95,6 @@ class HeadRowsUnpermuted(Wrapper):
         return None if inner is None else HeadRowsPermutedEncoding(inner, self.head)
 
 
-class HeadRowsPermuted(Tensor):
-    """The inverse of `HeadRowsUnpermuted`: HF rows (2, hd/2) per head -> llama.cpp's (hd/2, 2)."""
-
-    def __init__(self, base: Tensor, head: int):
-        self.base, self.head, self.name, self.home = base, head, base.name, base.home
-        self.dtype, self.shape = base.dtype, tuple(base.shape)
-        self.row_align = None if base.row_align is None else math.lcm(head, base.row_align)
-
-    def read(self, start, stop, device, scratch=None):
-        x = self.base.read(start, stop, device, scratch)
-        rest = x.shape[1:]
-        h = (stop - start) // self.head
-        return x.reshape(h, 2, self.head // 2, *rest).transpose(1, 2).reshape(stop - start, *rest).contiguous()
-
-
 class HeadRowsPermutedEncoding(Encoding):
     """Storing a new q/k value of a llama GGUF: permuted back to llama.cpp's row order, then encoded as the
     stored tensor is."""
@@ -134,8 +121,6 @@ class HFNamed(Renamed):
 
 def _f32(v) -> float:
     """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
-    import numpy as np
-
     return float(str(np.float32(v)))
 
 
@@ -337,24 +322,30 @@ def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decod
                                       "nothing was written")
     cfg, notes = derive_config(header, arch, stored)
     names = name_map(arch, cfg["num_hidden_layers"])
+
+    def value(gname: str, hf: str) -> Tensor:
+        t = stored[gname]
+        v = values(t, hf) if t.quantized else HFNamed(t, hf)
+        if arch.rope_permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
+            n = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
+            v = HeadRowsUnpermuted(v, n, hf)
+        return v
+
+    r = Readback(header.path, header, stored, cfg, names, value, notes)
+    arch.read_config(r)
     tensors, consumed, anchors = {}, {}, {}
-    for gname, t in stored.items():
+    for gname in stored:
         if gname in DROPPED:
             consumed[gname] = DROPPED[gname]
             notes.append(f"{gname}: left out ({DROPPED[gname]}); config.json has no rope_scaling for it: copy "
                          "rope_scaling from the original model's config.json")
             continue
-        hf = names.get(gname)
-        if hf is None:
-            raise file_error(header.path, f"tensor {gname!r} has no Hugging Face name in ckpt's {arch.arch} table "
-                                          "(a variant ckpt does not know); nothing was written")
-        value = values(t, hf) if t.quantized else HFNamed(t, hf)
-        if arch.rope_permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
-            n = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
-            value = HeadRowsUnpermuted(value, n, hf)
-        tensors[hf] = value
-        consumed[gname] = f"GGUF name of {hf}"
-        anchors[gname] = hf
+        made = arch.read_tensor(r, gname)
+        for hf, v in made:
+            tensors[hf] = v
+        consumed[gname] = f"GGUF name of {', '.join(hf for hf, _ in made)}"
+        if len(made) == 1:  # one HF tensor in its place: what --keep-format and llama-quantize map back
+            anchors[gname] = made[0][0]
     _check_complete(header, stored, cfg["num_hidden_layers"])
     quantized = any(t.quantized for t in stored.values())
     return Decoded(f"GGUF {arch.arch} LLM ({summary})", tensors, consumed,

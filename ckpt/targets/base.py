@@ -93,7 +93,7 @@ class Target:
         make, finish = self.outputs(views, opts, report)
         shard_size = parse_size(opts.max_shard_size) if opts.max_shard_size else None
         if opts.layout is not None:
-            from ckpt.layout.relayout import plan_layout
+            from ckpt.layout.plan import plan_layout
 
             plan = plan_layout(ckpt, views, make, layout=opts.layout, operation=operation, config_ref=opts.config,
                                max_shard_size=shard_size, file_format=file_format)

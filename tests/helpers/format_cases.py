@@ -79,7 +79,7 @@ def assert_bands_equal_the_whole(path, names) -> None:
     it, `Tensor.read(a, b, device)`), equals the same rows of one whole read. The conformance test runs it on every
     case; a format's variant matrix runs it on each variant where bands take other code paths."""
     from ckpt.io.checkpoint import open_checkpoint
-    from ckpt.quant import logical_view
+    from ckpt.quant.view import logical_view
 
     cpu = torch.device("cpu")
     with open_checkpoint(str(path)) as ck:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.output import bands

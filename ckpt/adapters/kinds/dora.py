@@ -11,7 +11,7 @@ W + r * (W' - W), as ComfyUI does; r = 1 is exactly the trained model.
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
 
 class Dora:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.adapters.kinds.base import Adapter, alpha_scale
 from ckpt.adapters.keymap import ExpertBank

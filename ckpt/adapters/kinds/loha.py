@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.adapters.kinds.base import LowRankFamily, alpha_scale
 

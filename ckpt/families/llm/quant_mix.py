@@ -5,9 +5,10 @@ each tensor of an LLM GGUF, so a GGUF written here carries the types a user woul
 each tensor's type from its name, its layer, its row length and a few model facts (layer count, GQA ratio,
 expert count, whether output.weight exists). This module is that choice transcribed, function by function
 (`tensor_allows_quantization`, `tensor_get_category`, `init_quantize_state_counters`, `llama_tensor_get_type`,
-`llama_tensor_get_type_impl`, `tensor_type_fallback`, `llama_ftype_get_default_type`), for the file types whose
-types ckpt can encode, without an importance matrix and without `--tensor-type` / `--output-tensor-type` /
-`--token-embedding-type` overrides. It is data and a pure function (no torch, no gguf) so a planner can show the
+`llama_tensor_get_type_impl`, `tensor_type_fallback`, `llama_ftype_get_default_type`; the impl's per-category
+ftype chains as rule tables, one small function per branch), for the file types whose types ckpt can encode,
+without an importance matrix and without `--tensor-type` / `--output-tensor-type` / `--token-embedding-type`
+overrides. It is data and a pure function (no torch, no gguf) so a planner can show the
 mix before any tensor is read; tests/test_gguf_llm_mix.py checks it against llama.cpp's own quantizer.
 
 Left out, because the supported ftypes never reach them: the IQ1/IQ2/IQ3/TQ/MXFP4/Q2_K_S branches, the imatrix
@@ -22,6 +23,7 @@ The counters (i_attention_wv, i_ffn_down, ...) advance in the order llama.cpp vi
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from ckpt.errors import CkptError
 
@@ -128,6 +130,7 @@ class _State:
     def __init__(self, names, *, arch, n_layer, n_head, n_head_kv, n_expert):
         cats = [category(n) for n in names]
         self.arch, self.n_expert = arch, n_expert
+        self.falcon = arch == "falcon"  # LLM_ARCH_FALCON, the one arch the rules name
         self.n_gqa = n_head // n_head_kv if n_head_kv else 0  # llama_hparams::n_gqa
         self.type_70b = arch in TYPE_70B and TYPE_70B[arch](n_layer, n_head, n_head_kv, n_expert)
         self.n_attention_wv = sum(c in ATTN_V_LIKE for c in cats)
@@ -147,82 +150,189 @@ class _State:
         return i_layer, n_layer
 
 
+# --- llama_tensor_get_type_impl's per-category ftype chains, as data ---------------------------------------------
+#
+# Each category's `if (ftype == A) ... else if (ftype == B && cond) ...` chain is a tuple of rows in the C's order;
+# the first row whose file type and conditions all hold gives the type (`to`; None: the type stays), no row: it
+# stays. A C ternary is consecutive rows of one file type, the last with no condition; a branch the C enters on its
+# file type alone but may leave unchanged ends with a `None` row, so later rows never see that file type. A new
+# llama.cpp file type or an imatrix condition is rows here (and a WHEN entry), not another branch in code.
+
+
+class Rule(NamedTuple):
+    ftypes: tuple[str, ...] | None  # llama_ftype names (FILE_TYPE keys); None: every file type reaching the branch
+    when: tuple[str, ...]  # WHEN keys, all must hold; () always
+    to: str | None  # the GGML type; None: keep the type the tensor has so far
+
+
+# the conditions the rows name, as the C writes them: (state, i, n) -> bool, i/n the branch's layer (or counter)
+# and layer count (or tensor count)
+WHEN = {
+    "n_gqa >= 4": lambda qs, i, n: qs.n_gqa >= 4,
+    "n_expert == 8": lambda qs, i, n: qs.n_expert == 8,
+    "n_expert != 8": lambda qs, i, n: qs.n_expert != 8,
+    "falcon": lambda qs, i, n: qs.falcon,
+    "!falcon": lambda qs, i, n: not qs.falcon,
+    "i < 2": lambda qs, i, n: i < 2,
+    "i < 4": lambda qs, i, n: i < 4,
+    "i < n/8": lambda qs, i, n: i < n // 8,
+    "i < n/16": lambda qs, i, n: i < n // 16,
+    "use_more_bits": lambda qs, i, n: _use_more_bits(i, n),
+}
+
+# `category_is_attn_v` branch (i = qs.i_attention_wv, n = qs.n_attention_wv); the 70B and 8-expert bumps that
+# follow the chain are in _attn_v. Left out: Q2_K_S, IQ3_XXS, IQ3_XS/IQ3_S, IQ3_M (between Q2_K and Q3_K_M).
+ATTN_V_RULES = (
+    Rule(("MOSTLY_Q2_K",), ("n_gqa >= 4",), "Q4_K"),
+    Rule(("MOSTLY_Q2_K",), (), "Q3_K"),
+    Rule(("MOSTLY_Q3_K_M",), ("i < 2",), "Q5_K"),
+    Rule(("MOSTLY_Q3_K_M",), (), "Q4_K"),
+    Rule(("MOSTLY_Q3_K_L",), (), "Q5_K"),
+    Rule(("MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"), ("n_gqa >= 4",), "Q5_K"),
+    Rule(("MOSTLY_Q4_K_M", "MOSTLY_Q5_K_M"), ("use_more_bits",), "Q6_K"),
+    Rule(("MOSTLY_Q4_K_S",), ("i < 4",), "Q5_K"),
+)
+
+# `category == ATTENTION_K` branch. Left out: IQ3_XS -> IQ3_XXS, IQ3_XXS -> IQ2_S.
+ATTN_K_RULES = (
+    Rule(None, ("n_expert == 8",), "Q8_0"),
+)
+
+# `category == ATTENTION_Q` branch: only IQ3_XS -> IQ3_XXS and IQ3_XXS -> IQ2_S, both left out.
+ATTN_Q_RULES: tuple[Rule, ...] = ()
+
+# `category == FFN_DOWN` branch (i, n = layer_info(i_ffn_down, n_ffn_down)). Left out: Q2_K_S, IQ3_XXS without
+# imatrix (after Q2_K), IQ3_M (after Q3_K_M), Q4_0/Q5_0 with imatrix (last); IQ4_NL/IQ4_XS also need !has_imatrix.
+FFN_DOWN_RULES = (
+    Rule(("MOSTLY_Q2_K",), (), "Q3_K"),
+    Rule(("MOSTLY_Q3_K_M",), ("i < n/16",), "Q5_K"),
+    Rule(("MOSTLY_Q3_K_M",), ("!falcon",), "Q4_K"),
+    Rule(("MOSTLY_Q3_K_M",), ("use_more_bits",), "Q4_K"),
+    Rule(("MOSTLY_Q3_K_M",), (), "Q3_K"),
+    Rule(("MOSTLY_Q3_K_L",), ("falcon",), "Q4_K"),
+    Rule(("MOSTLY_Q3_K_L",), (), "Q5_K"),
+    Rule(("MOSTLY_Q4_K_M",), ("falcon", "i < n/16"), "Q6_K"),
+    Rule(("MOSTLY_Q4_K_M",), ("falcon", "use_more_bits"), "Q5_K"),
+    Rule(("MOSTLY_Q4_K_M",), ("falcon",), "Q4_K"),
+    Rule(("MOSTLY_Q4_K_M",), ("use_more_bits",), "Q6_K"),
+    Rule(("MOSTLY_Q4_K_M",), (), None),
+    Rule(("MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"), ("i < n/8",), "Q5_K"),
+    Rule(("MOSTLY_Q5_K_M",), ("use_more_bits",), "Q6_K"),
+    Rule(("MOSTLY_Q4_K_S",), ("!falcon", "i < n/8"), "Q5_K"),
+)
+
+# `category == ATTENTION_OUTPUT` branch: not falcon with 8 experts, not falcon otherwise, falcon. Left out: the
+# IQ3_XS/IQ3_XXS/IQ3_S/IQ3_M file types (in the 8-expert list; IQ3_XXS -> IQ3_S and IQ3_M -> Q4_K otherwise).
+ATTN_OUTPUT_RULES = (
+    Rule(("MOSTLY_Q2_K", "MOSTLY_Q3_K_S", "MOSTLY_Q3_K_M", "MOSTLY_IQ4_NL", "MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M",
+          "MOSTLY_IQ4_XS"), ("!falcon", "n_expert == 8"), "Q5_K"),
+    Rule(("MOSTLY_Q2_K",), ("!falcon", "n_expert != 8"), "Q3_K"),
+    Rule(("MOSTLY_Q3_K_M",), ("!falcon", "n_expert != 8"), "Q4_K"),
+    Rule(("MOSTLY_Q3_K_L",), ("!falcon", "n_expert != 8"), "Q5_K"),
+    Rule(("MOSTLY_Q3_K_L",), ("falcon",), "Q4_K"),
+)
+
+# `category == TOKEN_EMBD` branch (untied): only the IQ1/IQ2/IQ3_XXS/TQ/Q2_0 file types change it, all left out.
+TOKEN_EMBD_RULES: tuple[Rule, ...] = ()
+
+# `category == FFN_GATE` / `FFN_UP` branches (i, n = layer_info(...)): only IQ3_XS changes them (IQ3_XXS where
+# n/8 <= i < 7n/8), left out; the layer check and the counter remain.
+FFN_GATE_RULES: tuple[Rule, ...] = ()
+FFN_UP_RULES: tuple[Rule, ...] = ()
+
+
+def _first_rule(rules: tuple[Rule, ...], ftype: str, new_type: str, qs: _State, i: int = 0, n: int = 0) -> str:
+    """One category's else-if chain: the first row of `rules` for `ftype` whose conditions hold."""
+    for rule in rules:
+        if (rule.ftypes is None or ftype in rule.ftypes) and all(WHEN[c](qs, i, n) for c in rule.when):
+            return new_type if rule.to is None else rule.to
+    return new_type
+
+
+# --- one function per branch of llama_tensor_get_type_impl: (state, type so far, name, ftype) -> (type, reason) ---
+
+def _output(qs: _State, new_type: str, ne0: int, cat: str) -> tuple[str, str]:
+    """`category == OUTPUT || (has_tied_embeddings && category == TOKEN_EMBD)` without --output-tensor-type: Q8_0
+    for falcon or a row the type's block does not divide, else Q6_K unless already Q8_0. Left out: MXFP4_MOE ->
+    Q8_0 (first) and the IQ1/IQ2/IQ3_XXS file types -> Q5_K (before the Q6_K)."""
+    rule = "output" if cat == "OUTPUT" else "tied token_embd (output rule)"
+    if qs.falcon or ne0 % BLOCK[new_type]:
+        return "Q8_0", rule
+    return ("Q6_K" if new_type != "Q8_0" else new_type), rule
+
+
+def _token_embd(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == TOKEN_EMBD` (untied) without --token-embedding-type: TOKEN_EMBD_RULES."""
+    return _first_rule(TOKEN_EMBD_RULES, ftype, new_type, qs), "token_embd"
+
+
+def _attn_v(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category_is_attn_v(category)` (attn_v, attn_qkv, attn_kv_b): ATTN_V_RULES by attn_v count, then
+    `model.type == LLM_TYPE_70B` lifts Q3_K/Q4_K to Q5_K and `n_expert == 8` makes it Q8_0; counts
+    i_attention_wv. (The C's later `category == ATTENTION_QKV` branch is unreachable: this one takes QKV.)"""
+    new_type = _first_rule(ATTN_V_RULES, ftype, new_type, qs, qs.i_attention_wv, qs.n_attention_wv)
+    if qs.type_70b and new_type in ("Q3_K", "Q4_K"):
+        new_type = "Q5_K"
+    if qs.n_expert == 8:
+        new_type = "Q8_0"
+    qs.i_attention_wv += 1
+    return new_type, "attn_v"
+
+
+def _attn_k(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == ATTENTION_K`: ATTN_K_RULES."""
+    return _first_rule(ATTN_K_RULES, ftype, new_type, qs), "attn_k"
+
+
+def _attn_q(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == ATTENTION_Q`: ATTN_Q_RULES. Its reason stays "default", what summaries have always said of
+    attn_q (no supported file type changes it)."""
+    return _first_rule(ATTN_Q_RULES, ftype, new_type, qs), "default"
+
+
+def _ffn_down(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == FFN_DOWN`: FFN_DOWN_RULES by layer_info(i_ffn_down, n_ffn_down); counts i_ffn_down."""
+    i_layer, n_layer = qs.layer_info(qs.i_ffn_down, qs.n_ffn_down, name)
+    qs.i_ffn_down += 1
+    return _first_rule(FFN_DOWN_RULES, ftype, new_type, qs, i_layer, n_layer), "ffn_down"
+
+
+def _attn_output(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == ATTENTION_OUTPUT`: ATTN_OUTPUT_RULES."""
+    return _first_rule(ATTN_OUTPUT_RULES, ftype, new_type, qs), "attn_output"
+
+
+def _ffn_gate(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == FFN_GATE`: FFN_GATE_RULES by layer_info(i_ffn_gate, n_ffn_gate); counts i_ffn_gate."""
+    i_layer, n_layer = qs.layer_info(qs.i_ffn_gate, qs.n_ffn_gate, name)
+    qs.i_ffn_gate += 1
+    return _first_rule(FFN_GATE_RULES, ftype, new_type, qs, i_layer, n_layer), "ffn_gate"
+
+
+def _ffn_up(qs: _State, new_type: str, name: str, ftype: str) -> tuple[str, str]:
+    """`category == FFN_UP`: FFN_UP_RULES by layer_info(i_ffn_up, n_ffn_up); counts i_ffn_up."""
+    i_layer, n_layer = qs.layer_info(qs.i_ffn_up, qs.n_ffn_up, name)
+    qs.i_ffn_up += 1
+    return _first_rule(FFN_UP_RULES, ftype, new_type, qs, i_layer, n_layer), "ffn_up"
+
+
+# tensor category -> its branch (the categories left out, OTHER among them, keep the type: reason "default")
+CATEGORY_RULES = {
+    "TOKEN_EMBD": _token_embd, "ATTENTION_V": _attn_v, "ATTENTION_QKV": _attn_v, "ATTENTION_KV_B": _attn_v,
+    "ATTENTION_K": _attn_k, "ATTENTION_Q": _attn_q, "FFN_DOWN": _ffn_down, "ATTENTION_OUTPUT": _attn_output,
+    "FFN_GATE": _ffn_gate, "FFN_UP": _ffn_up,
+}
+
+
 def _impl(qs: _State, new_type: str, name: str, ne0: int, ftype: str, cat: str) -> tuple[str, str]:
-    """llama_tensor_get_type_impl for the supported ftypes: (type, which rule chose it)."""
-    falcon = qs.arch == "falcon"
+    """llama_tensor_get_type_impl for the supported ftypes: (type, which rule chose it). The C's order: output
+    (and tied token_embd) first, then one branch per category (CATEGORY_RULES). Left out, for the file types that
+    reach them: the MXFP4_MOE branch (after output) and the IQ1/IQ2 branch (after token_embd), whose own
+    per-category rules would be a second CATEGORY_RULES-like table chosen here by file type."""
     if cat == "OUTPUT" or (qs.has_tied_embeddings and cat == "TOKEN_EMBD"):
-        rule = "output" if cat == "OUTPUT" else "tied token_embd (output rule)"
-        if falcon or ne0 % BLOCK[new_type]:
-            return "Q8_0", rule
-        return ("Q6_K" if new_type != "Q8_0" else new_type), rule
-    if cat == "TOKEN_EMBD":
-        return new_type, "token_embd"  # only IQ1/IQ2/IQ3/TQ ftypes change it
-    if cat in ATTN_V_LIKE:
-        i, n, gqa4 = qs.i_attention_wv, qs.n_attention_wv, qs.n_gqa >= 4
-        if ftype == "MOSTLY_Q2_K":
-            new_type = "Q4_K" if gqa4 else "Q3_K"
-        elif ftype == "MOSTLY_Q3_K_M":
-            new_type = "Q5_K" if i < 2 else "Q4_K"
-        elif ftype == "MOSTLY_Q3_K_L":
-            new_type = "Q5_K"
-        elif ftype in ("MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS") and gqa4:
-            new_type = "Q5_K"
-        elif ftype in ("MOSTLY_Q4_K_M", "MOSTLY_Q5_K_M") and _use_more_bits(i, n):
-            new_type = "Q6_K"
-        elif ftype == "MOSTLY_Q4_K_S" and i < 4:
-            new_type = "Q5_K"
-        if qs.type_70b and new_type in ("Q3_K", "Q4_K"):
-            new_type = "Q5_K"
-        if qs.n_expert == 8:
-            new_type = "Q8_0"
-        qs.i_attention_wv += 1
-        return new_type, "attn_v"
-    # (the C's ATTENTION_QKV branch after these is unreachable: category_is_attn_v took QKV above)
-    if cat == "ATTENTION_K":
-        return ("Q8_0" if qs.n_expert == 8 else new_type), "attn_k"
-    if cat == "FFN_DOWN":
-        i_layer, n_layer = qs.layer_info(qs.i_ffn_down, qs.n_ffn_down, name)
-        more = _use_more_bits(i_layer, n_layer)
-        if ftype == "MOSTLY_Q2_K":
-            new_type = "Q3_K"
-        elif ftype == "MOSTLY_Q3_K_M":
-            new_type = "Q5_K" if i_layer < n_layer // 16 else "Q4_K" if not falcon or more else "Q3_K"
-        elif ftype == "MOSTLY_Q3_K_L":
-            new_type = "Q4_K" if falcon else "Q5_K"
-        elif ftype == "MOSTLY_Q4_K_M":
-            if falcon:
-                new_type = "Q6_K" if i_layer < n_layer // 16 else "Q5_K" if more else "Q4_K"
-            elif more:
-                new_type = "Q6_K"
-        elif i_layer < n_layer // 8 and ftype in ("MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"):
-            new_type = "Q5_K"
-        elif ftype == "MOSTLY_Q5_K_M" and more:
-            new_type = "Q6_K"
-        elif ftype == "MOSTLY_Q4_K_S" and not falcon and i_layer < n_layer // 8:
-            new_type = "Q5_K"
-        qs.i_ffn_down += 1
-        return new_type, "ffn_down"
-    if cat == "ATTENTION_OUTPUT":
-        if not falcon:
-            if qs.n_expert == 8:
-                if ftype in ("MOSTLY_Q2_K", "MOSTLY_Q3_K_S", "MOSTLY_Q3_K_M", "MOSTLY_IQ4_NL", "MOSTLY_Q4_K_S",
-                             "MOSTLY_Q4_K_M", "MOSTLY_IQ4_XS"):
-                    new_type = "Q5_K"
-            else:
-                new_type = {"MOSTLY_Q2_K": "Q3_K", "MOSTLY_Q3_K_M": "Q4_K",
-                            "MOSTLY_Q3_K_L": "Q5_K"}.get(ftype, new_type)
-        elif ftype == "MOSTLY_Q3_K_L":
-            new_type = "Q4_K"
-        return new_type, "attn_output"
-    if cat in ("FFN_GATE", "FFN_UP"):  # only IQ3_XS changes them; the layer check and the counter remain
-        if cat == "FFN_GATE":
-            qs.layer_info(qs.i_ffn_gate, qs.n_ffn_gate, name)
-            qs.i_ffn_gate += 1
-        else:
-            qs.layer_info(qs.i_ffn_up, qs.n_ffn_up, name)
-            qs.i_ffn_up += 1
-        return new_type, cat.lower()
-    return new_type, "default"
+        return _output(qs, new_type, ne0, cat)
+    branch = CATEGORY_RULES.get(cat)
+    return branch(qs, new_type, name, ftype) if branch else (new_type, "default")
 
 
 def _fallback(new_type: str, ne0: int) -> tuple[str, bool]:

@@ -21,6 +21,7 @@ below that size they are the same values.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import Method
+from ckpt.lazy import torch
 
 EPS = 1e-8  # added to both softmaxes
 QUARTILES = (1, 2, 3)  # q1, median, q3: positions k (n - 1) // 4 of the sorted importances
@@ -31,8 +32,7 @@ def _kind(job) -> str:
 
 
 def _importance(base, other):
-    import torch
-    import torch.nn.functional as F
+    F = torch.nn.functional
 
     diff = (other - base).abs()
     p = F.softmax(other, dim=-1) + EPS
@@ -51,16 +51,12 @@ def _positions(n: int) -> list[int]:
 
 def _threshold(values, dtype):
     """median + 1.5 (q3 - q1), in the compute dtype."""
-    import torch
-
     q1, median, q3 = torch.as_tensor(values, dtype=dtype)
     return median + 1.5 * (q3 - q1)
 
 
 def _keys(x):
     """Signed int64 keys ordering as the float values do (-0 before +0, every NaN after +inf), and their width."""
-    import torch
-
     x = x.reshape(-1)
     x = torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x)  # one (positive) NaN: sorts last
     if x.dtype == torch.float64:
@@ -72,8 +68,6 @@ def _keys(x):
 
 def _float_of(key: int, width: int, dtype):
     """The value whose key is `key` (the key map is its own inverse)."""
-    import torch
-
     bits = key ^ ((key >> (width - 1)) & ((1 << (width - 1)) - 1))
     t = torch.tensor([bits], dtype=torch.int64 if width == 64 else torch.int32)
     return t.view(torch.float64 if width == 64 else torch.float32).to(dtype).item()
@@ -82,8 +76,6 @@ def _float_of(key: int, width: int, dtype):
 def values_at(passes, positions, dtype) -> list[float]:
     """The values at ascending sorted `positions` of the scores `passes()` yields (band by band, afresh on every
     call), found by radix selection on 16-bit digits: one pass per digit, every position at once."""
-    import torch
-
     BINS = 1 << 16
     prefix = [0] * len(positions)  # the key's digits found so far, as the signed value of the key's top bits
     rank = list(positions)  # the position among the keys sharing that prefix
@@ -137,8 +129,6 @@ def _merge(job, xs, band, state):
         return base.clone()
     importance = _importance(base, other)
     if state is None:  # kind "whole": the tensor is here
-        import torch
-
         ordered = torch.sort(importance.reshape(-1)).values
         state = _threshold([float(ordered[i]) for i in _positions(ordered.numel())], importance.dtype)
     mask = (importance >= state.to(importance.device)).to(base.dtype)

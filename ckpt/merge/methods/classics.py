@@ -23,6 +23,7 @@ import math
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 
 def _alpha(default: float, what: str) -> Param:
@@ -38,14 +39,10 @@ def _check(recipe, where):
 def _alpha_of(job, x):
     """alpha as a 0-d tensor of the compute dtype, as sd-mecha hands its methods a Tensor parameter: the same
     kernels and roundings as its (alpha * 1.8 of train_difference rounds in that dtype too)."""
-    import torch
-
     return torch.tensor(job.shared["alpha"], dtype=x.dtype, device=x.device)
 
 
 def _weighted_sum(job, xs, band, state):
-    import torch
-
     return torch.lerp(xs[0], xs[1], _alpha_of(job, xs[0]))
 
 
@@ -54,8 +51,6 @@ def _add_difference(job, xs, band, state):
 
 
 def _train_difference(job, xs, band, state):
-    import torch
-
     a, b, c = xs
     d = b - c
     ab = (b - a).abs_()
@@ -66,8 +61,6 @@ def _train_difference(job, xs, band, state):
 def _perpendicular_stats(job):
     """<a, b> / <a, a> over the whole tensor (a = A - C, b = B - C), in fp64; None where the projection is
     undefined (a is zero) or a difference is not finite: then nothing is added."""
-    import torch
-
     dot = aa = 0.0
     for _, (x, y, z) in job.passes():
         a = (x - z).double()

@@ -22,13 +22,12 @@ merge then refuses the tensor, NaN made from finite inputs, `ckpt.merge.tensor`.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 MAX_ITER = 1000  # mergekit's default is 10; every iteration is a pass over each input's whole tensor
 
 
 def _merge(job, xs, band, state):
-    import torch
-
     if len(xs) == 1:
         return xs[0]
     tol = job.shared["tol"]

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import INPUT, SHARED, Method, Param
+from ckpt.lazy import torch
 
 
 def weight_sum(weights, dtype):
     """The sum of `weights` as the merge computes it (a tensor of the compute dtype, summed in input order)."""
-    import torch
-
     return torch.tensor(weights, dtype=dtype).sum()
 
 
@@ -26,8 +25,6 @@ def _check(job):
 
 
 def _merge(job, xs, band, state):
-    import torch
-
     out = torch.zeros_like(xs[0])
     weights = torch.tensor([p["weight"] for p in job.per_input], dtype=out.dtype, device=out.device)
     for x, w in zip(xs, weights):

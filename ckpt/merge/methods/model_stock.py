@@ -17,6 +17,7 @@ to fp32 rounding.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 NORM_MIN = 1e-6  # the product of two offsets' norms is at least this
 SINGULAR = 1e-6  # |1 + (N - 1) cos| below this keeps the base
@@ -36,8 +37,6 @@ def _pairs(n):
 
 def _t(cos, count):
     """t from the mean cosine (a tensor), as mergekit computes it."""
-    import torch
-
     denominator = 1 + (count - 1) * cos
     singular = denominator.abs() < SINGULAR
     safe = torch.where(singular, torch.ones_like(denominator), denominator)
@@ -46,8 +45,6 @@ def _t(cos, count):
 
 def _stats(job):
     """The tensor's t: a one-element tensor in the compute dtype."""
-    import torch
-
     n = len(job.non_base)
     pairs = _pairs(n)
     sq = torch.zeros(n, dtype=torch.float64)
@@ -65,8 +62,6 @@ def _stats(job):
 
 def _row_t(job, xs):
     """One t per row along the last dimension of the band (shape [..., 1])."""
-    import torch
-
     base = xs[job.base]
     offs = [xs[i] - base for i in job.non_base]
     cos = []

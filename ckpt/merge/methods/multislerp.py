@@ -24,6 +24,7 @@ from __future__ import annotations
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
 from ckpt.merge.methods.linear import weight_sum
+from ckpt.lazy import torch
 
 
 def _kind(job) -> str:
@@ -32,8 +33,6 @@ def _kind(job) -> str:
 
 def _deltas(job, xs):
     """[models, elements]: the non-base inputs (minus the base) as flat vectors in the compute dtype."""
-    import torch
-
     d = torch.stack([xs[i] for i in job.non_base]).reshape(len(job.non_base), -1)
     return d - xs[job.base].reshape(1, -1) if job.base is not None else d
 
@@ -47,8 +46,6 @@ def _check(job):
 
 
 def _stats(job):
-    import torch
-
     dt = job.compute
     eps = job.shared["eps"]
     w = torch.tensor([job.per_input[i]["weight"] for i in job.non_base], dtype=dt)
@@ -94,8 +91,6 @@ def _merge(job, xs, band, state):
         units = d / state["denom"].to(dev).view(-1, 1)
         mean = (units * w).sum(0) / state["mean_norm"].to(dev)
         tangent = ((units - state["dots"].to(dev).view(-1, 1) * mean) * w).sum(0)
-        import torch
-
         tn = state["tangent_norm"].to(dev)
         out = (mean * torch.cos(tn) + tangent * (torch.sin(tn) / tn)) * state["avg_norm"].to(dev)
     out = out.reshape(xs[0].shape)

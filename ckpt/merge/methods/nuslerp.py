@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
+from ckpt.lazy import torch
 
 NORM_MIN = 1e-7  # a vector is divided by max(its norm, this)
 COLINEAR_EPS = 1e-8  # colinear when 1 - cos^2 <= COLINEAR_EPS^2
@@ -55,8 +56,6 @@ def _vectors(job, xs):
 
 def _combine(t: float, v0, v1, cos):
     """The interpolation of v0 and v1 given cos (broadcasting against them)."""
-    import torch
-
     colinear = (1 - cos.square()) <= COLINEAR_EPS ** 2
     theta = torch.acos(torch.where(colinear, torch.zeros_like(cos), cos))
     sph = (torch.sin((1 - t) * theta) * v0 + torch.sin(t * theta) * v1) / torch.sin(theta)
@@ -64,8 +63,6 @@ def _combine(t: float, v0, v1, cos):
 
 
 def _stats(job):
-    import torch
-
     cols = _mode(job) == "cols"
     width = max(1, math.prod(job.shape[1:])) if cols else 1
     sums = torch.zeros(3, width, dtype=torch.float64)  # v0^2, v1^2, v0*v1 per vector
@@ -85,8 +82,6 @@ def _merge(job, xs, band, state):
     shape = v0.shape
     mode = _mode(job)
     if mode == "last":
-        import torch
-
         n = shape[-1] if len(shape) else 1
         v0, v1 = v0.reshape(-1, n), v1.reshape(-1, n)
         u0 = v0 / torch.norm(v0, dim=-1, keepdim=True).clamp(min=NORM_MIN)

@@ -19,12 +19,11 @@ bitwise too.
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 
 def _vectors(job, xs):
     """The stacked task vectors, flattened per model [n, elements], and which elements count for which model."""
-    import torch
-
     base = xs[job.base]
     tv = torch.stack([xs[i] - base for i in job.non_base]).reshape(len(job.non_base), -1)
     counts = tv.abs() > job.shared["epsilon"]
@@ -52,8 +51,6 @@ def _ram(job, xs, band, state):
 
 def _plus_stats(job):
     """lambda_i per model, from the whole tensor's shared and unique counts."""
-    import torch
-
     n = len(job.non_base)
     if not n:
         return None

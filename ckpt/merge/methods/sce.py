@@ -20,29 +20,24 @@ and changes nothing. With `dtype: float64` the variances are ranked at fp32 prec
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 WEIGHT_SUM_MIN = 1e-6  # weights summing to less than this in magnitude are replaced by equal ones
 DIVISOR_MIN = 1e-6  # the sum of the kept weights at an element is at least this
 
 
 def _deltas(job, xs):
-    import torch
-
     base = xs[job.base]
     return torch.stack([xs[i] - base for i in job.non_base])
 
 
 def _variance(tvs):
-    import torch
-
     return torch.var(tvs, dim=0, unbiased=False)
 
 
 def _selected(job, xs, band, select):
     """The task vectors of a band with the unselected elements zeroed (`select`: None keeps all, False none,
     else the Threshold)."""
-    import torch
-
     tvs = _deltas(job, xs)
     if select is None:
         return tvs
@@ -56,8 +51,6 @@ def _selected(job, xs, band, select):
 
 def _stats(job):
     """(selection, per-model weights in the compute dtype)."""
-    import torch
-
     from ckpt.merge.select import kth_largest
 
     n = len(job.non_base)

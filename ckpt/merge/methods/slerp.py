@@ -20,14 +20,13 @@ in the compute dtype chunk by chunk: the coefficients agree to fp32 rounding, no
 from __future__ import annotations
 
 from ckpt.merge.methods.base import SHARED, Method, Param
+from ckpt.lazy import torch
 
 DOT_THRESHOLD = 0.9995  # |cos| above this: linear interpolation (mergekit's default, not a parameter there)
 NORM_EPS = 1e-8  # a norm at or below this is taken as 1
 
 
 def _stats(job):
-    import torch
-
     b, o = job.base, 1 - job.base
     dt = job.compute
     t = torch.tensor(job.shared["t"], dtype=dt)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import NON_BASE, SHARED, Band, Method, Param, density_param, weight_param
+from ckpt.lazy import torch
 
 RESCALE_EPS = 1e-7  # mergekit's rescaled_masked_tensor: no rescale when either L1 norm is below this
 DIVISOR_EPS = 1e-8  # without consensus, a |sum of weights| below this does not divide
@@ -133,8 +134,6 @@ def _uniform(job, i, d, band):
 def _della_probs(d, density: float, epsilon: float):
     """Keep probability per element: density - epsilon + 2 epsilon * (rank in its row along dim 1) / (len - 1),
     ranks ascending by |d|, equal magnitudes ranked in flat order; a row of one element: `density`."""
-    import torch
-
     m = d.reshape(1, -1) if d.dim() < 2 else d
     mag = m.abs().to(torch.float32)
     n = mag.shape[1]
@@ -206,8 +205,6 @@ def _selectors(c: Config, job, passes) -> dict:
 
 def _stats(c: Config, job, passes) -> dict:
     """The tensor's thresholds and L1 rescale factors; `passes()` yields (Band, xs) over the whole tensor."""
-    import torch
-
     select = _selectors(c, job, passes)
     ratio = {}
     sparse = _sparse(c, job)
@@ -229,8 +226,6 @@ def _stats(c: Config, job, passes) -> dict:
 # --- the merge ---------------------------------------------------------------------------------------------------
 
 def _merge(c: Config, job, xs, band, state):
-    import torch
-
     base = xs[job.base]
     others = job.non_base
     if not others:

@@ -10,7 +10,7 @@ scales of the search are compared one after the other, as the C loop does, with 
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.quant.kquants.cfloat import fp16_bytes
 from ckpt.quant.kquants.rows import encode_rows

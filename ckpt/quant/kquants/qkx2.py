@@ -11,8 +11,7 @@ multiply-add, no division turned into a multiplication by a reciprocal), so ever
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from ckpt.lazy import numpy as np, torch
 
 from ckpt.quant.kquants.cfloat import SAFE_ROUND, div, fp16_bytes, nearest_int, rounded, seq_sum
 from ckpt.quant.kquants.rows import encode_rows

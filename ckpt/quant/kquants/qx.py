@@ -17,8 +17,9 @@ sequential loops touch are contiguous.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import struct
+
+from ckpt.lazy import numpy as np, torch
 
 from ckpt.quant.kquants.cfloat import div, fp16_bytes, nearest_int, rounded, seq_sum
 from ckpt.quant.kquants.rows import encode_rows
@@ -26,7 +27,7 @@ from ckpt.quant.kquants.rows import encode_rows
 QK_K = 256
 _CHUNK = 1024  # blocks per chunk (256K values, 1 MiB per temporary): the temporaries stay in cache (measured: 3x
 # faster than chunks of 16K blocks)
-_EPS = float(np.float32(1e-15))  # GROUP_MAX_EPS (1e-15f)
+_EPS = struct.unpack("<f", struct.pack("<f", 1e-15))[0]  # GROUP_MAX_EPS (1e-15f), as a float32
 
 
 def _first_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

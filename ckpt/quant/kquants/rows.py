@@ -4,7 +4,7 @@ lay the encoded blocks out as rows again."""
 
 from __future__ import annotations
 
-import torch
+from ckpt.lazy import torch
 
 
 def encode_rows(rows: torch.Tensor, block: int, block_bytes: int, chunk: int, blocks_fn) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt.cast import Caster
 from ckpt.dtypes import FP8, is_float
@@ -26,8 +26,7 @@ from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.report import Report
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: the scaled-fp8 codes are e4m3fn
 COMFY_PREFIX = "model.diffusion_model."  # ComfyUI all-in-one checkpoints: the marker sits under it
 # The other parts of an all-in-one checkpoint, loaded by ComfyUI without the scaled-fp8 ops.
 BUNDLED_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.", "first_stage_model.", "vae.")
@@ -40,11 +39,11 @@ class AmaxScale:
         self.source = source
         self._value: torch.Tensor | None = None
 
-    def value(self, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    def value(self, device: torch.device | str = "cpu") -> torch.Tensor:
         if self._value is None:
             from ckpt.quant.comfy_quant import finite_amax
 
-            amax = finite_amax(self.source, device)
+            amax = finite_amax(self.source, torch.device(device))
             s = amax / FP8_MAX
             # All-zero tensor: any scale decodes to zero; keep 1. Tiny amax: keep the scale a normal fp32.
             self._value = torch.where(amax > 0, torch.clamp(s, min=torch.finfo(torch.float32).tiny),
@@ -60,7 +59,7 @@ class AmaxScale:
         bad = ~torch.isfinite(x.float() if x.dtype in FP8 else x)
         report.count("nonfinite_input", name, int(bad.sum()))
         y = torch.where(finite, y.clamp(-FP8_MAX, FP8_MAX), y)
-        return y.to(FP8_DTYPE)
+        return y.to(torch.float8_e4m3fn)
 
 
 def _scalable(t: Tensor, keep: list[str]) -> bool:
@@ -86,15 +85,15 @@ def scaled_fp8_outputs(report: Report, keep: list[str]):
         scale = AmaxScale(t)
         sname = t.name[: -len("weight")] + "scale_weight"
         outs = [
-            OutTensor(t.name, FP8_DTYPE, t.shape, t, lambda x, b, n=t.name, s=scale: s.encode(x, n, report)),
+            OutTensor(t.name, torch.float8_e4m3fn, t.shape, t, lambda x, b, n=t.name, s=scale: s.encode(x, n, report)),
             OutTensor(sname, torch.float32, (), ComputedTensor(sname, scale.value, torch.float32, (), home=t.home),
                       lambda x, b: x),
         ]
         if not marker_done:
             marker_done = True
             mname = (COMFY_PREFIX if t.name.startswith(COMFY_PREFIX) else "") + "scaled_fp8"
-            marker = ComputedTensor(mname, lambda: torch.empty(0, dtype=FP8_DTYPE), FP8_DTYPE, (0,), home=t.home)
-            outs.append(OutTensor(mname, FP8_DTYPE, (0,), marker))
+            marker = ComputedTensor(mname, lambda: torch.empty(0, dtype=torch.float8_e4m3fn), torch.float8_e4m3fn, (0,), home=t.home)
+            outs.append(OutTensor(mname, torch.float8_e4m3fn, (0,), marker))
         return outs
 
     return make

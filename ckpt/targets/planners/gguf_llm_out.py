@@ -38,7 +38,7 @@ The reference is llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (`co
   an in-memory `gguf.GGUFWriter` in the reference's order, so keys and value types are gguf's own; ckpt adds
   `ckpt.version` and `ckpt.operation`.
 
-Refused in one line before anything is written: an architecture outside `ckpt.families.llm.EXPORTS`, a folder
+Refused in one line before anything is written: an architecture outside `ckpt.families.llm.architectures.EXPORTS`, a folder
 without config.json or a tokenizer, a BPE pre-tokenizer llama.cpp does not know, a tensor with no GGUF name. The
 inputs are checked first, where the reference takes them on trust: config.json's values for type, range and
 agreement with the tensors (`ckpt.families.llm.config_keys`, on the file as written and again on the values
@@ -53,16 +53,19 @@ import re
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt import __version__
 from ckpt.errors import CkptError
-from ckpt.families.llm import EXPORTS, LLMArch, config_keys
+from ckpt.families.llm import config_keys
+from ckpt.families.llm.arch import Export, LLMArch
+from ckpt.families.llm.architectures import EXPORTS
+from ckpt.families.llm.tensors import HeadRowsPermuted
+from ckpt.families.llm.text import load_hparams, quiet, rope_parameters, text_merged
 from ckpt.io.plan import OutFile, Plan
-from ckpt.io.tensors import ComputedTensor, RowSlice, Tensor
+from ckpt.io.tensors import Tensor
 from ckpt.report import Report, plural
 
-SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # prepare_tensors: "we don't need these"
 # prepare_tensors' always-F32 tensors that these architectures can have (gguf.MODEL_TENSOR names)
 F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES")
 PLAIN = ("F32", "F16", "BF16")
@@ -79,19 +82,6 @@ def _gguf():
     import gguf
 
     return gguf
-
-
-class Shifted(Tensor):
-    """`base + shift` as the reference computes it (Gemma's norms + 1): in float32 for a BF16 source (upcast
-    first, as prepare_tensors does), else in the source's own dtype."""
-
-    def __init__(self, base: Tensor, shift: float):
-        self.base, self.shift, self.name, self.home = base, shift, base.name, base.home
-        self.shape, self.row_align = tuple(base.shape), base.row_align
-        self.dtype = base.dtype if base.dtype in (torch.float16, torch.float32) else torch.float32
-
-    def read(self, start, stop, device, scratch=None):
-        return self.base.read(start, stop, device, scratch).to(self.dtype) + self.shift
 
 
 def _first_class(value) -> str | None:
@@ -141,344 +131,6 @@ def _folder(ckpt) -> Path:
     return root / comp.subdir
 
 
-def text_merged(cfg: dict) -> dict:
-    """TextModel.__init__: a multimodal config's language model config (`text_config` or an alias) merged over it."""
-    hparams = dict(cfg)
-    for key in ("llm_config", "lm_config", "language_config"):
-        if key in hparams:
-            hparams["text_config"] = hparams[key]
-    if isinstance(hparams.get("text_config"), dict):
-        hparams = {**hparams, **hparams["text_config"]}
-    return hparams
-
-
-def load_hparams(folder: Path, cfg: dict) -> dict:
-    """ModelBase.load_hparams + TextModel.__init__: the config as transformers fills it in, text_config merged.
-    (Called once config.json's own values are checked: transformers' config classes build per-layer lists.)"""
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return text_merged(cfg)
-    try:
-        with _quiet():
-            hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
-    except Exception as e:  # the reference falls back to config.json as it is ...
-        if _known_model_type(cfg.get("model_type")):  # ... but transformers knows this config and refuses its values
-            from ckpt.families.llm.tokenizer_files import brief
-
-            raise CkptError(f"{folder / 'config.json'}: transformers' config class for model_type "
-                            f"{cfg['model_type']!r} refuses it ({type(e).__name__}: {brief(str(e))})") from None
-        hparams = dict(cfg)
-    return text_merged(hparams)
-
-
-def _known_model_type(model_type) -> bool:
-    """Whether transformers has a config class for `model_type` (where it has none, as for a remote-code model,
-    the reference uses config.json as it is; where it has one that refuses the file, so would its tokenizer and
-    every loader of the model)."""
-    try:
-        from transformers import CONFIG_MAPPING
-    except ImportError:
-        return False
-    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
-
-
-def _find(hparams: dict, keys, optional=True):
-    key = next((k for k in keys if k in hparams), None)
-    if key is not None:
-        return hparams[key]
-    if optional:
-        return None
-    raise CkptError(f"config.json has none of {', '.join(keys)}")
-
-
-def rope_parameters(hparams: dict) -> dict:
-    """TextModel.__init__'s rope_parameters: rope_parameters or rope_scaling, the global values mirrored in."""
-    rope = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
-    theta = _find(hparams, ["global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
-                            "rotary_emb_base"])
-    local = _find(hparams, ["local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
-                            "rope_local_base_freq"])
-    partial = _find(hparams, ["partial_rotary_factor", "rope_pct", "rope_percent"])
-    orig = _find(hparams, ["original_max_position_embeddings"])
-    if "full_attention" not in rope and "sliding_attention" not in rope:
-        if local is not None:
-            rope["sliding_attention"] = {"rope_theta": local}
-        if "rope_theta" not in rope and theta is not None:
-            rope["rope_theta"] = theta
-        if "rope_type" not in rope and (t := rope.get("type")) is not None:
-            rope["rope_type"] = t
-        if "partial_rotary_factor" not in rope and partial is not None:
-            rope["partial_rotary_factor"] = partial
-        if "original_max_position_embeddings" not in rope and orig is not None:
-            rope["original_max_position_embeddings"] = orig
-    return rope
-
-
-def set_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ftype: int) -> list[str]:
-    """The `set_gguf_parameters` of the architecture's model class (`LLMArch.params`): the `add_*` calls on `w`;
-    returns notes."""
-    if arch.params == "gemma2":
-        _gemma2_parameters(w, hparams, n_block, ftype)
-        return []
-    if arch.params == "phi3":
-        _phi3_parameters(w, hparams, rope, n_block, ftype)
-        return []
-    notes = text_parameters(w, arch, hparams, rope, n_block, ftype)
-    if arch.params == "gemma3":
-        _gemma3_parameters(w, hparams, rope)
-    if arch.params == "qwen2moe":  # Qwen2MoeModel.set_gguf_parameters
-        if (n := hparams.get("moe_intermediate_size")) is not None:
-            w.add_expert_feed_forward_length(n)
-        if (n := hparams.get("shared_expert_intermediate_size")) is not None:
-            w.add_expert_shared_feed_forward_length(n)
-    return notes
-
-
-def _gemma2_parameters(w, hparams: dict, n_block: int, ftype: int) -> None:
-    """Gemma2Model.set_gguf_parameters (its own, not TextModel's)."""
-    w.add_context_length(hparams["max_position_embeddings"])
-    w.add_embedding_length(hparams["hidden_size"])
-    w.add_block_count(n_block)
-    w.add_feed_forward_length(hparams["intermediate_size"])
-    w.add_head_count(hparams["num_attention_heads"])
-    w.add_head_count_kv(hparams.get("num_key_value_heads", hparams["num_attention_heads"]))
-    w.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
-    w.add_key_length(hparams["head_dim"])
-    w.add_value_length(hparams["head_dim"])
-    w.add_file_type(ftype)
-    w.add_attn_logit_softcapping(hparams["attn_logit_softcapping"])
-    w.add_final_logit_softcapping(hparams["final_logit_softcapping"])
-    w.add_sliding_window(hparams["sliding_window"])
-
-
-def _gemma3_parameters(w, hparams: dict, rope: dict) -> None:
-    """Gemma3Model.set_gguf_parameters after TextModel's (a key set again keeps its place)."""
-    w.add_context_length(hparams.get("max_position_embeddings", 131072))
-    w.add_head_count(hparams.get("num_attention_heads", 8))
-    w.add_layer_norm_rms_eps(hparams.get("rms_norm_eps", 1e-6))
-    w.add_key_length(hparams.get("head_dim", 256))
-    w.add_value_length(hparams.get("head_dim", 256))
-    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
-    if hparams.get("attn_logit_softcapping") is not None:
-        raise CkptError("config.json sets attn_logit_softcapping, which Gemma 3 does not have (llama.cpp's converter "
-                        "refuses it)")
-    if final := hparams.get("final_logit_softcapping"):
-        w.add_final_logit_softcapping(final)
-    if hparams.get("sliding_window_pattern") != 1:
-        w.add_sliding_window(hparams["sliding_window"])
-    w.add_head_count_kv(hparams.get("num_key_value_heads", 4))
-
-
-def _phi3_rope(hparams: dict, rope: dict, where="config.json") -> tuple[int, int, int]:
-    n_embd = _find(hparams, ["hidden_size", "n_embd"], optional=False)
-    n_head = _find(hparams, ["num_attention_heads", "n_head"], optional=False)
-    if rope.get("original_max_position_embeddings") is None:
-        raise CkptError(f"{where}: has no original_max_position_embeddings, which llama.cpp's Phi-3 converter needs")
-    return n_embd, n_head, int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
-
-
-def _phi3_parameters(w, hparams: dict, rope: dict, n_block: int, ftype: int) -> None:
-    """Phi3MiniModel.set_gguf_parameters (its own)."""
-    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope)
-    w.add_context_length(_find(hparams, ["n_positions", "max_position_embeddings"], optional=False))
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(_find(hparams, ["intermediate_size"], optional=False))
-    w.add_block_count(n_block)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(_find(hparams, ["num_key_value_heads", "n_head_kv"], optional=False))
-    w.add_layer_norm_rms_eps(_find(hparams, ["rms_norm_eps"], optional=False))
-    w.add_rope_dimension_count(rope_dims)
-    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    w.add_file_type(ftype)
-    w.add_sliding_window(hparams.get("sliding_window") or 0)
-
-
-def phi3_rope_factors(hparams: dict, rope: dict, where="config.json"):
-    """Phi3MiniModel.generate_extra_tensors: (attention factor, long factors, short factors) of a long-context
-    model, None without long factors."""
-    n_embd, n_head, rope_dims = _phi3_rope(hparams, rope, where)
-    long, short = rope.get("long_factor"), rope.get("short_factor")
-    if not long:
-        return None
-    orig = rope["original_max_position_embeddings"]
-    scale = _find(hparams, ["n_positions", "max_position_embeddings"], optional=False) / orig
-    kind = str(rope.get("rope_type", "")).lower()
-    if scale > 1.0 and orig < 2 and kind in ("su", "longrope"):
-        raise CkptError(f"{where}: original_max_position_embeddings is {orig}; Phi-3's long-context attention factor "
-                        "divides by its logarithm")
-    if kind in ("su", "longrope"):
-        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
-    elif kind == "yarn":
-        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
-    else:
-        raise CkptError(f"{where}: rope type {config_keys.show(kind)} with long_factor: llama.cpp's Phi-3 converter "
-                        "supports longrope, su and yarn")
-    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
-        raise CkptError(f"{where}: long_factor has {len(long)} values and short_factor "
-                        f"{len(short) if short is not None else 'none'}; each must have {rope_dims // 2} (half of "
-                        "the rotary dimensions)")
-    return attn, torch.tensor(long, dtype=torch.float32), torch.tensor(short, dtype=torch.float32)
-
-
-def text_parameters(w, arch: LLMArch, hparams: dict, rope: dict, n_block: int, ftype: int) -> list[str]:
-    """TextModel.set_gguf_parameters (+ LlamaModel's): the `add_*` calls on `w`; returns notes."""
-    gguf = _gguf()
-    notes = []
-    w.add_block_count(n_block)
-    if (n := _find(hparams, ["max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
-                             "model_max_length"])) is not None:
-        w.add_context_length(n)
-    if (n := _find(hparams, ["hidden_size", "n_embd", "dim"])) is not None:
-        w.add_embedding_length(n)
-    if (n := _find(hparams, ["prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
-                             "n_inner", "hidden_dim"])) is not None:
-        w.add_feed_forward_length(n)
-    if (n := _find(hparams, ["num_attention_heads", "n_head", "n_heads"])) is not None:
-        w.add_head_count(n)
-    if (n := _find(hparams, ["num_key_value_heads", "n_kv_heads"])) is not None:
-        w.add_head_count_kv(n)
-    if hparams.get("is_causal") is False:
-        w.add_causal_attention(False)
-    params = rope.get("full_attention", rope)
-    if (rope_type := params.get("rope_type")) is not None:
-        factor = params.get("factor")
-        R = gguf.RopeScalingType
-        if rope_type == "linear" and factor is not None:
-            w.add_rope_scaling_type(R.LINEAR)
-            w.add_rope_scaling_factor(factor)
-        elif rope_type == "yarn" and factor is not None:
-            w.add_rope_scaling_type(R.YARN)
-            w.add_rope_scaling_factor(factor)
-            w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
-            if (v := params.get("extrapolation_factor")) is not None:
-                w.add_rope_scaling_yarn_ext_factor(v)
-            if (v := params.get("attention_factor", params.get("attn_factor"))) is not None:
-                w.add_rope_scaling_yarn_attn_factor(v)
-            if (v := params.get("beta_fast")) is not None:
-                w.add_rope_scaling_yarn_beta_fast(v)
-            if (v := params.get("beta_slow")) is not None:
-                w.add_rope_scaling_yarn_beta_slow(v)
-        elif rope_type in ("su", "longrope"):
-            w.add_rope_scaling_type(R.LONGROPE)
-        elif rope_type not in ("dynamic", "default") and rope_type.lower() != "llama3":
-            notes.append(f"RoPE type {rope_type!r} is unknown to llama.cpp's converter: written without scaling, as "
-                         "it does")
-    if "mrope_section" in rope:
-        sections = list(rope["mrope_section"]) + [0] * 4
-        w.add_rope_dimension_sections(sections[:4])
-    if (v := params.get("rope_theta")) is not None:
-        w.add_rope_freq_base(v)
-    if (v := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
-        w.add_rope_freq_base_swa(v)
-    if (v := _find(hparams, ["rms_norm_eps", "norm_eps"])) is not None:
-        w.add_layer_norm_rms_eps(v)
-    if (v := _find(hparams, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
-        w.add_layer_norm_eps(v)
-    if (v := _find(hparams, ["num_local_experts", "num_experts", "n_routed_experts"])) is not None:
-        w.add_expert_count(v)
-    if (v := _find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
-        w.add_expert_used_count(v)
-    if (v := hparams.get("head_dim")) is not None:
-        w.add_key_length(v)
-        w.add_value_length(v)
-    w.add_file_type(ftype)
-    if arch.llama_params:
-        w.add_vocab_size(hparams["vocab_size"])
-        dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
-        w.add_rope_dimension_count(dim)
-    return notes
-
-
-def llama3_rope_factors(rope: dict, hparams: dict) -> torch.Tensor | None:
-    """LlamaModel.generate_extra_tensors: `rope_freqs.weight` for rope type llama3, computed as the reference does."""
-    params = rope.get("full_attention", rope)
-    if not params or str(params.get("rope_type", "")).lower() != "llama3":
-        return None
-    # (floats: config_keys lets an integer 1e30 through as a number, and torch.pow takes no int past int64)
-    base = float(params.get("rope_theta", 10000.0))
-    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = float(params.get("factor", 8.0))
-    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
-    old = params.get("original_max_position_embeddings", 8192)
-    low_wavelen, high_wavelen = old / low, old / high
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            out.append(1)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32)
-
-
-class Stacked(Tensor):
-    """Matrices of one shape stacked on a new first dim (`torch.stack(parts)`): a layer's experts as the one
-    [experts, rows, cols] tensor llama.cpp has. A band is whole experts, each read and copied in turn."""
-
-    row_align = 1
-
-    def __init__(self, name: str, parts: list[Tensor]):
-        first = parts[0]
-        for p in parts:
-            if tuple(p.shape) != tuple(first.shape) or p.dtype != first.dtype:
-                raise CkptError(f"{name}: experts {first.name} {list(first.shape)} and {p.name} {list(p.shape)} "
-                                "cannot be stacked")
-        self.name, self.parts, self.home, self.dtype = name, list(parts), first.home, first.dtype
-        self.shape = (len(parts), *first.shape)
-
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.parts[0].natural_dtype
-
-    def read(self, start, stop, device, scratch=None):
-        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
-        for i in range(start, stop):
-            p = self.parts[i]
-            out[i - start].copy_(p.read(0, p.rows, device, scratch).reshape(self.shape[1:]))
-        return out
-
-
-def _expert_group(comp, arch: LLMArch, table, name: str, t: Tensor, n_expert: int, pending: dict) -> list:
-    """One expert matrix into its layer's pending set; the stacked tensors (GGUF name, Stacked) when the set is
-    complete, in the reference's order (LlamaModel / Qwen2MoeModel.modify_tensors), else nothing."""
-    _, template, projections, merged = arch.experts
-    bid = next((int(part) for part in name.split(".") if part.isdecimal()), None)
-    if bid is None:
-        raise CkptError(f"{comp.where}: expert tensor {name!r} has no layer number")
-    pattern = re.escape(template).replace(r"\{bid\}", str(bid)).replace(r"\{x\}", r"\d+").replace(
-        r"\{w\}", "(" + "|".join(projections) + ")")
-    if not re.fullmatch(pattern, name):
-        raise CkptError(f"{comp.where}: expert tensor {name!r} is not one expert's matrix as llama.cpp's converter "
-                        f"stacks them ({template.format(bid=bid, x='X', w='/'.join(projections))}); fused expert "
-                        "tensors are not written by ckpt (use llama.cpp's convert_hf_to_gguf.py)")
-    group = pending.setdefault(bid, {})
-    group[name] = t
-    if len(group) < n_expert * len(projections):
-        return []
-    out = []
-    for w in projections:
-        names = [template.format(bid=bid, x=x, w=w) for x in range(n_expert)]
-        missing = next((n for n in names if n not in group), None)
-        if missing is not None:
-            odd = next(n for n in group if n not in {template.format(bid=bid, x=x, w=p) for x in range(n_expert)
-                                                     for p in projections})
-            raise CkptError(f"{comp.where}: expert tensor {odd!r} is not one of the {n_expert} experts x "
-                            f"{'/'.join(projections)} llama.cpp's converter stacks (no {missing!r})")
-        hf = merged.format(bid=bid, w=w)
-        gname = table.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise CkptError(f"{comp.where}: stacked experts {hf!r} have no llama.cpp name in gguf's {arch.arch} table")
-        out.append((gname, Stacked(gname, [group.pop(n) for n in names])))
-    del pending[bid]
-    return out
-
-
 def _f32_names(arch_enum, n_block: int) -> set[str]:
     gguf = _gguf()
     out = set()
@@ -506,16 +158,35 @@ def _llm_types(mix, tensors, *, arch: str, n_layer: int, n_head: int, n_head_kv:
 
 def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report, operation: str) -> Plan:
     """The whole single-file llama.cpp GGUF of an HF causal LM folder (module docstring)."""
-    from ckpt.targets.planners import gguf_vocab
-    from ckpt.targets.planners.gguf_out import out_tensor
-    from ckpt.io.gguf_writer import from_gguf_writer, string
-    from ckpt.quant.gguf_llm import HeadRowsPermuted
-
-    gguf = _gguf()
-    T = gguf.GGMLQuantizationType
     comp, view = ckpt.components[0], views[0]
     if (header := _gguf_llm_source(comp)) is not None:
         return plan_from_gguf(comp, header, view, mix, pure, report, operation)
+    arch, x, stated = _export(ckpt, view)
+    sources, skipped = _sources(arch, x, view, comp)
+    outs, counts, fallbacks = _outputs(arch, x, sources, mix, pure, report, comp)
+    if mix.name not in CONVERT_OUTTYPES:  # llama-quantize's file: its weights_map order
+        sources = sorted(sources, key=lambda s: (block_number(s[0]), s[0]))
+    fields, notes = _fields(arch, x, stated, sources, mix, report, operation)
+    if skipped:
+        notes.append(f"{plural(len(skipped), 'tensor')} llama.cpp does not use left out (e.g. {skipped[0]!r})")
+    notes += x.notes
+    if "output.weight" not in {g for g, _ in sources}:
+        notes.append("no lm_head.weight: tied embeddings (llama.cpp uses token_embd.weight as the output layer)")
+    notes.append(f"GGUF {arch.arch} LLM, {mix.label} (llama.cpp's convert_hf_to_gguf.py rules): {counts}")
+    from ckpt.targets.planners.gguf_out import fallback_note
+
+    if (fb := fallback_note(fallbacks)) is not None:
+        notes.append(fb)
+    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,
+                busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)
+
+
+def _export(ckpt, view) -> tuple[LLMArch, Export, dict]:
+    """The architecture of the folder, its config checked and read as the reference reads it; refused in one line
+    where the reference could not convert it (or would write a GGUF llama.cpp cannot load)."""
+    from ckpt.targets.planners import gguf_vocab
+
+    comp = ckpt.components[0]
     folder = _folder(ckpt)
     where = folder / "config.json"
     hf_arch = _architecture(comp.config)
@@ -539,63 +210,41 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report, operation: str) 
     config_keys.check(stated, shapes, arch, str(where))  # before transformers' config class builds anything
     hparams = load_hparams(folder, comp.config)
     sizes = config_keys.check(hparams, shapes, arch, str(where), stated=stated)
-    n_block, n_head, n_head_kv, n_expert = sizes.blocks, sizes.heads, sizes.kv_heads, sizes.experts
-    if n_expert and not arch.experts:
-        raise CkptError(f"{folder}: {hf_arch} with experts (num_experts {n_expert}) is not a variant ckpt writes; use "
-                        "llama.cpp's convert_hf_to_gguf.py")
+    gguf = _gguf()
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
-    table = gguf.get_tensor_name_map(arch_enum, n_block)
-    rope = rope_parameters(hparams)
-    f32_names = _f32_names(arch_enum, n_block)
+    x = Export(comp.where, folder, where, hparams, rope_parameters(hparams), sizes.blocks, sizes.heads,
+               sizes.kv_heads, sizes.experts, gguf.get_tensor_name_map(arch_enum, sizes.blocks))
+    arch.check(x, hf_arch)
+    return arch, x, stated
 
-    # the tensors, in the reference's order, with their GGUF names and (permuted) sources
-    sources: list[tuple[str, Tensor]] = []
-    factors = llama3_rope_factors(rope, hparams) if arch.arch == "llama" else None
-    if factors is not None:
-        sources.append(("rope_freqs.weight", ComputedTensor("rope_freqs.weight", lambda f=factors: f, torch.float32,
-                                                            tuple(factors.shape))))
-    phi3 = phi3_rope_factors(hparams, rope, where) if arch.params == "phi3" else None
-    if phi3 is not None:
-        for gname, f in (("rope_factors_long.weight", phi3[1]), ("rope_factors_short.weight", phi3[2])):
-            sources.append((gname, ComputedTensor(gname, lambda f=f: f, torch.float32, tuple(f.shape))))
+
+def _sources(arch: LLMArch, x: Export, view, comp) -> tuple[list[tuple[str, Tensor]], list[str]]:
+    """The GGUF tensors in the reference's order, with their names and (transformed) sources; and the HF tensors
+    left out."""
+    sources = list(arch.extra_tensors(x))
     skipped = []
-    pending: dict[int, dict[str, Tensor]] = {}  # a layer's expert matrices until all have been seen
     for name in _source_order(view, comp):
-        t = view.tensors[name]
-        if name.endswith(SKIPPED) or name in arch.drop:
+        if arch.leaves_out(name):
             skipped.append(name)
             continue
-        if arch.experts and arch.experts[0] in name:
-            sources += _expert_group(comp, arch, table, name, t, n_expert, pending)
-            continue
-        if arch.norm_shift and name.endswith("norm.weight"):
-            t = Shifted(t, arch.norm_shift)
-        if arch.trim_vocab and "embed_tokens.weight" in name and t.shape:
-            rows = gguf_vocab.vocab_rows(folder, hparams)
-            if rows < t.shape[0]:
-                t = RowSlice(t, 0, rows, name)
-        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise CkptError(f"{comp.where}: tensor {name!r} has no llama.cpp name in gguf's {arch.arch} table (a "
-                            "variant llama.cpp's converter does not know either); nothing was written")
-        if arch.rope_permute and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = n_head if ".q_proj." in name else n_head_kv
-            if not t.shape or t.shape[0] % heads or (t.shape[0] // heads) % 2:
-                raise CkptError(f"{comp.where}: tensor {name!r} has {t.shape[0] if t.shape else 0} rows, not {heads} "
-                                "heads of an even size (llama.cpp's RoPE permutes rows in pairs)")
-            t = HeadRowsPermuted(t, t.shape[0] // heads)
-        sources.append((gname, t))
-    left = sorted(n for group in pending.values() for n in group)
-    if left:
-        raise CkptError(f"{comp.where}: expert tensors of an incomplete set ({plural(len(left), 'tensor')}, e.g. "
-                        f"{left[0]!r}; each layer needs {n_expert} experts x {len(arch.experts[2])} projections)")
+        sources += arch.tensors(x, name, view.tensors[name])
+    arch.finish(x)
     seen: set[str] = set()
     for g, _ in sources:
         if g in seen:
             raise CkptError(f"{comp.where}: two tensors map to GGUF name {g!r}")
         seen.add(g)
+    return sources, skipped
 
-    # types: --outtype's (or auto's) first, then the mix's per-tensor rule
+
+def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report, comp):
+    """Each tensor's type (--outtype's, or auto's, first; then the mix's per-tensor rule) and its output tensor, in
+    the file's order; the type counts said in the summary and the fallbacks."""
+    from ckpt.targets.planners.gguf_out import out_tensor
+
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    f32_names = _f32_names(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch), x.n_block)
     big = next((t for _, t in sources if len(t.shape) >= 2), None)
     base = mix.default if mix.default in PLAIN else \
         ("BF16" if big is not None and big.natural_dtype == torch.bfloat16 else "F16")
@@ -607,65 +256,56 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report, operation: str) 
         f32 = len(t.shape) <= 1 or gname.endswith("_norm.weight") or gname in f32_names or \
             gname[-7:] not in (".weight", ".lora_a", ".lora_b")
         before.append((gname, tuple(t.shape), "F32" if f32 else base))
-    types = _llm_types(mix, before, arch=arch.arch, n_layer=n_block, n_head=n_head, n_head_kv=n_head_kv,
-                       n_expert=n_expert, pure=pure)
-
-    casters: dict = {}
-    outs, summary, fallbacks = [], {}, {}
+    types = _llm_types(mix, before, arch=arch.arch, n_layer=x.n_block, n_head=x.n_head, n_head_kv=x.n_head_kv,
+                       n_expert=x.n_expert, pure=pure)
     order = list(range(len(sources)))
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize's file: its weights_map order
         order.sort(key=lambda i: (block_number(sources[i][0]), sources[i][0]))
-    sources, before, types = ([x[i] for i in order] for x in (sources, before, types))
-    for (gname, t), (_, shape, was), (tname, why, fell) in zip(sources, before, types):
+    casters: dict = {}
+    outs, summary, fallbacks = [], {}, {}
+    for i in order:
+        (gname, t), (_, shape, _), (tname, why, fell) = sources[i], before[i], types[i]
         outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
         if fell:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
+    counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
+    return outs, counts, fallbacks
 
-    # metadata, in the reference's order (ModelBase.prepare_metadata, TextModel.prepare_metadata)
-    with _quiet():
+
+def _fields(arch: LLMArch, x: Export, stated: dict, sources, mix, report: Report, operation: str):
+    """The key-values, in the reference's order (ModelBase.prepare_metadata, TextModel.prepare_metadata), and the
+    notes the architecture's parameters gave; the token count checked against the embedding rows."""
+    from ckpt.io.gguf_writer import from_gguf_writer, string
+
+    gguf = _gguf()
+    with quiet():
         w = gguf.GGUFWriter(path=None, arch=arch.arch)
-        if phi3 is not None:  # set while the reference prepares its tensors, before its metadata
-            w.add_rope_scaling_attn_factors(phi3[0])
-        notes, n_tokens, vocab_file = _metadata(w, gguf, arch, folder, hparams, rope, n_block, mix, sources)
+        arch.early_parameters(w, x)
+        notes, n_tokens, vocab_file = _metadata(w, gguf, arch, x, mix, sources)
     embd = next((t for g, t in sources if g == "token_embd.weight"), None)
     if embd is not None and embd.shape and n_tokens != embd.shape[0]:
         raise CkptError(f"{vocab_file}: the tokenizer has {n_tokens} tokens but {embd.name} has {embd.shape[0]} rows; "
                         "llama.cpp needs one embedding row per token")
-    for warning in config_keys.token_id_warnings(stated, n_tokens, str(where)):
+    for warning in config_keys.token_id_warnings(stated, n_tokens, str(x.config_path)):
         report.warn(warning)
-
     fields = from_gguf_writer(w)
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize sets these two last (gguf_set_val_u32 re-adds a key)
         last = ("general.quantization_version", "general.file_type")
         fields = [f for f in fields if f.key not in last] + [f for k in last for f in fields if f.key == k]
     fields += [string("ckpt.version", __version__),
                string("ckpt.operation", operation)]
-
-    if skipped:
-        notes.append(f"{plural(len(skipped), 'tensor')} llama.cpp does not use left out (e.g. {skipped[0]!r})")
-    if factors is not None:
-        notes.append("rope_freqs.weight: Llama 3 RoPE scaling factors computed from config.json, as llama.cpp's "
-                     "converter adds them")
-    if "output.weight" not in {g for g, _ in sources}:
-        notes.append("no lm_head.weight: tied embeddings (llama.cpp uses token_embd.weight as the output layer)")
-    counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
-    notes.append(f"GGUF {arch.arch} LLM, {mix.label} (llama.cpp's convert_hf_to_gguf.py rules): {counts}")
-    from ckpt.targets.planners.gguf_out import fallback_note
-
-    if (fb := fallback_note(fallbacks)) is not None:
-        notes.append(fb)
-    return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,
-                busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)
+    return fields, notes
 
 
-def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n_block: int, mix, sources):
+def _metadata(w, gguf, arch: LLMArch, x: Export, mix, sources):
     """ModelBase.prepare_metadata + TextModel.prepare_metadata: the key-values after general.architecture; returns
     (notes, the number of tokens written, the tokenizer file they came from)."""
     from ckpt.targets.planners import gguf_vocab
     from ckpt.families.llm.tokenizer_files import read_json
     from ckpt.io.small_inputs import read_text
 
+    folder = x.folder
     w.add_type(gguf.GGUFType.MODEL)
     total, shared, expert, n_expert = _param_counts(sources)
     # gguf's Metadata reads generation_config.json and README.md itself: each read here first (a regular file of
@@ -682,31 +322,10 @@ def _metadata(w, gguf, arch: LLMArch, folder: Path, hparams: dict, rope: dict, n
         if meta.size_label is None and total > 0:
             meta.size_label = gguf.size_label(total, shared, expert, n_expert)
         meta.set_gguf_meta_model(w)
-    notes = set_parameters(w, arch, hparams, rope, n_block, int(gguf.LlamaFileType[mix.ftype]))
+    notes = arch.parameters(w, x, int(gguf.LlamaFileType[mix.ftype]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    n_tokens, vocab_file = gguf_vocab.set_vocab(w, arch.vocab, folder, hparams)
+    n_tokens, vocab_file = gguf_vocab.set_vocab(w, arch.vocab, folder, x.hparams)
     return notes, n_tokens, vocab_file
-
-
-class _quiet:
-    """gguf's writer and vocabulary readers log (a key set twice, merges not found) through the `gguf` logger, and
-    transformers its config advice: both print to stderr where nothing configured logging; ckpt says what matters
-    in its own notes."""
-
-    def __init__(self, *names: str):
-        self.names = names or ("gguf", "transformers")
-
-    def __enter__(self):
-        import logging
-
-        self.loggers = [logging.getLogger(n) for n in self.names]
-        self.levels = [lg.level for lg in self.loggers]
-        for lg in self.loggers:
-            lg.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        for lg, level in zip(self.loggers, self.levels):
-            lg.setLevel(level)
 
 
 def _param_counts(sources) -> tuple[int, int, int, int]:
@@ -761,7 +380,7 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
     from ckpt.targets.planners.gguf_out import fallback_note, out_tensor
     from ckpt.io.gguf_writer import fields_from, string, uint32
     from ckpt.quant.gguf import GGUFValues, stored_output
-    from ckpt.quant.gguf_llm import ARCHS, HeadRowsPermuted
+    from ckpt.quant.gguf_llm import ARCHS
 
     gguf = _gguf()
     T = gguf.GGMLQuantizationType

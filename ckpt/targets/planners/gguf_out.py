@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
+from ckpt.lazy import torch
 
 from ckpt import __version__
 from ckpt.cast import Caster
@@ -188,7 +188,7 @@ def choose(name: str, t: Tensor, fam: Rules, m: Mix, img: ImageMix) -> Choice:
 
 
 def _plain_type(name: str, dtype: torch.dtype) -> int:
-    from ckpt.io.gguf import plain_types
+    from ckpt.io.ggml_types import plain_types
 
     for t, d in plain_types().items():
         if d == dtype:
@@ -236,7 +236,7 @@ def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
 def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Report, casters: dict) -> OutTensor:
     """The output of one GGUF tensor stored as `ggml_type` with stored `shape`: plain types cast (one Caster per
     dtype, shared through `casters`), block types encoded band by band in whole stored rows."""
-    from ckpt.io.gguf import plain_types
+    from ckpt.io.ggml_types import plain_types
 
     plain = plain_types().get(ggml_type)
     if plain is None and not t.numel:  # module docstring: convert.py keeps these F32 (`choose`)

@@ -9,7 +9,7 @@ stored order, in its own file (shard) and dtype, with the file's metadata, GGUF 
 - written by the changed tensor's `Encoding` (`ckpt.quant.encoding`): the base value decoded, the patches
   applied in fp32 (`MergedTensor`), and the result encoded into exactly the stored keys it came from, in the
   same format and block layout, with scales computed from the merged values as that format's reference
-  encoder computes them (per format: the encodings' docstrings, README "merge-lora --keep-format"), except
+  encoder computes them (per format: the encodings' docstrings, docs/merge-lora.md "Keep a quantized base in its format"), except
   the calibrated integer grids of GPTQ, AWQ and compressed-tensors int, whose scales and zero points are kept
   and only the codes re-rounded (`ckpt.quant.int_pack_encode`). A LoRA merges into an LLM-quantization
   weight as a plain merge does: from the value its library computes (`strategies.as_computed`).
