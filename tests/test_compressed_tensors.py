@@ -150,6 +150,8 @@ def _bad(folder, case):
         "sparse-24": dict(qc={"sparsity_config": {"format": "sparse-24-bitmask", "targets": ["Linear"]}}),
         "g_idx": dict(tensors={f"{L}.weight_g_idx": torch.zeros(words * 8, dtype=torch.int32)}),
         "ignored but packed": dict(qc={"ignore": ["lm_head", L]}),
+        "ignore not a list": dict(qc={"ignore": True}),
+        "config_groups not an object": dict(qc={"config_groups": 5}),
         "config says naive": dict(qc={"format": "naive-quantized", "config_groups": {"group_0": {
             "targets": ["Linear"], "format": "naive-quantized",
             "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}}}),
@@ -168,6 +170,8 @@ BAD = {
     "sparse-24": "sparse-24",
     "g_idx": "actorder group",
     "ignored but packed": "an ignore entry names it",
+    "ignore not a list": "compressed-tensors ignore is boolean, not a list of module names or patterns",
+    "config_groups not an object": "compressed-tensors config_groups is not an object",
     "config says naive": "says naive-quantized",
 }
 

@@ -120,6 +120,15 @@ def _meta_set(key, value):
     return edit
 
 
+def _meta_data_set(key, value):
+    """An edit of one setting in a tensor's metadata `_data` (its block_size, ...)."""
+    def edit(text):
+        m = json.loads(text)
+        m["_data"][key] = value
+        return json.dumps(m)
+    return edit
+
+
 W = f"{L}.weight"
 BAD = {
     "missing scale": (dict(drop=[f"{L}._weight_scale"]), f"{L}._weight_scale", "is missing"),
@@ -150,6 +159,8 @@ BAD = {
     "no metadata entry": (dict(meta={"tensor_names": lambda t: json.dumps([n for n in json.loads(t) if n != W])}),
                           f"{L}._weight_qdata", "no torchao __metadata__ entry"),
     "plain and packed": (dict(tensors={W: torch.zeros(64, 64, dtype=torch.bfloat16)}), W, "stored both plain"),
+    "block_size true": (dict(meta={W: _meta_data_set("block_size", [1, True])}), f"{L}._weight_qdata",
+                        "block_size of 'model.layers.0.self_attn.q_proj.weight' is [1, True], which does not tile"),
 }
 
 

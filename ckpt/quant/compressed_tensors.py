@@ -61,6 +61,7 @@ import re
 from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
+from ckpt.io.small_inputs import json_kind
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant import microscaling as mx
@@ -234,30 +235,15 @@ class Scheme:
         bad = f"{where}: compressed-tensors config group {name!r}"
         if not isinstance(group, dict):
             raise CkptError(f"{bad} is not an object; nothing was written")
-        targets = group.get("targets") or []
-        if isinstance(targets, str):
-            targets = [targets]
-        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-            raise CkptError(f"{bad}: targets {targets!r} is not a list of names; nothing was written")
-        self.targets = targets
+        self.targets = _targets(group, bad)
         w = group.get("weights")
         self.weights = w if isinstance(w, dict) else None
         self.has_input = bool(group.get("input_activations"))
         self.format = group.get("format") or default_format
         if self.weights is None:
             return
-        bits, typ = w.get("num_bits", 8), str(w.get("type", "int")).lower()
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise CkptError(f"{bad}: weights num_bits {bits!r} is not supported (compressed-tensors packs 1 to 8 "
-                            "bits); nothing was written")
-        gs = w.get("group_size")
-        strategy = w.get("strategy")
-        if strategy is None:
-            strategy = "tensor" if gs is None else "group" if isinstance(gs, int) and gs > 0 else "channel"
-        strategy = str(strategy).lower()
-        if strategy in ("group", "tensor_group") and (isinstance(gs, bool) or not isinstance(gs, int) or gs <= 0):
-            raise CkptError(f"{bad}: strategy {strategy} needs a positive group_size, not {gs!r}; nothing was written")
-        self.bits, self.type, self.strategy, self.group = bits, typ, strategy, gs
+        self.bits, self.type = _num_bits(w, bad), str(w.get("type", "int")).lower()
+        self.strategy, self.group = _strategy(w, bad)
         self.symmetric = w.get("symmetric", True) is not False
         if self.format in (None, "mixed-precision"):
             self.format = self._inferred()
@@ -271,6 +257,38 @@ class Scheme:
         if self.type == "float" and self.bits == 8:
             return FLOAT if self.has_input else NAIVE
         return NAIVE
+
+
+def _targets(group: dict, bad: str) -> list[str]:
+    """A group's `targets`: a list of names (one name alone is taken as that list)."""
+    targets = group.get("targets") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise CkptError(f"{bad}: targets {targets!r} is not a list of names; nothing was written")
+    return targets
+
+
+def _num_bits(w: dict, bad: str) -> int:
+    """The weights' `num_bits` (8 by default): 1..8, what compressed-tensors packs."""
+    bits = w.get("num_bits", 8)
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise CkptError(f"{bad}: weights num_bits {bits!r} is not supported (compressed-tensors packs 1 to 8 "
+                        "bits); nothing was written")
+    return bits
+
+
+def _strategy(w: dict, bad: str) -> tuple[str, object]:
+    """(strategy, group_size) of the weights; without a strategy, the one `group_size` implies, as
+    compressed-tensors' QuantizationArgs validator infers it. A group strategy needs a positive group size."""
+    gs = w.get("group_size")
+    strategy = w.get("strategy")
+    if strategy is None:
+        strategy = "tensor" if gs is None else "group" if isinstance(gs, int) and gs > 0 else "channel"
+    strategy = str(strategy).lower()
+    if strategy in ("group", "tensor_group") and (isinstance(gs, bool) or not isinstance(gs, int) or gs <= 0):
+        raise CkptError(f"{bad}: strategy {strategy} needs a positive group_size, not {gs!r}; nothing was written")
+    return strategy, gs
 
 
 def _name_match(name: str, target: str) -> bool:
@@ -296,6 +314,9 @@ class Groups:
             for t in s.targets:
                 self.target_to_scheme[t] = s
         ignore = qc.get("ignore") or []
+        if not isinstance(ignore, (str, list)):
+            raise CkptError(f"{where}: compressed-tensors ignore is {json_kind(ignore)}, not a list of module names "
+                            "or patterns; nothing was written")
         self.ignore = [ignore] if isinstance(ignore, str) else list(ignore)
 
     def ignored(self, name: str) -> bool:
@@ -324,67 +345,106 @@ def ct_config(ctx: DecodeContext) -> dict | None:
     return qc if str(qc.get("quant_method", "")).lower() == METHOD else None
 
 
-def _refuse_unsupported(ctx: DecodeContext, qc: dict, where: str) -> None:
+def _refuse_sparsity(qc: dict, where: str) -> None:
+    """A sparse compression (other than `dense`, none) stores values ckpt cannot rebuild."""
     sparsity = qc.get("sparsity_config") or {}
     fmt = str(sparsity.get("format") or "") if isinstance(sparsity, dict) else ""
     if fmt in REFUSED or (fmt and fmt != "dense"):
         raise CkptError(f"{where}: compressed-tensors sparsity format {fmt!r} is "
                         f"{REFUSED.get(fmt, 'a sparse compression ckpt does not decode')}; nothing was written")
-    for f in [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
-                                   if isinstance(g, dict)]:
+
+
+def _refuse_formats(qc: dict, where: str) -> None:
+    """A top-level or group format in `REFUSED` is named before any layer is looked at."""
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CkptError(f"{where}: compressed-tensors config_groups is not an object; nothing was written")
+    for f in [qc.get("format")] + [g.get("format") for g in groups.values() if isinstance(g, dict)]:
         if f in REFUSED:
             raise CkptError(f"{where}: compressed-tensors format {f!r} is {REFUSED[f]}; nothing was written")
+
+
+def _refuse_transform(qc: dict, where: str) -> None:
+    """Weights stored rotated need the online transforms, which a plain checkpoint cannot hold."""
     transform = qc.get("transform_config") or {}
     if isinstance(transform, dict) and transform.get("config_groups"):
         raise CkptError(f"{where}: a compressed-tensors transform_config (Hadamard / rotation transforms) is "
                         "present: its weights are stored rotated and need the online transforms, which a plain "
                         "checkpoint cannot hold; ckpt does not decode it; nothing was written")
+
+
+def _refuse_bitmask_keys(ctx: DecodeContext) -> None:
+    """Sparse-bitmask data found by its keys, even where the config does not say so."""
     for key in ctx.remaining:
         if key.endswith((".bitmask", ".row_offsets")):
             raise refuse(ctx, key, f"{key!r} is compressed-tensors sparse-bitmask data, a compression "
                                    "compressed-tensors > 0.14 no longer supports and ckpt does not decode")
 
 
+def _refuse_unsupported(ctx: DecodeContext, qc: dict, where: str) -> None:
+    """Compressions and transforms ckpt cannot decode, refused by name before any layer is looked at."""
+    _refuse_sparsity(qc, where)
+    _refuse_formats(qc, where)
+    _refuse_transform(qc, where)
+    _refuse_bitmask_keys(ctx)
+
+
 # ---------------------------------------------------------------------------------------------------
-# the decoder
+# the decoder: integer layers
 
 
-def _int_layer(ctx, layer, s: Scheme, fmt: str):
-    """The decoded weight of one integer layer, every companion checked; and the keys it consumes."""
-    pk, wk, sk, zk, hk = (f"{layer}.{x}" for x in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
-                                                   "weight_shape"))
-    what = f"compressed-tensors {fmt} {layer!r}"
+def _check_int_scheme(ctx, s: Scheme, fmt: str, what: str, key: str) -> None:
+    """An integer layout stores int codes of a tensor, channel or group strategy only."""
     if s.type != "int":
-        raise refuse(ctx, pk if pk in ctx.remaining else wk, f"{what}: group {s.name!r} has {s.type} weights, "
-                                                             f"which {fmt} does not store")
+        raise refuse(ctx, key, f"{what}: group {s.name!r} has {s.type} weights, which {fmt} does not store")
     if s.strategy not in ("tensor", "channel", "group"):
-        raise refuse(ctx, pk if pk in ctx.remaining else wk, f"{what}: weight strategy {s.strategy!r} is not "
-                                                             "supported (tensor, channel, group)")
-    consumed = {}
-    if fmt == PACK:
-        packed = companion(ctx, pk, f"{what} packed weight", dtypes=(torch.int32,))
-        if len(packed.shape) != 2:
-            raise refuse(ctx, pk, f"{what}: weight_packed is {list(packed.shape)}; expected 2-D [out, in * bits / 32]")
-        shape_t = companion(ctx, hk, f"{what} weight_shape", dtypes=(torch.int64, torch.int32), numel=2)
-        n, k = (int(v) for v in shape_t.read_all(torch.device("cpu")).reshape(-1))
-        words = -(-k * s.bits // 32)
-        if n != packed.shape[0] or k <= 0 or words != packed.shape[1]:
-            legacy = -(-k // (32 // s.bits)) if k > 0 else -1
-            if n == packed.shape[0] and legacy == packed.shape[1] and legacy != words:
-                raise refuse(ctx, pk, f"{what}: weight_packed {list(packed.shape)} holds {32 // s.bits} {s.bits}-bit "
-                                      "codes per word, the packing of compressed-tensors before 0.20, which ckpt "
-                                      "does not decode (0.20 packs densely)")
-            raise refuse(ctx, hk, f"{what}: weight_shape [{n}, {k}] disagrees with weight_packed "
-                                  f"{list(packed.shape)} (a [{n}, {k}] weight packs {s.bits}-bit codes into "
-                                  f"[{n}, {words}])")
-        base = packed
-        consumed[pk] = f"packed {s.bits}-bit codes of {layer}.weight"
-        consumed[hk] = f"shape of {layer}.weight"
-    else:
-        base = companion(ctx, wk, f"{what} weight codes", dtypes=(torch.int8,))
-        if len(base.shape) != 2:
-            raise refuse(ctx, wk, f"{what}: weight is {list(base.shape)}; expected 2-D [out, in]")
-        n, k = base.shape
+        raise refuse(ctx, key, f"{what}: weight strategy {s.strategy!r} is not supported (tensor, channel, group)")
+
+
+def _check_packed_width(ctx, s: Scheme, what: str, packed: Tensor, n: int, k: int, pk: str, hk: str) -> None:
+    """`weight_shape` [n, k] must be exactly what `weight_packed` packs densely (compressed-tensors itself
+    truncates a wider shape silently); a width only the pre-0.20 `32 // bits` packing gives is named as such."""
+    words = -(-k * s.bits // 32)
+    if n != packed.shape[0] or k <= 0 or words != packed.shape[1]:
+        legacy = -(-k // (32 // s.bits)) if k > 0 else -1
+        if n == packed.shape[0] and legacy == packed.shape[1] and legacy != words:
+            raise refuse(ctx, pk, f"{what}: weight_packed {list(packed.shape)} holds {32 // s.bits} {s.bits}-bit "
+                                  "codes per word, the packing of compressed-tensors before 0.20, which ckpt "
+                                  "does not decode (0.20 packs densely)")
+        raise refuse(ctx, hk, f"{what}: weight_shape [{n}, {k}] disagrees with weight_packed "
+                              f"{list(packed.shape)} (a [{n}, {k}] weight packs {s.bits}-bit codes into "
+                              f"[{n}, {words}])")
+
+
+def _packed_codes(ctx, layer: str, s: Scheme, what: str, consumed: dict) -> tuple[Tensor, int, int]:
+    """(`weight_packed`, N, K) of a pack-quantized layer: int32 words [N, ceil(K * bits / 32)], its shape
+    from `weight_shape`."""
+    pk, hk = f"{layer}.weight_packed", f"{layer}.weight_shape"
+    packed = companion(ctx, pk, f"{what} packed weight", dtypes=(torch.int32,))
+    if len(packed.shape) != 2:
+        raise refuse(ctx, pk, f"{what}: weight_packed is {list(packed.shape)}; expected 2-D [out, in * bits / 32]")
+    shape_t = companion(ctx, hk, f"{what} weight_shape", dtypes=(torch.int64, torch.int32), numel=2)
+    n, k = (int(v) for v in shape_t.read_all(torch.device("cpu")).reshape(-1))
+    _check_packed_width(ctx, s, what, packed, n, k, pk, hk)
+    consumed[pk] = f"packed {s.bits}-bit codes of {layer}.weight"
+    consumed[hk] = f"shape of {layer}.weight"
+    return packed, n, k
+
+
+def _naive_codes(ctx, layer: str, what: str) -> tuple[Tensor, int, int]:
+    """(`weight`, N, K) of a naive- / int-quantized layer: int8 codes, one per weight."""
+    wk = f"{layer}.weight"
+    base = companion(ctx, wk, f"{what} weight codes", dtypes=(torch.int8,))
+    if len(base.shape) != 2:
+        raise refuse(ctx, wk, f"{what}: weight is {list(base.shape)}; expected 2-D [out, in]")
+    n, k = base.shape
+    return base, n, k
+
+
+def _int_scale(ctx, layer: str, s: Scheme, n: int, k: int, what: str, consumed: dict) -> tuple[Tensor, tuple]:
+    """(`weight_scale`, the shape its strategy gives it): [1] (tensor), [N, 1] (channel), [N, K / group]
+    (group, K whole groups); a tensor scale of one value in any shape."""
+    sk = f"{layer}.weight_scale"
     if s.strategy == "group":
         if k % s.group:
             raise refuse(ctx, sk, f"{what}: {k} inputs are not whole groups of {s.group}")
@@ -396,30 +456,63 @@ def _int_layer(ctx, layer, s: Scheme, fmt: str):
         raise refuse(ctx, sk, f"{what}: weight_scale is {list(scale.shape)}; strategy {s.strategy} needs "
                               f"{list(sshape)}")
     consumed[sk] = f"scale of {layer}.weight ({st_name(scale.dtype)})"
+    return scale, sshape
+
+
+def _symmetric_zero(ctx, layer: str, s: Scheme, what: str, consumed: dict) -> None:
+    """A symmetric group may still store zero points: consumed when all zero, refused otherwise (dropping
+    them would change the values)."""
+    zk = f"{layer}.weight_zero_point"
+    if zk in ctx.remaining:
+        z = ctx.remaining[zk].read_all(torch.device("cpu"))
+        if z.numel() and bool((z != 0).any()):
+            raise refuse(ctx, zk, f"{what}: group {s.name!r} is symmetric but {zk!r} holds non-zero zero points")
+        consumed[zk] = f"zero point of {layer}.weight (symmetric: all zero)"
+
+
+def _asymmetric_zero(ctx, layer: str, s: Scheme, fmt: str, n: int, sshape: tuple, what: str,
+                     consumed: dict) -> tuple[Tensor, bool]:
+    """(zero point, packed?) of an asymmetric group: pack-quantized channel/group zero points are packed
+    along the output rows like the codes; the others are stored one per scale."""
+    zk = f"{layer}.weight_zero_point"
+    zero_packed = fmt == PACK and s.strategy in ("channel", "group")
+    if zero_packed:
+        zshape = (-(-n * s.bits // 32), sshape[1])
+        zero = companion(ctx, zk, f"{what} packed zero point", dtypes=(torch.int32,), shape=zshape)
+    else:
+        zero = companion(ctx, zk, f"{what} zero point", dtypes=(torch.int8, torch.int32))
+        if zero.numel != math.prod(sshape):
+            raise refuse(ctx, zk, f"{what}: zero point is {list(zero.shape)}; strategy {s.strategy} needs "
+                                  f"{list(sshape)}")
+    consumed[zk] = f"zero point of {layer}.weight"
+    return zero, zero_packed
+
+
+def _int_layer(ctx, layer, s: Scheme, fmt: str):
+    """The decoded weight of one integer layer, every companion checked; and the keys it consumes. Codes,
+    then scale, then zero point: each check needs the shape the one before established."""
+    pk, wk = f"{layer}.weight_packed", f"{layer}.weight"
+    what = f"compressed-tensors {fmt} {layer!r}"
+    _check_int_scheme(ctx, s, fmt, what, pk if pk in ctx.remaining else wk)
+    consumed = {}
+    if fmt == PACK:
+        base, n, k = _packed_codes(ctx, layer, s, what, consumed)
+    else:
+        base, n, k = _naive_codes(ctx, layer, what)
+    scale, sshape = _int_scale(ctx, layer, s, n, k, what, consumed)
     zero, zero_packed = None, False
     if s.symmetric:
-        if zk in ctx.remaining:
-            z = ctx.remaining[zk].read_all(torch.device("cpu"))
-            if z.numel() and bool((z != 0).any()):
-                raise refuse(ctx, zk, f"{what}: group {s.name!r} is symmetric but {zk!r} holds non-zero zero points")
-            consumed[zk] = f"zero point of {layer}.weight (symmetric: all zero)"
+        _symmetric_zero(ctx, layer, s, what, consumed)
     else:
-        zero_packed = fmt == PACK and s.strategy in ("channel", "group")
-        if zero_packed:
-            zshape = (-(-n * s.bits // 32), sshape[1])
-            zero = companion(ctx, zk, f"{what} packed zero point", dtypes=(torch.int32,), shape=zshape)
-        else:
-            zero = companion(ctx, zk, f"{what} zero point", dtypes=(torch.int8, torch.int32))
-            if zero.numel != math.prod(sshape):
-                raise refuse(ctx, zk, f"{what}: zero point is {list(zero.shape)}; strategy {s.strategy} needs "
-                                      f"{list(sshape)}")
-        consumed[zk] = f"zero point of {layer}.weight"
+        zero, zero_packed = _asymmetric_zero(ctx, layer, s, fmt, n, sshape, what, consumed)
     w = CtIntWeight(f"{layer}.weight", base, (n, k), s.bits, fmt == PACK, scale, s.strategy, s.group or 0,
                     zero, zero_packed)
     return w, consumed
 
 
 def _nvfp4_layer(ctx, layer, s: Scheme):
+    """The decoded weight of one NVFP4 layer (a symmetric float 4-bit scheme in groups of 16), its codes,
+    block scales and global scale checked; and the keys it consumes."""
     pk, sk, gk = (f"{layer}.{x}" for x in ("weight_packed", "weight_scale", "weight_global_scale"))
     what = f"compressed-tensors nvfp4 {layer!r}"
     if s.type != "float" or s.bits != 4 or s.group != 16 or not s.symmetric:
@@ -434,6 +527,144 @@ def _nvfp4_layer(ctx, layer, s: Scheme):
     return CtNvfp4Weight(f"{layer}.weight", packed, scale, glob), consumed
 
 
+# ---------------------------------------------------------------------------------------------------
+# the decoder: one entry per decoded format
+
+
+def _int_decoded(ctx, layer: str, s: Scheme):
+    """(weight, consumed keys, anchor key or None, summary label) of an integer layer; pack-quantized codes
+    are the anchor (where the plain weight stands in the key order)."""
+    w, used = _int_layer(ctx, layer, s, s.format)
+    anchor = f"{layer}.weight_packed" if s.format == PACK else None
+    return w, used, anchor, f"int{s.bits} {s.strategy}{'' if s.symmetric else ' asym'}"
+
+
+def _nvfp4_decoded(ctx, layer: str, s: Scheme):
+    """(weight, consumed keys, anchor key, summary label) of an NVFP4 layer."""
+    w, used = _nvfp4_layer(ctx, layer, s)
+    return w, used, f"{layer}.weight_packed", "nvfp4"
+
+
+LAYOUTS = {PACK: _int_decoded, NAIVE: _int_decoded, INT: _int_decoded, NVFP4: _nvfp4_decoded}  # DECODED's
+
+
+class _Decoding:
+    """What `decode` gathers over the layers: decoded weights, consumed keys, anchors, and a count of layers
+    per summary label."""
+
+    def __init__(self):
+        self.tensors, self.consumed, self.anchors, self.kinds = {}, {}, {}, {}
+
+    def count(self, label: str) -> None:
+        self.kinds[label] = self.kinds.get(label, 0) + 1
+
+
+def _quantized_layers(ctx: DecodeContext) -> list[str]:
+    """Every module that stores a `weight_packed` or a `weight_scale`, in stored order."""
+    layers = []
+    for key in ctx.remaining:
+        for suffix in (".weight_packed", ".weight_scale"):
+            if key.endswith(suffix) and key[: -len(suffix)] not in layers:
+                layers.append(key[: -len(suffix)])
+    return layers
+
+
+def _scheme_of(ctx: DecodeContext, groups: Groups, layer: str) -> tuple[Scheme | None, str, str]:
+    """(scheme, how it was chosen, the key a refusal names) of a layer with quantized keys; scheme None
+    for FP8 codes with a weight_scale (in a group or outside them), which ckpt.quant.fp8 decodes. A layer
+    no group quantizes, or with an activation-ordered group index, is refused."""
+    if f"{layer}.weight_g_idx" in ctx.remaining:
+        raise refuse(ctx, f"{layer}.weight_g_idx", f"compressed-tensors {layer!r} has an activation-ordered group "
+                                                   "index (actorder group), which compressed-tensors removed and "
+                                                   "ckpt does not decode")
+    s, how = groups.scheme_for(layer)
+    key = f"{layer}.weight_packed" if f"{layer}.weight_packed" in ctx.remaining else f"{layer}.weight_scale"
+    if s is None:
+        w = ctx.remaining.get(f"{layer}.weight")
+        if key.endswith("weight_scale") and w is not None and w.dtype in mx_float_dtypes():
+            return None, how, key  # an FP8 layer outside the groups: ckpt.quant.fp8 decodes it on its own
+        raise refuse(ctx, key, f"compressed-tensors {layer!r} holds quantized weights, but {how}")
+    if s.weights is None:
+        raise refuse(ctx, key, f"compressed-tensors {layer!r}: its group {s.name!r} quantizes no weights")
+    if s.type == "float" and s.bits == 8:
+        return None, how, key  # FP8 codes with a weight_scale (float- or naive-quantized): ckpt.quant.fp8's
+    return s, how, key
+
+
+def _already_plain(ctx: DecodeContext, layer: str, s: Scheme) -> bool:
+    """A `dense` save (quantization_status frozen, never compressed) whose weight is stored in float: that
+    weight is the value the package would load."""
+    plain = ctx.remaining.get(f"{layer}.weight")
+    return (s.format == "dense" and plain is not None
+            and plain.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and f"{layer}.weight_packed" not in ctx.remaining)
+
+
+def _consume_dense(ctx: DecodeContext, layer: str, consumed: dict) -> None:
+    """The qparams of an already-plain layer: consumed and listed, not decoded."""
+    for q in ("weight_scale", "weight_zero_point", "weight_global_scale"):  # status frozen: stored in float
+        if f"{layer}.{q}" in ctx.remaining:
+            consumed[f"{layer}.{q}"] = f"{q} of {layer}.weight, stored uncompressed (format dense)"
+
+
+def _check_layout(ctx: DecodeContext, layer: str, s: Scheme, how: str, key: str) -> None:
+    """The group's format is one ckpt decodes, and the stored keys are that format's: `weight_packed`
+    exactly for the packed formats (a config that contradicts the tensors is refused, not reinterpreted)."""
+    fmt = s.format
+    if fmt not in DECODED:
+        raise refuse(ctx, key, f"compressed-tensors {layer!r}: format {fmt!r} of group {s.name!r} is not one "
+                               f"ckpt decodes ({', '.join(DECODED)})")
+    stored = ctx.remaining.get(f"{layer}.weight_packed")
+    if fmt in (NAIVE, INT) and stored is not None:
+        raise refuse(ctx, key, f"compressed-tensors {layer!r} has weight_packed, but its group {s.name!r} "
+                               f"({how}) says {fmt}")
+    if fmt in (PACK, NVFP4) and stored is None:
+        raise refuse(ctx, f"{layer}.weight_packed", f"compressed-tensors {layer!r} ({how}, group {s.name!r}, "
+                                                    f"{fmt}) has no weight_packed")
+
+
+def _decode_layer(ctx: DecodeContext, groups: Groups, layer: str, out: _Decoding) -> None:
+    """One quantized layer: left to another decoder (FP8, MX layouts), passed through (dense), or decoded by
+    its format's `LAYOUTS` entry, its plain weight then absent."""
+    s, how, key = _scheme_of(ctx, groups, layer)
+    if s is None:
+        return
+    if _already_plain(ctx, layer, s):
+        _consume_dense(ctx, layer, out.consumed)
+        out.count("dense (already plain)")
+        return
+    if s.format in OTHERS:
+        return  # FP8 (ckpt.quant.fp8) and MX layouts are other decoders' (what none takes, `unclaimed` refuses)
+    _check_layout(ctx, layer, s, how, key)
+    w, used, anchor, label = LAYOUTS[s.format](ctx, layer, s)
+    if anchor and f"{layer}.weight" in ctx.remaining:
+        raise refuse(ctx, f"{layer}.weight", f"compressed-tensors {layer!r} has both a plain weight and "
+                                             "weight_packed")
+    out.tensors[w.name] = w
+    if anchor:
+        out.anchors[anchor] = w.name
+    out.consumed.update(used)
+    out.count(label)
+
+
+def _consume_activation_params(ctx: DecodeContext, consumed: dict) -> None:
+    """Static activation / kv-cache parameters anywhere in the model only configure inference: dropped."""
+    for key in ctx.remaining:
+        if key not in consumed and key.rsplit(".", 1)[-1] in ACTIVATION_ONLY:
+            consumed[key] = "activation quantization parameter (inference only)"
+
+
+def _notes(out: _Decoding) -> list[str]:
+    """The summary's lines: layers decoded per label, activation parameters dropped."""
+    kinds = out.kinds
+    notes = ["compressed-tensors: decoded " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + " layer(s)"
+             if kinds else "compressed-tensors: no integer or NVFP4 layers to decode"]
+    dropped = sum(1 for v in out.consumed.values() if v.startswith("activation"))
+    if dropped:
+        notes.append(f"compressed-tensors: {dropped} activation quantization parameter(s) dropped (inference only)")
+    return notes
+
+
 def decode(ctx: DecodeContext) -> Decoded | None:
     """Every quantized module of a compressed-tensors checkpoint (integer packs, naive int8, NVFP4) becomes
     its plain `X.weight`; its scheme is the one compressed-tensors would apply, every companion is checked
@@ -444,77 +675,14 @@ def decode(ctx: DecodeContext) -> Decoded | None:
     where = "config.json quantization_config"
     _refuse_unsupported(ctx, qc, where)
     groups = Groups(qc, where)
-    layers = []
-    for key in ctx.remaining:
-        for suffix in (".weight_packed", ".weight_scale"):
-            if key.endswith(suffix) and key[: -len(suffix)] not in layers:
-                layers.append(key[: -len(suffix)])
-    tensors, consumed, anchors, kinds = {}, {}, {}, {}
-    for layer in layers:
-        if f"{layer}.weight_g_idx" in ctx.remaining:
-            raise refuse(ctx, f"{layer}.weight_g_idx", f"compressed-tensors {layer!r} has an activation-ordered group "
-                                                       "index (actorder group), which compressed-tensors removed and "
-                                                       "ckpt does not decode")
-        s, how = groups.scheme_for(layer)
-        key = f"{layer}.weight_packed" if f"{layer}.weight_packed" in ctx.remaining else f"{layer}.weight_scale"
-        if s is None:
-            w = ctx.remaining.get(f"{layer}.weight")
-            if key.endswith("weight_scale") and w is not None and w.dtype in mx_float_dtypes():
-                continue  # an FP8 layer outside the groups: ckpt.quant.fp8 decodes it on its own
-            raise refuse(ctx, key, f"compressed-tensors {layer!r} holds quantized weights, but {how}")
-        if s.weights is None:
-            raise refuse(ctx, key, f"compressed-tensors {layer!r}: its group {s.name!r} quantizes no weights")
-        fmt = s.format
-        if s.type == "float" and s.bits == 8:
-            continue  # FP8 codes with a weight_scale (float- or naive-quantized): ckpt.quant.fp8 decodes them
-        plain = ctx.remaining.get(f"{layer}.weight")
-        if fmt == "dense" and plain is not None and plain.dtype in (torch.float32, torch.float16, torch.bfloat16) \
-                and f"{layer}.weight_packed" not in ctx.remaining:
-            for q in ("weight_scale", "weight_zero_point", "weight_global_scale"):  # status frozen: stored in float
-                if f"{layer}.{q}" in ctx.remaining:
-                    consumed[f"{layer}.{q}"] = f"{q} of {layer}.weight, stored uncompressed (format dense)"
-            kinds["dense (already plain)"] = kinds.get("dense (already plain)", 0) + 1
-            continue
-        if fmt in OTHERS:
-            continue  # FP8 (ckpt.quant.fp8) and MX layouts are other decoders' (what none takes, `unclaimed` refuses)
-        if fmt not in DECODED:
-            raise refuse(ctx, key, f"compressed-tensors {layer!r}: format {fmt!r} of group {s.name!r} is not one "
-                                   f"ckpt decodes ({', '.join(DECODED)})")
-        stored = ctx.remaining.get(f"{layer}.weight_packed")
-        if fmt in (NAIVE, INT) and stored is not None:
-            raise refuse(ctx, key, f"compressed-tensors {layer!r} has weight_packed, but its group {s.name!r} "
-                                   f"({how}) says {fmt}")
-        if fmt in (PACK, NVFP4) and stored is None:
-            raise refuse(ctx, f"{layer}.weight_packed", f"compressed-tensors {layer!r} ({how}, group {s.name!r}, "
-                                                        f"{fmt}) has no weight_packed")
-        if fmt == NVFP4:
-            w, used = _nvfp4_layer(ctx, layer, s)
-            anchor = f"{layer}.weight_packed"
-            label = "nvfp4"
-        else:
-            w, used = _int_layer(ctx, layer, s, fmt)
-            anchor = f"{layer}.weight_packed" if fmt == PACK else None
-            label = f"int{s.bits} {s.strategy}{'' if s.symmetric else ' asym'}"
-        if anchor and f"{layer}.weight" in ctx.remaining:
-            raise refuse(ctx, f"{layer}.weight", f"compressed-tensors {layer!r} has both a plain weight and "
-                                                 "weight_packed")
-        tensors[w.name] = w
-        if anchor:
-            anchors[anchor] = w.name
-        consumed.update(used)
-        kinds[label] = kinds.get(label, 0) + 1
-    for key in ctx.remaining:  # static activation / kv-cache parameters anywhere in the model: inference only
-        if key not in consumed and key.rsplit(".", 1)[-1] in ACTIVATION_ONLY:
-            consumed[key] = "activation quantization parameter (inference only)"
-    if not tensors and not consumed:
+    out = _Decoding()
+    for layer in _quantized_layers(ctx):
+        _decode_layer(ctx, groups, layer, out)
+    _consume_activation_params(ctx, out.consumed)
+    if not out.tensors and not out.consumed:
         return None
-    notes = ["compressed-tensors: decoded " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + " layer(s)"
-             if kinds else "compressed-tensors: no integer or NVFP4 layers to decode"]
-    dropped = sum(1 for v in consumed.values() if v.startswith("activation"))
-    if dropped:
-        notes.append(f"compressed-tensors: {dropped} activation quantization parameter(s) dropped (inference only)")
-    return Decoded(f"compressed-tensors {'+'.join(sorted(kinds)) or 'config'}", tensors, consumed, notes=notes,
-                   anchors=anchors)
+    return Decoded(f"compressed-tensors {'+'.join(sorted(out.kinds)) or 'config'}", out.tensors, out.consumed,
+                   notes=_notes(out), anchors=out.anchors)
 
 
 def mx_float_dtypes():
