@@ -35,6 +35,10 @@ subprocesses timed with their peak RSS (`os.wait4`, see benchlib.py), all output
             --outtype bf16` (its default keeps every tensor in memory until it writes), then
             `llama_model_quantize(..., Q4_K_M, nthread=cores)`, the function `llama-quantize` runs.
   check:    same tensors, types and bytes (only the `general.*` keys differ).
+- bf16 Mixtral-shaped HF folder -> GGUF Q4_K_M (`--cases moe-q4_k_m`; 16 experts of which 4 are used per token, a
+  SentencePiece tokenizer): the same two tools as llm-q4_k_m. The reference stacks each layer's
+  experts into one tensor before it writes; ckpt stacks them lazily (whole experts per band).
+  check:    same tensors, types and bytes (only the `general.*` keys differ).
 
 Each case also times `cp` + `sync` of ckpt's output (ckpt's wall time is printed as a ratio of it) and
 checks ckpt's peak RSS against import baseline (`python -c "import torch"`, with a CUDA context for
@@ -300,9 +304,12 @@ def quantize_c(src: str, dst: str, threads: int) -> None:
     bl.fsync_path(dst)
 
 
-def llm_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+def llm_specs(size_gb: float, kind: str = "llama") -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     """A Llama-shaped model of about `size_gb` in bf16: width 2048, 16 heads (4 KV heads), FFN 5632, vocab 32000,
-    as many layers as fit (below 1 GB, for the test of this script: width 256, FFN 768, vocab 4096)."""
+    as many layers as fit (below 1 GB, for the test of this script: width 256, FFN 768, vocab 4096). `kind`
+    "mixtral": a Mixtral of width 1024 (256 below 1 GB), 16 experts of FFN 512 (128), 4 used per token."""
+    if kind == "mixtral":
+        return _moe_specs(size_gb)
     h, ffn, vocab = (2048, 5632, 32000) if size_gb >= 1 else (256, 768, 4096)
     kv = h // 4
     per_layer = 2 * h * h + 2 * kv * h + 3 * h * ffn + 2 * h
@@ -323,7 +330,31 @@ def llm_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     return cfg, specs
 
 
-def write_llm(folder: str, size_gb: float) -> dict:
+def _moe_specs(size_gb: float) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    h, ffn, vocab, experts = (1024, 512, 32000, 16) if size_gb >= 1 else (256, 128, 4096, 16)
+    kv = h // 4
+    per_layer = 2 * h * h + 2 * kv * h + 3 * experts * h * ffn + experts * h + 2 * h
+    layers = max(2, round((size_gb * 1e9 / 2 - 2 * vocab * h) / per_layer))
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": h, "intermediate_size": ffn,
+           "num_local_experts": experts, "num_experts_per_tok": 4, "num_hidden_layers": layers,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": vocab, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    specs = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                  (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                  (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                  (p + "block_sparse_moe.gate.weight", (experts, h))]
+        for x in range(experts):
+            e = f"{p}block_sparse_moe.experts.{x}."
+            specs += [(e + "w1.weight", (ffn, h)), (e + "w2.weight", (h, ffn)), (e + "w3.weight", (ffn, h))]
+    specs += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return cfg, specs
+
+
+def write_llm(folder: str, size_gb: float, kind: str = "llama") -> dict:
     """The HF folder: config.json, a trained SentencePiece tokenizer (tests/helpers/hf_llm), safetensors shards of
     at most 2 GB and their index, written header-first from a pool of random bf16 values."""
     import torch
@@ -333,7 +364,7 @@ def write_llm(folder: str, size_gb: float) -> dict:
 
     d = Path(folder)
     spm_tokenizer(d)
-    cfg, specs = llm_specs(size_gb)
+    cfg, specs = llm_specs(size_gb, kind)
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     g = torch.Generator().manual_seed(0)
     raw = (torch.randn(1 << 22, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
@@ -418,12 +449,13 @@ def main(argv=None) -> int:
     ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--to-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--from-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
-    ap.add_argument("--cases", default="q8_0,flux-q4_k_m,llm-q4_k_m",
-                    help="comma-separated: q8_0 (both ways), flux-q4_k_m, llm-q4_k_m (default: all)")
+    ap.add_argument("--cases", default="q8_0,flux-q4_k_m,llm-q4_k_m,moe-q4_k_m",
+                    help="comma-separated: q8_0 (both ways), flux-q4_k_m, llm-q4_k_m, moe-q4_k_m (default: all)")
     ap.add_argument("--compare-gguf", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--to-bf16-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--quantize-c", nargs=3, metavar=("SRC", "DST", "THREADS"), help=argparse.SUPPRESS)
     ap.add_argument("--generate-llm", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--llm-kind", default="llama", help=argparse.SUPPRESS)
     ap.add_argument("--llama-two-steps", nargs=4, metavar=("DIR", "MID", "DST", "THREADS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.to_bf16_gguf:
@@ -433,7 +465,7 @@ def main(argv=None) -> int:
         quantize_c(a.quantize_c[0], a.quantize_c[1], int(a.quantize_c[2]))
         return 0
     if a.generate_llm:
-        print(json.dumps(write_llm(a.generate_llm, a.size_gb)))
+        print(json.dumps(write_llm(a.generate_llm, a.size_gb, a.llm_kind)))
         return 0
     if a.llama_two_steps:
         d, mid, dst, n = a.llama_two_steps
@@ -469,6 +501,7 @@ def main(argv=None) -> int:
         cases = a.cases.split(",")
         threads = os.cpu_count() or 1
         info = llm = None
+        sources: dict[str, dict] = {}
         if "q8_0" in cases or "flux-q4_k_m" in cases:
             src = work / "flux-bf16.safetensors"
             log(f"generating a {a.size_gb} GB bf16 Flux-shaped source ...")
@@ -498,30 +531,36 @@ def main(argv=None) -> int:
                                                              check=False).stdout.strip().splitlines()[-1])
             for f in (dst, mid, ref):
                 f.unlink(missing_ok=True)
-        if "llm-q4_k_m" in cases:
-            case = "bf16 Llama HF folder -> GGUF Q4_K_M"
-            folder = work / "llm"
-            log(f"generating a {a.size_gb} GB bf16 Llama-shaped HF folder ...")
-            llm = json.loads(bl.run_py(__file__, "--generate-llm", folder, "--size-gb", a.size_gb).stdout.strip().splitlines()[-1])
-            info = info or llm
+        for key, kind, label in (("llm-q4_k_m", "llama", "Llama"), ("moe-q4_k_m", "mixtral", "Mixtral")):
+            if key not in cases:
+                continue
+            case = f"bf16 {label} HF folder -> GGUF Q4_K_M"
+            folder = work / key
+            log(f"generating a {a.size_gb} GB bf16 {label}-shaped HF folder ...")
+            made = json.loads(bl.run_py(__file__, "--generate-llm", folder, "--size-gb", a.size_gb, "--llm-kind",
+                                        kind).stdout.strip().splitlines()[-1])
+            llm = made if key == "llm-q4_k_m" else llm
+            info = info or made
+            sources[label] = made
             for f in sorted(folder.glob("*.safetensors")):
                 warm(f)
-            dst = work / "ckpt-llm-Q4_K_M.gguf"
+            dst = work / f"ckpt-{key}.gguf"
             log(f"{case}: ckpt ...")
             m = bl.measure(bl.ckpt_argv("convert", folder, "--to", "gguf-q4_k_m", "-o", dst, *dev, "-q"))
             rows.append([case, "ckpt", bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss)])
-            yardstick(case, m, dst, 2 * _numel(llm["largest_shape"]))
-            ref = work / "ref-llm-Q4_K_M.gguf"
+            yardstick(case, m, dst, 2 * _numel(made["largest_shape"]))
+            ref = work / f"ref-{key}.gguf"
             log(f"{case}: baseline (convert_hf_to_gguf.py --outtype bf16, then llama-quantize's function) ...")
-            mb = bl.measure([sys.executable, __file__, "--llama-two-steps", folder, work / "mid-llm-BF16.gguf", ref,
-                             threads])
+            mb = bl.measure([sys.executable, __file__, "--llama-two-steps", folder, work / f"mid-{key}-BF16.gguf",
+                             ref, threads])
             rows.append([case, f"baseline: convert_hf_to_gguf + llama-quantize ({threads} threads)",
                          bl.fmt_gb(ref.stat().st_size), f"{mb.seconds:.1f}", bl.fmt_mb(mb.peak_rss)])
             verdicts[case]["lines"].append(f"{case}: ckpt {m.seconds:.1f} s vs the two steps {mb.seconds:.1f} s "
-                                           f"(ratio {m.seconds / mb.seconds:.2f}); source {llm['layers']} layers")
+                                           f"(ratio {m.seconds / mb.seconds:.2f}), peak RSS {bl.fmt_mb(m.peak_rss)} "
+                                           f"vs {bl.fmt_mb(mb.peak_rss)} MB; source {made['layers']} layers")
             if not a.no_verify:
-                checks["llm_q4_k_m"] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref,
-                                                            check=False).stdout.strip().splitlines()[-1])
+                checks[key.replace("-", "_")] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref,
+                                                                     check=False).stdout.strip().splitlines()[-1])
             shutil.rmtree(folder, ignore_errors=True)
             for f in (dst, ref):
                 f.unlink(missing_ok=True)
@@ -565,9 +604,10 @@ def main(argv=None) -> int:
     print(f"launcher RSS floor (every peak below includes it): {bl.fmt_mb(floor)} MB")
     print(f"source: {bl.fmt_gb(info['bytes'])} GB bf16, {info['tensors']} tensors, {info['params'] / 1e9:.2f} G "
           f"parameters, largest {info['largest']} {info['largest_shape']}\n")
-    if "llm-q4_k_m" in a.cases.split(",") and llm is not info:
-        print(f"LLM source: {bl.fmt_gb(llm['bytes'])} GB bf16, {llm['tensors']} tensors, {llm['layers']} layers, "
-              f"largest {llm['largest']} {llm['largest_shape']}\n")
+    for label, made in sources.items():
+        if made is not info:
+            print(f"{label} source: {bl.fmt_gb(made['bytes'])} GB bf16, {made['tensors']} tensors, {made['layers']} "
+                  f"layers, largest {made['largest']} {made['largest_shape']}\n")
     print(bl.markdown_table(["case", "tool", "output GB", "seconds", "peak RSS MB"], rows))
     print()
     for v in verdicts.values():

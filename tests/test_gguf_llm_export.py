@@ -327,3 +327,16 @@ def test_merge_lora_into_hf_and_gguf_bases(folders, run_ckpt, tmp_path):
         for k, v in merged.items():
             err = (back[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-9)
             assert err <= tol, (to, k, err)
+
+
+def test_a_qwen3_moe_with_a_sentencepiece_model_takes_the_bpe_vocabulary_as_the_reference_does(tmp_path, run_ckpt,
+                                                                                                   capsys):
+    """Qwen2MoeModel is a TextModel, not a Qwen2Model: its set_vocab is BPE from tokenizer.json whatever
+    tokenizer.model says, so a vocabulary llama.cpp has no pre-tokenizer for fails there, and is refused here in one
+    line (ckpt once wrote the SentencePiece vocabulary for it, a file the reference never makes)."""
+    folder = model_folder(tmp_path / "q3m", "qwen3_moe", tokenizer="spm", dtype=torch.float32)
+    capsys.readouterr()  # transformers' progress bar while saving
+    with pytest.raises(AssertionError, match="BPE pre-tokenizer was not recognized"):
+        reference(folder, {"f16": tmp_path / "ref.gguf"})
+    assert_refused(run_ckpt, tmp_path, ("convert", folder, "--to", "gguf-f16", "-o", tmp_path / "o.gguf"), str(folder),
+                   "BPE pre-tokenizer not recognized")
