@@ -52,7 +52,10 @@ SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test
                 "test_bench_gguf", "test_lora_bench", "test_batch_joblist", "test_batch_hardening",
                 "test_readme_quickstart", "test_startup", "test_lora_convert_families", "test_batch",
                 "test_merge_unet", "test_interrupts", "test_merge_models_bench", "test_gguf_llm_export",
-                "test_gguf_llm_mix", "test_gguf_llm_export_fuzz"}
+                "test_gguf_llm_mix", "test_gguf_llm_export_fuzz", "test_lora_gguf", "test_gguf_llm_gpt_oss",
+                "test_gguf_llm_qwen3next", "test_gguf_llm_readback",
+                "test_gguf_llm_glm_minimax", "test_gguf_llm_vlm_text", "test_gguf_llm_deepseek",
+                "test_gguf_llm_llama4", "test_gguf_mmproj"}
 # Single tests of a few seconds in otherwise quick modules (a 100 MB header, a fresh interpreter, a signal).
 SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               "test_mutants_are_refused_in_one_line_or_read_as_gguf_reads_them", "test_a_new_target_is_a_new_module",

@@ -572,3 +572,16 @@ def test_targets_table_says_which_command_takes_which_target(inputs):
                 wrong.append(f"{command} --to {first}: the table says no, the command "
                              + ("accepts it" if code == 0 else f"says: {err.strip()}"))
     assert not wrong, "docs/targets.md:\n" + "\n".join(wrong)
+
+
+def test_llm_architectures_table_is_the_architecture_registry():
+    """docs/gguf.md's table of llama.cpp LLM architectures: one row per registered module, its HF classes and whether
+    ckpt reads its GGUFs back, as the modules declare them."""
+    from ckpt.families.llm.architectures import ALL
+
+    rows = {next(iter(_names(r[0]))): r for r in _table(REPO / "docs" / "gguf.md", "architecture")}
+    assert set(rows) == set(ALL), (f"docs/gguf.md lacks {sorted(set(ALL) - set(rows))}, "
+                                   f"names unregistered {sorted(set(rows) - set(ALL))}")
+    for name, arch in ALL.items():
+        assert _names(rows[name][1]) == set(arch.hf_classes), name
+        assert rows[name][2].startswith("yes" if arch.readable else "no"), name

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt.cli.options import OneLineCommand, check_output, writing_options
+from ckpt.cli.options import MMPROJ, OneLineCommand, check_output, writing_options
 from ckpt.cli.report import REPORT, print_report, record
 from ckpt.interrupts import load
 from ckpt.io.hub import check_source
@@ -16,8 +16,9 @@ from ckpt.io.hub import check_source
 @click.option("-o", "--output", "out", callback=check_output,
               help="Output file or folder (default: derived from SRC, e.g. x-fp16.safetensors).")
 @writing_options(to_help="Optional with --layout (then each tensor keeps its dtype).")
+@MMPROJ
 @REPORT
-def convert(src, out, write):
+def convert(src, out, write, mmproj):
     """Cast a checkpoint to fp32/fp16/bf16 (decoding every quantized layout ckpt reads), to fp8, to
     ComfyUI's nvfp4/mxfp8/int8 or to GGUF (ComfyUI-GGUF for diffusion models, llama.cpp for HF LLMs: the
     llama-quantize types, K-quants included), and/or rename it to its family's diffusers or
@@ -26,7 +27,7 @@ def convert(src, out, write):
     load("ckpt.convert.command")
     from ckpt.convert import ConvertOptions, convert as run
 
-    opts = ConvertOptions(**write)
+    opts = ConvertOptions(**write, mmproj=mmproj)
     path, report = run(src, out, opts)
     record(report, inputs=[src], output=path, status="dry-run" if opts.dry_run else "ok")
     print_report(report, opts.quiet)

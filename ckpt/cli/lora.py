@@ -165,21 +165,25 @@ def merge(loras, out, ratios, mode, rank, conv_rank, dynamic, threshold, clamp_q
 
 @lora.command()
 @click.argument("lora_file", metavar="LORA")
-@click.option("--format", "fmt", required=True, type=click.Choice(["kohya", "peft", "diffusers", "comfy"]),
+@click.option("--format", "fmt", required=True, type=click.Choice(["kohya", "peft", "diffusers", "comfy", "gguf"]),
               help="Naming to write: kohya (lora_unet_..., .alpha), peft (adapter folder), diffusers (one file, "
-                   "alpha in lora_adapter_metadata), comfy (diffusion_model.<original names>).")
+                   "alpha in lora_adapter_metadata), comfy (diffusion_model.<original names>), gguf (llama.cpp's "
+                   "LoRA adapter, as convert_lora_to_gguf.py writes it; needs --base).")
 @click.option("--base", help="The model the LoRA was made for: decides names the LoRA's keys alone cannot "
-                             "(default: recognised from the LoRA's own names).")
+                             "(default: recognised from the LoRA's own names); with --format gguf, its Hugging Face "
+                             "folder (required).")
 @click.option("-o", "--output", "out", help="Output file or folder (default: LORA-FORMAT beside LORA).")
 @click.option("--to-lora", type=int, metavar="RANK",
               help="Turn LoHa/LoKr/full modules the target naming has no form for into plain LoRA by SVD.")
 @click.option("--save-dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
-              help="dtype of factors that are recut (split, fused, folded); renamed modules keep theirs.")
+              help="dtype of factors that are recut (split, fused, folded); renamed modules keep theirs. With "
+                   "--format gguf: the type of every tensor (convert_lora_to_gguf.py --outtype f32|f16|bf16).")
 @_alpha
 @SKIP_NONFINITE
 @_common
 def convert(lora_file, fmt, base, out, to_lora, save_dtype, alphas, skip_nonfinite, dry_run, device, overwrite, quiet):
-    """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI): fused <-> split q/k/v, alpha placed."""
+    """The same LoRA in another naming (kohya, PEFT, diffusers, ComfyUI, llama.cpp GGUF): fused <-> split q/k/v,
+    alpha placed."""
     check_lora(lora_file)
     from ckpt.lora.convert import convert as run
 

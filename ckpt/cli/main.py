@@ -38,7 +38,8 @@ for _command in (convert, dequant, inspect, merge, merge_lora, batch, lora):
 for _command, _how in ((convert, "--to gguf-TYPE"), (dequant, "--to gguf-TYPE"),
                        (merge_lora, "--to gguf-TYPE (or --keep-format on a GGUF base)"),
                        (merge, "--to gguf-TYPE (or --keep-format on a GGUF reference)"),
-                       (batch.commands["convert"], "--to gguf-TYPE"), (batch.commands["merge-lora"], "--to gguf-TYPE")):
+                       (batch.commands["convert"], "--to gguf-TYPE"), (batch.commands["merge-lora"], "--to gguf-TYPE"),
+                       (lora.commands["convert"], "--format gguf --base HF_FOLDER")):
     _command.writes_gguf = _how
 
 

@@ -154,6 +154,10 @@ CONVERT_OR_GGUF = TargetChoice(_targets().names(), _targets().prefixes(), help=_
 LAYOUT = click.option("--layout", type=click.Choice(["diffusers", "original"]),
                       help="Rename to the model family's diffusers layout (a model folder with config.json) or its "
                            "original layout (one file with the reference keys).")
+MMPROJ = click.option("--mmproj", is_flag=True,
+                      help="With --to gguf-f16|bf16|f32|q8_0 on a vision-language model folder: its vision projector "
+                           "(the mmproj GGUF llama.cpp's convert_hf_to_gguf.py --mmproj writes) instead of the text "
+                           "model. Default name: SRC-mmproj-F16.gguf.")
 PURE = click.option("--pure", is_flag=True,
                     help="With --to gguf-<quant>: every quantizable tensor in the one type, as llama-quantize --pure "
                          "(no per-tensor mix rules; row fallbacks apply).")

@@ -18,7 +18,10 @@ from ckpt.run import default_output, file_ext, output_path, write
 
 @dataclass
 class ConvertOptions(WriteOptions):
-    """convert's options are the writing options (`to` None: keep each tensor's dtype, only with --layout)."""
+    """convert's options are the writing options (`to` None: keep each tensor's dtype, only with --layout), and
+    `mmproj`: a VLM folder's vision projector instead of its text model (`ckpt.targets.planners.gguf_mmproj_out`)."""
+
+    mmproj: bool = False
 
 
 def convert_operation(opts: ConvertOptions) -> str:
@@ -26,15 +29,24 @@ def convert_operation(opts: ConvertOptions) -> str:
     spelling of it: batch's resume recognises a killed run's finished outputs by comparing with this."""
     to = targets.canonical(opts.to)
     return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {to}" if to else "")
-            + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else ""))
+            + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else "")
+            + (" --mmproj" if opts.mmproj else ""))
+
+
+MMPROJ_TO = "--mmproj writes a llama.cpp projector GGUF: give --to gguf-f16 (or gguf-bf16, gguf-f32, gguf-q8_0)"
 
 
 def _target(opts: ConvertOptions):
+    if opts.mmproj and opts.to is None:
+        raise CkptError(MMPROJ_TO)
     if opts.to is None and opts.layout is None:
         raise CkptError("convert: give --to DTYPE, --layout diffusers|original, or both")
     if opts.keep_format:
         raise CkptError("--keep-format: convert changes no value; give --to DTYPE or --layout")
-    return targets.choose(opts, KEEP)
+    target = targets.choose(opts, KEEP)
+    if opts.mmproj and target.fmt != "gguf":
+        raise CkptError(f"{MMPROJ_TO}, not --to {opts.to}")
+    return target
 
 
 def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = "safetensors"):
@@ -62,9 +74,9 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
         target = _target(opts)
         if opts.device == "auto" and target.heavy(opts, views):  # a GPU only where there is math: decoding or
             device = resolve_device("auto")  # encoding quantized weights
-        suffix = "-".join(x for x in (opts.layout, target.suffix) if x)
+        suffix = "-".join(x for x in (opts.layout, "mmproj" if opts.mmproj else None, target.suffix) if x)
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=target.ext or file_ext(fmt))
-        desc = "convert -> " + " ".join(x for x in (opts.layout, target.label) if x)
+        desc = "convert -> " + " ".join(x for x in (opts.layout, "mmproj" if opts.mmproj else None, target.label) if x)
         out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc=desc, device=device,
                          overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     return out_path, report

@@ -84,8 +84,12 @@ def convert(spec: str, out: str | Path | None, opts: LoraOptions, *, base: str |
             to_lora: int | None = None, report: LoraReport | None = None) -> tuple[Path, LoraReport]:
     report = report or LoraReport()
     fmt = opts.format
+    if fmt == "gguf":  # a llama.cpp adapter: named by the base's architecture (`ckpt.lora.gguf_adapter`)
+        from ckpt.lora.gguf_adapter import convert_gguf
+
+        return convert_gguf(spec, out, opts, base=base, to_lora=to_lora, report=report)
     if fmt not in FORMATS:
-        raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+        raise CkptError(f"--format {fmt}: choose one of {', '.join(FORMATS + ('gguf',))}")
     if to_lora is not None and to_lora < 1:
         raise CkptError(f"--to-lora {to_lora}: a rank is at least 1")
     opts.check(rank_required=False)

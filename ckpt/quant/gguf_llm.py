@@ -30,7 +30,7 @@ import re
 from ckpt.errors import file_error
 from ckpt.families.llm.arch import LLMArch, Readback
 from ckpt.families.llm.architectures import ARCHS
-from ckpt.families.llm.tensors import HeadRowsPermuted
+from ckpt.families.llm.tensors import HeadRowsPermuted, Shifted
 from ckpt.io.gguf import GGUFStored
 from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Renamed, Wrapper
@@ -108,6 +108,45 @@ class HeadRowsPermutedEncoding(Encoding):
 
     def encode(self, value, report, meter):
         return self.inner.encode(HeadRowsPermuted(value, self.head), report, meter)
+
+
+class NormUnshifted(Wrapper):
+    """A norm weight as HF has it: llama.cpp's converter stored Gemma's `weight + shift` (the RMSNorm scales by
+    1 + weight; `LLMArch.norm_shift`), read back as `stored - shift` in float32 (the stored norms are F32)."""
+
+    def __init__(self, base: Tensor, shift: float, name: str):
+        self.base, self.shift, self.name, self.home = base, shift, name, base.home
+        self.shape, self.row_align = tuple(base.shape), base.row_align
+
+    @property
+    def dtype(self):
+        from ckpt.lazy import torch
+
+        return self.base.dtype if self.base.dtype in (torch.float16, torch.float32) else torch.float32
+
+    def read(self, start, stop, device, scratch=None):
+        return self.base.read(start, stop, device, scratch).to(self.dtype) - self.shift
+
+    @property
+    def encoding(self):
+        """A new value goes back through the converter's shift, then the stored encoding."""
+        inner = encoding_of(self.base)
+        return None if inner is None else NormShiftedEncoding(inner, self.shift)
+
+
+class NormShiftedEncoding(Encoding):
+    """Storing a new norm weight of a Gemma GGUF: shifted back as the converter stores it, then encoded as the
+    stored tensor is."""
+
+    def __init__(self, inner, shift: float):
+        self.inner, self.shift = inner, shift
+        self.label, self.keys, self.note = inner.label, inner.keys, inner.note
+
+    def why_not(self):
+        return self.inner.why_not()
+
+    def encode(self, value, report, meter):
+        return self.inner.encode(Shifted(value, self.shift), report, meter)
 
 
 class HFNamed(Renamed):
@@ -195,10 +234,15 @@ def _rows(meta: Meta, stored: dict[str, GGUFStored], suffixes: tuple[str, ...]) 
 
 def _check_blocks(meta: Meta, n_blocks: int, stored: dict[str, GGUFStored]) -> None:
     """block_count must be the blocks the file has tensors for (0..n-1, each present): the name table is
-    built per declared block, and a config with more or fewer layers than the weights does not load."""
+    built per declared block, and a config with more or fewer layers than the weights does not load. The last
+    `nextn_predict_layers` blocks (NextN/MTP layers, which llama.cpp loads where present) may have none."""
     key = meta.key(_gguf().Keys.LLM.BLOCK_COUNT)
     present = {int(m.group(1)) for n in stored if (m := re.match(r"blk\.(\d+)\.", n))}
-    if len(present) != n_blocks or max(present) != n_blocks - 1:  # exactly 0..n-1 (no set of n: n may be 2^31)
+    nextn = meta.header.value(meta.key(_gguf().Keys.LLM.NEXTN_PREDICT_LAYERS), 0)
+    trunk = n_blocks - nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 < nextn < n_blocks \
+        else n_blocks
+    # exactly 0..n-1 (no set of n: n may be 2^31)
+    if not any(len(present) == n and max(present) == n - 1 for n in {n_blocks, trunk}):
         have = f"{plural(len(present), 'block')} ({min(present)}-{max(present)})" if present else "no blk.N tensors"
         gap = next(i for i in range(len(present) + 1) if i not in present)  # the first block with no tensor
         more = f", none for block {gap}" if present and gap < min(n_blocks, max(present)) else ""
@@ -214,33 +258,46 @@ def _check_heads(meta: Meta, heads: int, kv_heads: int, hidden: int, stored: dic
     hk, kvk = meta.key(K.HEAD_COUNT), meta.key(K.HEAD_COUNT_KV)
     if heads % kv_heads:
         raise meta.bad(kvk, kv_heads, f"which does not divide {hk} ({heads})")
+    per_head = arch.q_rows_per_head  # 2 where attn_q holds each head's query and its output gate (Qwen3-Next)
+    gated = f" x {per_head} (query and gate)" if per_head > 1 else ""
     q_rows = _rows(meta, stored, (".attn_q.weight", ".attn_q.bias"))
-    name, rows = next(iter(q_rows.items()), (None, hidden))
+    name, rows = next(iter(q_rows.items()), (None, hidden * per_head))
     where = f"the {rows} rows of {name}" if name else f"embedding_length ({hidden})"
-    if rows % heads:
-        raise meta.bad(hk, heads, f"which does not divide {where} into heads")
-    head = rows // heads
+    if rows % (heads * per_head):
+        raise meta.bad(hk, heads, f"which does not divide {where} into heads{gated}")
+    head = rows // (heads * per_head)
     if arch.rope_permute and head % 2:
         raise meta.bad(hk, heads, f"giving heads of {plural(head, 'row')} (of {rows}); llama's RoPE rows come in "
                                   "pairs")
     for n, r in q_rows.items():
-        if r != heads * head:
-            raise meta.bad(hk, heads, f"but {n} has {r} rows, not {heads} heads of {head}")
+        if r != heads * head * per_head:
+            raise meta.bad(hk, heads, f"but {n} has {r} rows, not {heads} heads of {head}{gated}")
     for n, r in _rows(meta, stored, (".attn_k.weight", ".attn_k.bias")).items():
         if r != kv_heads * head:
             raise meta.bad(kvk, kv_heads, f"but {n} has {r} rows, not {kv_heads} heads of {head}")
     return head
 
 
-def _check_complete(header, stored: dict[str, GGUFStored], n_blocks: int) -> None:
-    """Every block holds the same tensors, and the embeddings and final norm are there: a GGUF missing one (llama.cpp
-    refuses to load it) would otherwise become a folder whose model transformers fills in at random."""
+def _check_complete(header, stored: dict[str, GGUFStored], n_blocks: int, blocks_with=None) -> None:
+    """Every block holds the same tensors (or those `blocks_with(suffix)` says: `LLMArch.blocks_with`), and the
+    embeddings and final norm are there: a GGUF missing one (llama.cpp refuses to load it) would otherwise become a
+    folder whose model transformers fills in at random."""
     per_block: dict[str, set[int]] = {}
     for n in stored:
         if (m := re.match(r"blk\.(\d+)\.(.+)$", n)):
             per_block.setdefault(m.group(2), set()).add(int(m.group(1)))
     for suffix, blocks in sorted(per_block.items()):
-        if len(blocks) != n_blocks:
+        want = blocks_with(suffix) if blocks_with is not None else None
+        if want is not None and blocks != want:
+            odd = min(blocks - want, default=None)
+            if odd is not None:
+                raise file_error(header.path, f"tensor blk.{odd}.{suffix} is in a block that has none (only blocks "
+                                              f"{sorted(want)[:4]}{', ...' if len(want) > 4 else ''} do in this "
+                                              "architecture); nothing was written")
+            gap = min(want - blocks)
+            raise file_error(header.path, f"tensor blk.{gap}.{suffix} is missing (blocks {sorted(blocks)[:4]}"
+                                          f"{', ...' if len(blocks) > 4 else ''} have it); nothing was written")
+        if want is None and len(blocks) != n_blocks:
             gap = next(i for i in range(n_blocks) if i not in blocks)
             raise file_error(header.path, f"tensor blk.{gap}.{suffix} is missing (blocks {sorted(blocks)[:4]}"
                                           f"{', ...' if len(blocks) > 4 else ''} have it); nothing was written")
@@ -266,8 +323,10 @@ def derive_config(header, arch: LLMArch, stored: dict[str, GGUFStored]) -> tuple
                     f"but token_embd.weight has rows of {emb.stored_shape[-1]}")
     ffn = m.integer(K.LLM.FEED_FORWARD_LENGTH)
     for n, r in _rows(m, stored, (".ffn_up.weight", ".ffn_gate.weight")).items():
-        if r != ffn:
-            raise m.bad(m.key(K.LLM.FEED_FORWARD_LENGTH), ffn, f"but {n} has {r} rows")
+        fused = arch.ffn_up_rows if n.endswith(".ffn_up.weight") else 1  # Phi-3's gate and up in one
+        if r != ffn * fused:
+            raise m.bad(m.key(K.LLM.FEED_FORWARD_LENGTH), ffn,
+                        f"but {n} has {r} rows" + (f", not {fused} x {ffn} (gate and up)" if fused > 1 else ""))
     n_blocks = m.integer(K.LLM.BLOCK_COUNT)
     _check_blocks(m, n_blocks, stored)
     cfg = {
@@ -329,12 +388,17 @@ def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decod
         if arch.rope_permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
             n = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             v = HeadRowsUnpermuted(v, n, hf)
+        if arch.norm_shift and gname.endswith("norm.weight"):  # Gemma's norms: the converter added the shift
+            v = NormUnshifted(v, arch.norm_shift, hf)
         return v
 
     r = Readback(header.path, header, stored, cfg, names, value, notes)
     arch.read_config(r)
     tensors, consumed, anchors = {}, {}, {}
     for gname in stored:
+        if gname in r.into_config:
+            consumed[gname] = r.into_config[gname]
+            continue
         if gname in DROPPED:
             consumed[gname] = DROPPED[gname]
             notes.append(f"{gname}: left out ({DROPPED[gname]}); config.json has no rope_scaling for it: copy "
@@ -344,9 +408,9 @@ def decode(header, stored: dict[str, GGUFStored], values, summary: str) -> Decod
         for hf, v in made:
             tensors[hf] = v
         consumed[gname] = f"GGUF name of {', '.join(hf for hf, _ in made)}"
-        if len(made) == 1:  # one HF tensor in its place: what --keep-format and llama-quantize map back
-            anchors[gname] = made[0][0]
-    _check_complete(header, stored, cfg["num_hidden_layers"])
+        if len(made) == 1 and arch.in_place(gname):
+            anchors[gname] = made[0][0]  # one HF tensor in its place: what --keep-format and llama-quantize map back
+    _check_complete(header, stored, cfg["num_hidden_layers"], lambda suffix: arch.blocks_with(r, suffix))
     quantized = any(t.quantized for t in stored.values())
     return Decoded(f"GGUF {arch.arch} LLM ({summary})", tensors, consumed,
                    dequantized=quantized, notes=notes, anchors=anchors, config=cfg)

@@ -41,6 +41,10 @@ class GGUF(Target):
     def check(self, opts) -> None:
         if self.mix is None:
             raise CkptError(f"--to {self.name}: unknown GGUF type (choose {', '.join(_names())})")
+        if getattr(opts, "mmproj", False):  # convert's own option (`ckpt.targets.planners.gguf_mmproj_out`)
+            from ckpt.targets.planners.gguf_mmproj_out import check_options
+
+            check_options(opts, self.mix)
         if opts.pure and not self.mix.quantized:
             raise CkptError(f"--pure does not apply to --to {opts.to} (nothing is quantized)")
         for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
@@ -61,7 +65,11 @@ class GGUF(Target):
         from ckpt.targets.planners import gguf_llm_out
         from ckpt.targets.planners.gguf_out import plan_gguf
 
-        if gguf_llm_out.applies(ckpt, views):
+        if getattr(opts, "mmproj", False):
+            from ckpt.targets.planners.gguf_mmproj_out import plan_mmproj
+
+            plan = plan_mmproj(ckpt, views, self.mix, report, operation)
+        elif gguf_llm_out.applies(ckpt, views):
             plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, opts.pure, report, operation)
         else:
             plan = plan_gguf(ckpt, views, self.mix, opts.pure, report, operation)

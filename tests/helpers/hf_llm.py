@@ -143,14 +143,15 @@ if pre:
         return orig(self, tokenizer)
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 for outtype, outfile in {runs!r}:
-    sys.argv = ["convert_hf_to_gguf.py", {folder!r}, "--outtype", outtype, "--outfile", outfile]
+    sys.argv = ["convert_hf_to_gguf.py", {folder!r}, "--outtype", outtype, "--outfile", outfile, *{args!r}]
     runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def reference(folder: Path, outs: dict[str, Path], pre: tuple[str, str] | None = None) -> None:
+def reference(folder: Path, outs: dict[str, Path], pre: tuple[str, str] | None = None, args: tuple = ()) -> None:
     """llama.cpp's convert_hf_to_gguf.py on `folder` once per `{outtype: outfile}`, in one subprocess with the
-    reference's own gguf-py first on the path; a failed run raises AssertionError with its log's tail."""
+    reference's own gguf-py first on the path; a failed run raises AssertionError with its log's tail. `args`:
+    further command-line options for every run (`--no-mtp` for Qwen3-Next / Qwen3.5 folders without MTP)."""
     from ckpt.targets.planners.gguf_vocab import CHECK_TEXT
 
     from helpers.ggml_ref import llama_cpp_tree
@@ -160,7 +161,7 @@ def reference(folder: Path, outs: dict[str, Path], pre: tuple[str, str] | None =
     driver = first.parent / f".{first.name}.driver.py"
     driver.write_text(DRIVER.format(tree=str(tree), gguf_py=str(tree / "gguf-py"), pre=pre, chktxt=CHECK_TEXT,
                                     script=str(tree / "convert_hf_to_gguf.py"), folder=str(folder),
-                                    runs=[(t, str(p)) for t, p in outs.items()]))
+                                    runs=[(t, str(p)) for t, p in outs.items()], args=list(args)))
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": "1", "OMP_NUM_THREADS": "1"}
     try:
         r = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, env=env, cwd=str(tree))

@@ -26,10 +26,13 @@ def llama_cpp():
     return mod
 
 
-def quantize_gguf(src: Path, dst: Path, ftype: str, pure: bool = False, nthread: int = 2) -> str:
+def quantize_gguf(src: Path, dst: Path, ftype: str, pure: bool = False, nthread: int = 2,
+                  allow_requantize: bool = False) -> str:
     """Quantize `src` into `dst` as `llama-quantize` does; `ftype` is a gguf.LlamaFileType member name
-    ("MOSTLY_Q4_K_M"). Returns llama.cpp's log of the run (its per-tensor lines and the "falling back"
-    warnings of tensor_type_fallback); a failed run raises AssertionError with the log's tail."""
+    ("MOSTLY_Q4_K_M"); `allow_requantize` is its --allow-requantize (an already quantized tensor, such as gpt-oss's
+    MXFP4 experts, dequantized and quantized into the mix's type). Returns llama.cpp's log of the run (its
+    per-tensor lines and the "falling back" warnings of tensor_type_fallback); a failed run raises AssertionError
+    with the log's tail."""
     import gguf
 
     lc = llama_cpp()
@@ -37,6 +40,7 @@ def quantize_gguf(src: Path, dst: Path, ftype: str, pure: bool = False, nthread:
     params = lc.llama_model_quantize_default_params()
     params.ftype = int(gguf.LlamaFileType[ftype])
     params.pure = pure
+    params.allow_requantize = allow_requantize
     params.nthread = nthread
     chunks: list[str] = []
 

@@ -43,6 +43,12 @@ class Export:
     table: object  # gguf's TensorNameMap for the architecture
     pending: dict = field(default_factory=dict)  # a layer's expert matrices until all have been seen
     notes: list = field(default_factory=list)  # said after the tensors' own notes
+    # the HF tensors' shapes by source name (`LLMArch.source_name`), for an architecture's `check` to compare the
+    # config with (which layers are which kind, extra blocks such as Qwen3-Next's MTP layers)
+    tensor_shapes: dict = field(default_factory=dict)
+    # the HF tensors themselves by source name, in the reference's order, for an `extra_tensors` that writes some
+    # first (gpt-oss's MXFP4 expert banks, which the reference repacks in generate_extra_tensors)
+    tensors: dict = field(default_factory=dict)
 
     def gguf_name(self, arch: LLMArch, name: str) -> str:
         """`TensorNameMap.get_name` (map_tensor_name): a name gguf's table does not know is an error, as there."""
@@ -65,6 +71,9 @@ class Readback:
     names: dict  # GGUF name -> HF name, from gguf's table over `LLMArch.layer_modules` (`hf_modules`)
     value: object  # (GGUF name, HF name) -> the stored tensor decoded under that name, q/k rows unpermuted
     notes: list = field(default_factory=list)
+    # GGUF tensors `read_config` turned into config.json values (name -> what they became), not read as tensors
+    # (Llama 4's `rope_freqs.weight`: its RoPE scaling parameters)
+    into_config: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,8 @@ class LLMArch:
     # which config.json keys the architecture's parameters cannot be written without (`config_keys.REQUIRED`)
     params: str = "text"
     # the reference's set_vocab (`ckpt.targets.planners.gguf_vocab.set_vocab`: "llama": LlamaModel's, "qwen2":
-    # SentencePiece if there is a tokenizer.model else BPE, "gemma2", "gemma3", "phi3": theirs)
+    # SentencePiece if there is a tokenizer.model else BPE, "gemma2", "gemma3", "phi3", "glm": theirs; any other
+    # name, e.g. "text": TextModel's, BPE from tokenizer.json)
     vocab: str = "qwen2"
     norm_shift: float = 0.0  # added to every `*norm.weight` (Gemma's RMSNorm scales by 1 + weight)
     drop: tuple[str, ...] = ()  # HF tensors the reference leaves out (Gemma 2's lm_head: llama.cpp ties it)
@@ -96,6 +106,15 @@ class LLMArch:
     # tensor. (a substring every expert tensor's name has, its name with {bid} {x} {w}, the projections in the
     # order the stacked tensors are written, the HF name the stacked tensor is mapped from)
     experts: tuple = ()
+    # `ckpt.families.llm.config_keys.Shape` rules of the architecture's own: for a tensor they name they replace
+    # the generic rules (Qwen3-Next's q_proj holds the query and its gate: twice heads x head_dim rows)
+    shape_rules: tuple = ()
+    # rows of the query projection per head and head size (read back): 2 where it holds each head's query and then
+    # its output gate (Qwen3-Next, Qwen3.5)
+    q_rows_per_head: int = 1
+    # rows of `ffn_up` per feed_forward_length (read back): 2 where it holds the gate and up projections fused, as the
+    # HF model keeps them (Phi-3's gate_up_proj)
+    ffn_up_rows: int = 1
 
     # ------------------------------------------------------------------ the reference's per-class code
 
@@ -141,6 +160,18 @@ class LLMArch:
         """Tensors the reference never writes (prepare_tensors' list, and the architecture's own)."""
         return name.endswith(SKIPPED) or name in self.drop
 
+    def trailing_blocks(self, values: dict) -> int:
+        """Blocks the weights may hold after the config's layer count, which the reference converts as further
+        blocks (GLM-4.5's NextN/MTP layer as `model.layers.{num_hidden_layers}`); `values`: config.json as written
+        or as transformers fills it in. None by default."""
+        return 0
+
+    def source_name(self, name: str) -> str | None:
+        """filter_tensors: the name the reference converts an HF tensor under, None for one it never reads (a
+        vision-language folder's vision tower and projector: `ckpt.families.llm.multimodal`). By default every
+        name as it is (a causal LM's folder)."""
+        return name
+
     # ------------------------------------------------------------------ reading back (GGUF -> HF)
 
     def hf_modules(self, n_blocks: int) -> list[str]:
@@ -149,6 +180,18 @@ class LLMArch:
 
     def read_config(self, r: Readback) -> None:
         """config.json keys of the architecture's own, added to `r.cfg` from the metadata and the tensor shapes."""
+
+    def blocks_with(self, r: Readback, suffix: str) -> set[int] | None:
+        """The blocks whose `blk.N.<suffix>` a complete GGUF of this architecture holds (checked before anything is
+        written); None: every block. An architecture whose layers differ (Llama 4's dense and MoE layers) says
+        which."""
+        return None
+
+    def in_place(self, gname: str) -> bool:
+        """Whether the one HF tensor `read_tensor` makes of this GGUF tensor stands in its place (its values renamed,
+        q/k rows unpermuted), so that --keep-format and llama-quantize of the GGUF map a change back to it; False for
+        one rebuilt from several GGUF tensors or transposed (gpt-oss's expert banks). True by default."""
+        return True
 
     def read_tensor(self, r: Readback, gname: str) -> list[tuple[str, Tensor]]:
         """The HF tensors one stored GGUF tensor becomes (the inverse of `tensors`): by default its HF name from the

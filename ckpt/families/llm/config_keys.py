@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ckpt.errors import CkptError
+from ckpt.families.llm.text import GATING_FUNCS
 
 U32 = 2**32 - 1  # GGUF uint32: block count, lengths, head counts, vocabulary size
 I32 = 2**31 - 1  # llama_token: token ids
@@ -70,6 +71,9 @@ NUMBERS = Kind("not a list of finite numbers", lambda v: isinstance(v, list) and
 COUNTS0 = Kind("not a list of integers from 0 to 2^32 - 1",
                lambda v: isinstance(v, list) and all(_int(x) and 0 <= x <= U32 for x in v))
 INT32 = Kind("not an integer from -2^31 to 2^31 - 1 (a GGUF int32)", lambda v: _int(v) and -I32 - 1 <= v <= I32)
+PER_LAYER = Kind("not an integer from 1 to 2^32 - 1, or a list of them (one per layer)",
+                 lambda v: COUNT.ok(v) or (isinstance(v, list) and v != [] and all(COUNT.ok(x) for x in v)))
+PER_LAYER_FF = ("gemma3n",)  # the architectures whose intermediate_size may be per layer (an array in the GGUF)
 TOKEN_IDS = Kind("not a token id (an integer from 0 to 2^31 - 1) or a list of them",
                  lambda v: (_int(v) and 0 <= v <= I32) or (isinstance(v, list) and v != [] and
                                                             all(_int(x) and 0 <= x <= I32 for x in v)))
@@ -81,13 +85,25 @@ KEYS: dict[str, Kind] = {
     **dict.fromkeys(("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
                      "model_max_length", "original_max_position_embeddings"), COUNT),
     **dict.fromkeys(("hidden_size", "n_embd", "dim"), COUNT),
-    **dict.fromkeys(("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner",
+    **dict.fromkeys(("prefix_dense_intermediate_size", "dense_intermediate_size", "n_inner",
                      "hidden_dim", "moe_intermediate_size", "shared_expert_intermediate_size"), COUNT),
+    "intermediate_size": PER_LAYER,  # a list for Gemma 3n (its MatFormer layers), written as llama.cpp's array
+    **dict.fromkeys(("intermediate_size_mlp", "interleave_moe_layer_step"), COUNT),  # Llama 4
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "n_kv_heads", "n_head_kv",
                      "head_dim", "vocab_size", "vocab_size_per_layer_input"), COUNT),
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "top_k_experts"), COUNT0),
     "sliding_window": COUNT0,
+    # GLM-4.5 (Glm4MoeModel) and MiniMax-M2 (MiniMaxM2Model): the expert and NextN/MTP keys they write
+    **dict.fromkeys(("num_nextn_predict_layers", "num_mtp_layers"), integer(0, MAX_LAYERS, " (llama.cpp loads at "
+                                                                            "most 512 blocks)")),
+    **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group"), COUNT0),
+    "rotary_dim": COUNT, "routed_scaling_factor": FINITE, "norm_topk_prob": FLAG,
+    # TextModel.set_gguf_parameters' expert score function (it raises on any other)
+    **dict.fromkeys(("score_function", "scoring_func", "score_func", "moe_router_activation",
+                     "moe_router_activation_func", "expert_selection_fn"),
+                    Kind(f"not one of {', '.join(GATING_FUNCS)} (the experts' score functions llama.cpp's converter "
+                         "writes)", lambda v: isinstance(v, str) and v in GATING_FUNCS)),
     **dict.fromkeys(("rms_norm_eps", "norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon",
                      "attn_logit_softcapping", "final_logit_softcapping"), POSITIVE),
     **dict.fromkeys(("global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta", "rotary_emb_base",
@@ -99,6 +115,12 @@ KEYS: dict[str, Kind] = {
                      "mask_token_id"), TOKEN_IDS),
     **dict.fromkeys(("rope_parameters", "rope_scaling", "text_config"), OBJECT),
     "_name_or_path": TEXT,  # gguf's Metadata heuristics read the model's name from it
+    # Qwen3-Next / Qwen3.5 gated DeltaNet layers (Qwen3NextModel.set_gguf_parameters: the ssm.* keys)
+    **dict.fromkeys(("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval"), COUNT),
+    "mtp_num_hidden_layers": COUNT0,
+    # DeepSeek-V2/V3 / Kimi K2 (DeepseekV2Model.set_gguf_parameters): the MLA sizes
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"), COUNT),
 }
 # generation_config.json's sampling defaults, which gguf's Metadata writes as `general.sampling.*`
 GENERATION_KEYS: dict[str, Kind] = {
@@ -112,7 +134,7 @@ ROPE_KEYS: dict[str, Kind] = {
     "original_max_position_embeddings": COUNT, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
     "extrapolation_factor": FINITE, "attention_factor": FINITE, "attn_factor": FINITE, "beta_fast": FINITE,
     "beta_slow": FINITE, "partial_rotary_factor": FRACTION, "long_factor": NUMBERS, "short_factor": NUMBERS,
-    "mrope_section": COUNTS0,
+    "mrope_section": COUNTS0, "mscale": FINITE, "mscale_all_dim": FINITE,
 }
 ROPE_KINDS = ("full_attention", "sliding_attention")
 
@@ -124,16 +146,29 @@ QUANTITIES: dict[str, tuple[str, ...]] = {
     "embd": ("hidden_size", "n_embd", "dim"),
     "ff": ("intermediate_size", "n_inner", "hidden_dim", "dense_intermediate_size", "prefix_dense_intermediate_size"),
     "expert_ff": ("moe_intermediate_size",),
+    "ff_mlp": ("intermediate_size_mlp",),  # Llama 4's dense layers (its intermediate_size is the experts')
     "heads": ("num_attention_heads", "n_head", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads", "n_head_kv"),
     "head_dim": ("head_dim",),
     "vocab": ("vocab_size",),
     "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
     "experts_used": ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"),
+    "shared_experts": ("n_shared_experts",),
     "rms_eps": ("rms_norm_eps", "norm_eps"),
     "softcap_attn": ("attn_logit_softcapping",),
     "softcap_final": ("final_logit_softcapping",),
     "sliding_window": ("sliding_window",),
+    "shared_ff": ("shared_expert_intermediate_size",),
+    "linear_k_heads": ("linear_num_key_heads",),
+    "linear_v_heads": ("linear_num_value_heads",),
+    "linear_k_dim": ("linear_key_head_dim",),
+    "linear_v_dim": ("linear_value_head_dim",),
+    "conv_kernel": ("linear_conv_kernel_dim",),
+    "q_lora_rank": ("q_lora_rank",),  # MLA (deepseek2)
+    "kv_lora_rank": ("kv_lora_rank",),
+    "rope_dim": ("qk_rope_head_dim",),
+    "nope_dim": ("qk_nope_head_dim",),
+    "v_head_dim": ("v_head_dim",),
 }
 # what each architecture's parameters (`LLMArch.params`) cannot be written without (the reference indexes them,
 # or llama.cpp requires the GGUF key they become); LlamaModel's own (`LLMArch.llama_params`) also the vocabulary
@@ -144,6 +179,19 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "gemma3": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps"),
     "phi3": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps"),
     "qwen2moe": ("blocks", "ctx", "embd", "heads", "kv_heads", "rms_eps", "experts", "experts_used", "expert_ff"),
+    # Qwen3NextModel (a Qwen2MoeModel) and Qwen3.5 dense: the gated DeltaNet sizes it indexes
+    "qwen3next": ("blocks", "ctx", "embd", "heads", "kv_heads", "rms_eps", "experts", "experts_used", "expert_ff",
+                  "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_kernel"),
+    "qwen35": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps", "linear_k_heads", "linear_v_heads",
+               "linear_k_dim", "linear_v_dim", "conv_kernel"),
+    "glm4moe": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps", "experts", "experts_used", "expert_ff"),
+    "minimax-m2": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps", "experts", "experts_used"),
+    "llama4": ("blocks", "ctx", "embd", "ff", "ff_mlp", "heads", "kv_heads", "rms_eps", "experts", "experts_used"),
+    # DeepseekV2Model: the MLA sizes it indexes (kv_heads: its kv_b_proj split), the vocabulary it writes
+    "deepseek2": ("blocks", "ctx", "embd", "heads", "kv_heads", "vocab", "rope_dim", "nope_dim", "v_head_dim"),
+    # GptOssModel: its experts' feed-forward length is intermediate_size; it indexes sliding_window
+    "gpt_oss": ("blocks", "ctx", "embd", "ff", "heads", "kv_heads", "rms_eps", "experts", "experts_used",
+                "sliding_window"),
 }
 
 
@@ -193,6 +241,14 @@ SHAPES: tuple[Shape, ...] = (
     Shape("mlp.experts.{x}.gate_proj.weight", 0, size("expert_ff")),
     Shape("mlp.experts.{x}.up_proj.weight", 0, size("expert_ff")),
     Shape("mlp.experts.{x}.down_proj.weight", 1, size("expert_ff")),
+    # the routers' score corrections (DeepSeek-V3 / GLM-4.5's mlp.gate, MiniMax-M2's block_sparse_moe; named as
+    # ModelBase.filter_tensors renames them) and GLM-4.5 / DeepSeek's shared experts
+    Shape("mlp.gate.e_score_correction.bias", 0, size("experts")),
+    Shape("block_sparse_moe.e_score_correction.bias", 0, size("experts")),
+    *(Shape(f"mlp.shared_experts.{w}_proj.weight", d, size(*q)) for w in ("gate", "up")
+      for d, q in ((0, ("expert_ff", "shared_experts")), (1, ("embd",)))),
+    Shape("mlp.shared_experts.down_proj.weight", 0, size("embd")),
+    Shape("mlp.shared_experts.down_proj.weight", 1, size("expert_ff", "shared_experts")),
 )
 _BY_TENSOR: dict[str, list[Shape]] = {}
 for _s in SHAPES:
@@ -263,9 +319,9 @@ def _check_rope(c: _Config, prefix: str, rope: dict) -> None:
             if key in rope and rope[key] is None:
                 raise c.bad(f"{prefix}.{key}", None, f"{ROPE_KEYS[key].want}, which llama3 RoPE scaling computes with")
         low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-        if not low < high:
-            raise c.bad(f"{prefix}.high_freq_factor", high, f"not above low_freq_factor ({show(low)}), which llama3 "
-                                                             "RoPE scaling needs (transformers' rule too)")
+        if not low <= high:  # (equal leaves no band to smooth: Llama 4 Scout's 1.0 and 1.0)
+            raise c.bad(f"{prefix}.high_freq_factor", high, f"below low_freq_factor ({show(low)}), which llama3 "
+                                                             "RoPE scaling cannot have")
     if kind == "yarn" and rope.get("factor") is not None and rope.get("original_max_position_embeddings") is None:
         raise CkptError(f"{c.where}: {prefix} is yarn RoPE scaling without original_max_position_embeddings, which "
                         "llama.cpp's converter writes with it")
@@ -285,13 +341,14 @@ def _quantities(c: _Config) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _check_blocks(c: _Config, q: dict, names) -> None:
-    """The block count against the blocks the weights hold (exactly 0..n-1, each present)."""
+def _check_blocks(c: _Config, q: dict, names, extra: int = 0) -> None:
+    """The block count against the blocks the weights hold (exactly 0..n-1, each present; or 0..n+extra-1 where
+    the architecture converts `extra` blocks after them: `LLMArch.trailing_blocks`)."""
     if "blocks" not in q:
         return
     key, n = q["blocks"]
     present = {int(m.group(1)) for name in names if (m := _BLOCK.fullmatch(name))}
-    if len(present) == n and max(present) == n - 1:
+    if any(len(present) == k and max(present) == k - 1 for k in {n, n + extra} if k):
         return
     if not present:
         raise c.bad(key, n, "but the weights hold no blocks (no model.layers.N tensors)")
@@ -319,6 +376,9 @@ def _check_relations(c: _Config, q: dict, complete: bool) -> None:
         (hk, h), (kk, kv) = q["heads"], q["kv_heads"]
         if kv > h or h % kv:
             raise c.bad(kk, kv, f"which does not divide {c.label(hk)} ({h}) into groups (grouped-query attention)")
+    if "ff" in q and isinstance(q["ff"][1], list) and "blocks" in q and len(q["ff"][1]) != q["blocks"][1]:
+        raise c.bad(q["ff"][0], q["ff"][1], f"{len(q['ff'][1])} values for the {q['blocks'][1]} layers of "
+                                            f"{c.label(q['blocks'][0])}")
     hd = _head_dim(c, q)
     if hd is not None and hd[1] % 2:
         raise CkptError(f"{c.where}: {hd[0]} is {hd[1]}, odd; RoPE rotates a head's values in pairs")
@@ -331,7 +391,34 @@ def _check_relations(c: _Config, q: dict, complete: bool) -> None:
             raise c.bad(key, used, "but the model has no experts (llama.cpp asserts that none are used then)")
 
 
-def _check_shapes(c: _Config, q: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+def _rules(arch) -> dict[str, list[Shape]]:
+    """The shape rules by tensor: the generic ones, those of a tensor the architecture has its own rules for
+    (`LLMArch.shape_rules`) replaced by them."""
+    own = getattr(arch, "shape_rules", ())
+    if not own:
+        return _BY_TENSOR
+    out = dict(_BY_TENSOR)
+    for tensor in {s.tensor for s in own}:
+        out[tensor] = [s for s in own if s.tensor == tensor]
+    return out
+
+
+def _of_block(values: dict, name: str, used) -> dict | None:
+    """The quantities `used` as they apply to tensor `name`: a per-layer list's value for its block (None for a
+    tensor outside the blocks, which such a quantity does not describe)."""
+    lists = [k for k in used if isinstance(values[k], list)]
+    if not lists:
+        return values
+    m = _BLOCK.fullmatch(name)
+    if m is None:
+        return None
+    i = int(m.group(1))
+    if any(i >= len(values[k]) for k in lists):
+        return None
+    return {**values, **{k: values[k][i] for k in lists}}
+
+
+def _check_shapes(c: _Config, q: dict, shapes: dict[str, tuple[int, ...]], rules=None) -> None:
     """Every tensor a rule names against the quantities; the first disagreement is refused, naming the keys with
     their values, the tensor and its size. Rules of one quantity go first, so that a wrong hidden_size is named
     alone, not in a product with the head count."""
@@ -344,10 +431,15 @@ def _check_shapes(c: _Config, q: dict, shapes: dict[str, tuple[int, ...]]) -> No
     for name, shape in shapes.items():
         m = _BLOCK.fullmatch(name)
         rel = _EXPERT.sub(r"\1{x}.", m.group(2)) if m else name.removeprefix("model.")
-        found += [(rule, name, shape) for rule in _BY_TENSOR.get(rel, ())]
+        found += [(rule, name, shape) for rule in (rules or _BY_TENSOR).get(rel, ())]
     found.sort(key=lambda x: sum(len(qs) for _, qs in x[0].terms) + len(x[0].terms))  # stable: file order within
+    all_values = values
     for rule, name, shape in found:
-        if not {x for _, qs in rule.terms for x in qs} <= values.keys():
+        used = {x for _, qs in rule.terms for x in qs}
+        if not used <= all_values.keys():
+            continue
+        values = _of_block(all_values, name, used)  # a per-layer list (Gemma 3n's intermediate_size): the block's
+        if values is None:
             continue
         want = sum(k * math.prod(values[x] for x in qs) for k, qs in rule.terms)
         have = shape[rule.dim] if len(shape) > rule.dim else None
@@ -376,9 +468,12 @@ def check(values: dict, shapes: dict[str, tuple[int, ...]], arch, where: str,
     c = _Config(values, where, stated)
     _check_kinds(c)
     q = _quantities(c)
-    _check_blocks(c, q, shapes)
+    _check_blocks(c, q, shapes, arch.trailing_blocks(c.values) if hasattr(arch, "trailing_blocks") else 0)
+    if "ff" in q and isinstance(q["ff"][1], list) and getattr(arch, "arch", None) not in PER_LAYER_FF:
+        raise c.bad(q["ff"][0], q["ff"][1], f"{COUNT.want} (a list is per-layer sizes, which a "
+                                            f"{getattr(arch, 'arch', '')} GGUF does not have)")
     _check_relations(c, q, complete=stated is not None)
-    _check_shapes(c, q, shapes)
+    _check_shapes(c, q, shapes, _rules(arch))
     if stated is None:
         return None
     need = REQUIRED.get(arch.params, REQUIRED["text"]) + (("vocab",) if arch.llama_params else ())

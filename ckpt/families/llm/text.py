@@ -9,6 +9,10 @@ from pathlib import Path
 
 from ckpt.errors import CkptError
 
+# TextModel.set_gguf_parameters' expert score functions: gguf's ExpertGatingFuncType values in the reference's
+# gguf-py (the installed gguf release has no SQRTSOFTPLUS yet, so the values are written as the integers they are)
+GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
+
 
 def _gguf():
     import gguf
@@ -30,10 +34,16 @@ def text_merged(cfg: dict) -> dict:
 def load_hparams(folder: Path, cfg: dict) -> dict:
     """ModelBase.load_hparams + TextModel.__init__: the config as transformers fills it in, text_config merged.
     (Called once config.json's own values are checked: transformers' config classes build per-layer lists.)"""
+    return text_merged(load_config(folder, cfg))
+
+
+def load_config(folder: Path, cfg: dict) -> dict:
+    """ModelBase.load_hparams: the whole config as transformers fills it in (sub-configs as they are: a vision
+    projector reads `vision_config` and the top-level `model_type`); config.json as it is without transformers."""
     try:
         from transformers import AutoConfig
     except ImportError:
-        return text_merged(cfg)
+        return dict(cfg)
     try:
         with quiet():
             hparams = AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
@@ -44,7 +54,7 @@ def load_hparams(folder: Path, cfg: dict) -> dict:
             raise CkptError(f"{folder / 'config.json'}: transformers' config class for model_type "
                             f"{cfg['model_type']!r} refuses it ({type(e).__name__}: {brief(str(e))})") from None
         hparams = dict(cfg)
-    return text_merged(hparams)
+    return hparams
 
 
 def known_model_type(model_type) -> bool:
@@ -148,6 +158,16 @@ def text_parameters(w, arch, hparams: dict, rope: dict, n_block: int, ftype: int
         w.add_expert_count(v)
     if (v := find(hparams, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
         w.add_expert_used_count(v)
+    if (v := hparams.get("n_group")) is not None:
+        w.add_expert_group_count(v)
+    if (v := hparams.get("topk_group")) is not None:
+        w.add_expert_group_used_count(v)
+    if (v := find(hparams, ["score_function", "scoring_func", "score_func", "moe_router_activation",
+                            "moe_router_activation_func", "expert_selection_fn"])) is not None:
+        if v not in GATING_FUNCS:
+            raise CkptError(f"config.json: the experts' score function is {str(v)[:40]!r}; llama.cpp's converter "
+                            f"writes {', '.join(GATING_FUNCS)}")
+        w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=w.arch), GATING_FUNCS[v])
     if (v := hparams.get("head_dim")) is not None:
         w.add_key_length(v)
         w.add_value_length(v)

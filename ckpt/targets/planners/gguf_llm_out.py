@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from ckpt.lazy import torch
@@ -60,16 +61,27 @@ from ckpt.errors import CkptError
 from ckpt.families.llm import config_keys
 from ckpt.families.llm.arch import Export, LLMArch
 from ckpt.families.llm.architectures import EXPORTS
-from ckpt.families.llm.tensors import HeadRowsPermuted
+from ckpt.families.llm.tensors import HeadRowsPermuted, Packed, Shifted
 from ckpt.families.llm.text import load_hparams, quiet, rope_parameters, text_merged
-from ckpt.io.plan import OutFile, Plan
+from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.io.tensors import Tensor
 from ckpt.report import Report, plural
 
 # prepare_tensors' always-F32 tensors that these architectures can have (gguf.MODEL_TENSOR names)
-F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES")
+F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "SSM_CONV1D", "ALTUP_CORRECT_COEF",
+               "ALTUP_PREDICT_COEF")
 PLAIN = ("F32", "F16", "BF16")
 CONVERT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py --outtype; other mixes are llama-quantize's
+
+
+def ggml_shape(shape: tuple) -> tuple:
+    """The shape llama-quantize's file gives a tensor: gguf_add_tensor stores ggml_n_dims dimensions, so size-1
+    dims at the front of the torch shape (ggml's trailing ones) go: Qwen3-Next's [1, hidden] shared-expert gate is
+    [hidden] there."""
+    i = 0
+    while i < len(shape) - 1 and shape[i] == 1:
+        i += 1
+    return tuple(shape[i:])
 
 
 def block_number(name: str) -> int:
@@ -181,7 +193,7 @@ def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report, operation: str) 
                 busy_stage="compute" if mix.quantized else None)  # the encoders hold the work (ckpt.quant.gguf)
 
 
-def _export(ckpt, view) -> tuple[LLMArch, Export, dict]:
+def _export(ckpt, view, tokenizer: bool = True) -> tuple[LLMArch, Export, dict]:
     """The architecture of the folder, its config checked and read as the reference reads it; refused in one line
     where the reference could not convert it (or would write a GGUF llama.cpp cannot load)."""
     from ckpt.targets.planners import gguf_vocab
@@ -204,8 +216,9 @@ def _export(ckpt, view) -> tuple[LLMArch, Export, dict]:
     if arch is None:
         raise CkptError(f"{folder}: architecture {hf_arch!r} cannot be written as a llama.cpp GGUF by ckpt (supported: "
                         f"{', '.join(EXPORTS)}); use llama.cpp's convert_hf_to_gguf.py")
-    gguf_vocab.check_tokenizer(folder)
-    shapes = {n: tuple(t.shape) for n, t in view.tensors.items()}
+    if tokenizer:  # a LoRA adapter's GGUF (`export_context`) holds no vocabulary
+        gguf_vocab.check_tokenizer(folder)
+    shapes = {s: tuple(t.shape) for n, t in view.tensors.items() if (s := arch.source_name(n)) is not None}
     stated = text_merged(comp.config)
     config_keys.check(stated, shapes, arch, str(where))  # before transformers' config class builds anything
     hparams = load_hparams(folder, comp.config)
@@ -213,9 +226,18 @@ def _export(ckpt, view) -> tuple[LLMArch, Export, dict]:
     gguf = _gguf()
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
     x = Export(comp.where, folder, where, hparams, rope_parameters(hparams), sizes.blocks, sizes.heads,
-               sizes.kv_heads, sizes.experts, gguf.get_tensor_name_map(arch_enum, sizes.blocks))
+               sizes.kv_heads, sizes.experts, gguf.get_tensor_name_map(arch_enum, sizes.blocks),
+               tensor_shapes=shapes, tensors={s: view.tensors[n] for n in _source_order(view, comp)
+                                              if (s := arch.source_name(n)) is not None})
     arch.check(x, hf_arch)
     return arch, x, stated
+
+
+def export_context(ckpt, view, *, tokenizer: bool = True) -> tuple[LLMArch, Export, dict]:
+    """(architecture, Export, config.json as stated) of an HF LLM folder, checked as `plan_gguf_llm` checks it: for
+    other GGUF files made from the folder's architecture (`ckpt.lora.gguf_adapter`: a LoRA adapter, which holds no
+    vocabulary, so `tokenizer=False` does not ask for one)."""
+    return _export(ckpt, view, tokenizer=tokenizer)
 
 
 def _sources(arch: LLMArch, x: Export, view, comp) -> tuple[list[tuple[str, Tensor]], list[str]]:
@@ -223,11 +245,12 @@ def _sources(arch: LLMArch, x: Export, view, comp) -> tuple[list[tuple[str, Tens
     left out."""
     sources = list(arch.extra_tensors(x))
     skipped = []
-    for name in _source_order(view, comp):
-        if arch.leaves_out(name):
-            skipped.append(name)
+    for stored in _source_order(view, comp):
+        name = arch.source_name(stored)  # the reference's filter_tensors (a VLM's text model)
+        if name is None or arch.leaves_out(name):
+            skipped.append(stored)
             continue
-        sources += arch.tensors(x, name, view.tensors[name])
+        sources += arch.tensors(x, name, view.tensors[stored])
     arch.finish(x)
     seen: set[str] = set()
     for g, _ in sources:
@@ -253,6 +276,9 @@ def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report,
         if not t.dtype.is_floating_point:
             raise CkptError(f"{comp.where}: tensor {t.name!r} is {t.dtype}, not floating point; llama.cpp's converter "
                             "writes float weights only")
+        if isinstance(t, Packed):  # bytes the reference writes as they are (gpt-oss's MXFP4 experts): their type
+            before.append((gname, tuple(t.shape), t.ggml_type))
+            continue
         f32 = len(t.shape) <= 1 or gname.endswith("_norm.weight") or gname in f32_names or \
             gname[-7:] not in (".weight", ".lora_a", ".lora_b")
         before.append((gname, tuple(t.shape), "F32" if f32 else base))
@@ -265,7 +291,15 @@ def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report,
     outs, summary, fallbacks = [], {}, {}
     for i in order:
         (gname, t), (_, shape, _), (tname, why, fell) = sources[i], before[i], types[i]
-        outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
+        if mix.name not in CONVERT_OUTTYPES:
+            shape = ggml_shape(shape)
+        if isinstance(t, Packed) and (mix.name in CONVERT_OUTTYPES or tname == t.ggml_type):
+            # convert_hf_to_gguf.py writes it in its own type whatever --outtype; a llama-quantize mix keeps it
+            # where its rule gives that type, else quantizes its values (llama-quantize --allow-requantize)
+            tname, why, fell = t.ggml_type, "as stored, repacked", False
+            outs.append(OutTensor(gname, torch.uint8, shape, t.packed, gguf_type=int(T[tname])))
+        else:
+            outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
         if fell:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
@@ -302,11 +336,25 @@ def _metadata(w, gguf, arch: LLMArch, x: Export, mix, sources):
     """ModelBase.prepare_metadata + TextModel.prepare_metadata: the key-values after general.architecture; returns
     (notes, the number of tokens written, the tokenizer file they came from)."""
     from ckpt.targets.planners import gguf_vocab
-    from ckpt.families.llm.tokenizer_files import read_json
-    from ckpt.io.small_inputs import read_text
 
     folder = x.folder
     w.add_type(gguf.GGUFType.MODEL)
+    model_card(w, folder, sources)
+    notes = arch.parameters(w, x, int(gguf.LlamaFileType[mix.ftype]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    n_tokens, vocab_file = gguf_vocab.set_vocab(w, arch.vocab, folder, x.hparams)
+    return notes, n_tokens, vocab_file
+
+
+def model_card(w, folder: Path, sources) -> None:
+    """ModelBase.prepare_metadata's `general.*` model card keys (gguf's `Metadata.load` over the folder, its name
+    and size label filled in from the planned tensors `sources`: (GGUF name, Tensor)); shared with the projector
+    planner (`gguf_mmproj_out`), whose MmprojModel prepares them the same way."""
+    from ckpt.targets.planners import gguf_vocab
+    from ckpt.families.llm.tokenizer_files import read_json
+    from ckpt.io.small_inputs import read_text
+
+    gguf = _gguf()
     total, shared, expert, n_expert = _param_counts(sources)
     # gguf's Metadata reads generation_config.json and README.md itself: each read here first (a regular file of
     # a bounded size), the sampling defaults checked, and what its YAML model card reader raises said in one line
@@ -322,10 +370,6 @@ def _metadata(w, gguf, arch: LLMArch, x: Export, mix, sources):
         if meta.size_label is None and total > 0:
             meta.size_label = gguf.size_label(total, shared, expert, n_expert)
         meta.set_gguf_meta_model(w)
-    notes = arch.parameters(w, x, int(gguf.LlamaFileType[mix.ftype]))
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    n_tokens, vocab_file = gguf_vocab.set_vocab(w, arch.vocab, folder, x.hparams)
-    return notes, n_tokens, vocab_file
 
 
 def _param_counts(sources) -> tuple[int, int, int, int]:
@@ -348,14 +392,14 @@ def _stored_of(v, stored) -> bool:
     """Whether the view's tensor `v` is the stored GGUF tensor unchanged: only the reader's own wrappers (its HF
     name, dequantized values, q/k rows unpermuted) between them; a merged or otherwise computed tensor is not."""
     from ckpt.quant.gguf import GGUFValues
-    from ckpt.quant.gguf_llm import HeadRowsUnpermuted, HFNamed
+    from ckpt.quant.gguf_llm import HeadRowsUnpermuted, HFNamed, NormUnshifted
 
     while True:
         if v is stored:
             return True
         if type(v) is GGUFValues:
             return v.stored is stored
-        if type(v) not in (HFNamed, HeadRowsUnpermuted):
+        if type(v) not in (HFNamed, HeadRowsUnpermuted, NormUnshifted):
             return False
         v = v.base
 
@@ -392,8 +436,12 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
     n_head_kv = _header_int(header, K.Attention.HEAD_COUNT_KV.format(arch=arch), n_head)
     n_expert = _header_int(header, K.LLM.EXPERT_COUNT.format(arch=arch), 0)
     permute = ARCHS[arch].rope_permute if arch in ARCHS else False
+    shift = ARCHS[arch].norm_shift if arch in ARCHS else 0.0
     placed = set(view.anchors.values())
-    extra = sorted(n for n in view.tensors if n not in placed)
+    # a tensor the reader rebuilt from several stored ones (gpt-oss's fused expert banks) has no place; unchanged
+    # (the decoded view's own object), its stored tensors are taken as they are; changed, it is refused
+    decoded = (view.origin or view).tensors
+    extra = sorted(n for n in view.tensors if n not in placed and view.tensors[n] is not decoded.get(n))
     if extra:
         raise CkptError(f"{f.path}: tensor {extra[0]!r} is not one of the GGUF's own ({plural(len(extra), 'tensor')} "
                         "without a place in it); nothing was written")
@@ -409,6 +457,8 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
             src, changed = v, True
             if permute and gname.endswith((".attn_q.weight", ".attn_q.bias", ".attn_k.weight", ".attn_k.bias")):
                 src = HeadRowsPermuted(v, v.shape[0] // (n_head if ".attn_q." in gname else n_head_kv))
+            if shift and gname.endswith("norm.weight"):  # Gemma's norms, shifted back as the converter stores them
+                src = Shifted(src, shift)
         sources.append((gname, stored, src, changed))
         before.append((gname, tuple(stored.stored_shape), stored.type_name))
     types = _llm_types(mix, before, arch=arch, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
@@ -417,14 +467,16 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
     outs, summary, fallbacks, copied = [], {}, {}, 0
     for (gname, stored, src, changed), (tname, why, fell) in zip(sources, types):
         if tname == stored.type_name and not changed:
-            outs.append(stored_output(stored))
+            out = stored_output(stored)
+            outs.append(replace(out, shape=ggml_shape(tuple(out.shape))))  # llama-quantize's dims (ggml_n_dims)
             copied += 1
         elif stored.quantized and tname != stored.type_name:
             raise CkptError(f"{f.path}: tensor {gname} is {stored.type_name}; requantizing it as {tname} loses "
                             f"precision twice (llama-quantize refuses it without --allow-requantize): write "
                             f"--to gguf-{mix.name} from the F16/BF16/F32 GGUF or the Hugging Face folder")
         else:
-            outs.append(out_tensor(gname, src, int(T[tname]), tuple(stored.stored_shape), report, casters))
+            outs.append(out_tensor(gname, src, int(T[tname]), ggml_shape(tuple(stored.stored_shape)), report,
+                                   casters))
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
         if fell:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1

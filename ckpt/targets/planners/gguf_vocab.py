@@ -293,12 +293,13 @@ def _normalizer_flags(normalizer: dict, out: dict) -> None:
             _normalizer_flags(n, out)
 
 
-def add_special_vocab(w, folder: Path, **kw) -> None:
+def add_special_vocab(w, folder: Path, *, tokens: dict[str, int] | None = None, **kw) -> None:
     """`gguf.SpecialVocab(folder, **kw).add_to_gguf(w)` as the reference's own gguf-py (llama.cpp 0c1e57098, newer
     than the gguf 0.19.0 release of the same version number) does it: three rules the release lacks are applied
     here. A ByteLevel post-processor means no BOS/EOS is added (unless a template processor says so); the
     post-processor's add-BOS/EOS wins over tokenizer_config.json's; a Lowercase / StripAccents normalizer is
-    recorded (`tokenizer.ggml.normalizer.*`)."""
+    recorded (`tokenizer.ggml.normalizer.*`). `tokens`: the special tokens a model class sets itself after
+    SpecialVocab has read the files (`_set_special_token`, which keeps a type already read)."""
     import gguf
 
     class SpecialVocab(gguf.SpecialVocab):
@@ -317,6 +318,8 @@ def add_special_vocab(w, folder: Path, **kw) -> None:
                 special.add_special_token.setdefault("eos", False)
         if normalizer := tokenizer.get("normalizer"):
             _normalizer_flags(normalizer, flags)
+    for typ, i in (tokens or {}).items():
+        special._set_special_token(typ, i)
     special.add_to_gguf(w, quiet=True)
     for k in ("lowercase", "strip_accents"):
         if k in flags:
@@ -402,14 +405,35 @@ def _vocab_base(folder: Path, hparams: dict):
     return tokens, types, pre
 
 
-def _set_gpt2(w, folder: Path, hparams: dict) -> int:
+def _set_gpt2(w, folder: Path, hparams: dict, special: dict[str, int] | None = None) -> int:
     tokens, types, pre = _vocab_base(folder, hparams)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     n = _add_tokens(w, tokens, folder / "tokenizer.json")
     w.add_token_types(types)
-    add_special_vocab(w, folder, load_merges=True)
+    add_special_vocab(w, folder, load_merges=True, tokens=special)
     return n
+
+
+# TextModel._set_vocab_glm: the special token types it sets from GLM's added tokens (after SpecialVocab's own)
+GLM_SPECIAL = (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"), ("eom", "<|observation|>"))
+
+
+def _glm_special_tokens(folder: Path) -> dict[str, int]:
+    """The ids `_set_vocab_glm` looks up among the tokenizer's added tokens (the reference fails with a KeyError
+    on a tokenizer without one of them: said here in one line)."""
+    path = folder / "tokenizer.json"
+    from transformers import AutoTokenizer  # (_vocab_base said how to install it where it is missing)
+
+    with read_by(path, "transformers' AutoTokenizer"):
+        added = AutoTokenizer.from_pretrained(folder).get_added_vocab()
+    out = {}
+    for typ, token in GLM_SPECIAL:
+        if token not in added:
+            raise CkptError(f"{path}: has no added token {token!r}, which llama.cpp's GLM converter sets as the "
+                            f"{typ} token")
+        out[typ] = added[token]
+    return out
 
 
 def _phi3_sentencepiece(folder: Path, hparams: dict):
@@ -462,6 +486,9 @@ def set_vocab(w, style: str, folder: Path, hparams: dict) -> tuple[int, Path]:
     import gguf
 
     spm, json_file = folder / "tokenizer.model", folder / "tokenizer.json"
+    if style == "gemma3n":  # Gemma3NModel.set_vocab: Gemma 3's over vocab_size (the vision / audio token slots too)
+        hparams = {k: v for k, v in hparams.items() if k != "vocab_size_per_layer_input"}
+        style = "gemma3"
     if style == "llama":
         config = read_json(folder, "tokenizer_config.json")
         if config is not None and (add_prefix_space := config.get("add_prefix_space")) is not None:
@@ -505,6 +532,8 @@ def set_vocab(w, style: str, folder: Path, hparams: dict) -> tuple[int, Path]:
         w.add_token_types(types)
         add_special_vocab(w, folder, n_vocab=len(tokens))
         return n, spm
+    if style == "glm":  # TextModel._set_vocab_glm (Glm4MoeModel): BPE, then GLM's own special tokens
+        return _set_gpt2(w, folder, hparams, _glm_special_tokens(folder)), json_file
     if style == "qwen2" and _has_spm(folder):  # Qwen2Model.set_vocab
         return _set_sentencepiece(w, folder, hparams), spm
     return _set_gpt2(w, folder, hparams), json_file

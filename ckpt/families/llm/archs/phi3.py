@@ -1,15 +1,23 @@
 """`phi3` (Phi3MiniModel): fused qkv and gate_up kept fused (llama.cpp splits them), its own parameters and
-vocabulary, a long-context model's `rope_factors_long/short.weight` and attention factor."""
+vocabulary, a long-context model's `rope_factors_long/short.weight` and attention factor.
+
+Read back as `Phi3ForCausalLM`: `attn_qkv` and `ffn_up` are the HF model's own fused `qkv_proj` and `gate_up_proj`
+(checked against the head counts and feed_forward_length), the RoPE factors go back into config.json's
+`rope_parameters` (longrope) with the original context and, where it is not the one transformers computes, the
+attention factor; the rotary share from `rope.dimension_count`; the sliding window the original had."""
 
 from __future__ import annotations
 
 import math
 
+from ckpt.lazy import numpy as np
 from ckpt.lazy import torch
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, file_error
 from ckpt.families.llm import config_keys
-from ckpt.families.llm.arch import Export, LLMArch
+from ckpt.families.llm.arch import Export, LLMArch, Readback
+from ckpt.families.llm.moe_readback import rope_config
+from ckpt.families.llm.readback_keys import pad_token
 from ckpt.families.llm.text import find
 from ckpt.io.tensors import ComputedTensor, Tensor
 
@@ -48,6 +56,65 @@ class Phi3(LLMArch):
         w.add_sliding_window(hparams.get("sliding_window") or 0)
         return []
 
+    # ------------------------------------------------------------------ reading back (GGUF -> HF)
+
+    def read_config(self, r: Readback) -> None:
+        """Phi3Config from the metadata and the fused tensors: `attn_qkv`'s rows are the query heads and twice the
+        key/value heads, the rotary share is `rope.dimension_count` of the head, the RoPE factors (both or none, half
+        the rotary dimensions each) become a longrope `rope_parameters`, with the attention factor only where it
+        differs from the one transformers derives (max_position_embeddings over the original context), so that the
+        read-back model computes what the original did; the sliding window the original had (llama.cpp runs Phi-3
+        without it) and the tokenizer's padding token (Phi3Config's default 32000 may lie past the vocabulary)."""
+        import gguf
+
+        from ckpt.quant.gguf_llm import Meta
+
+        K = gguf.Keys
+        m, cfg = Meta(r.header, self.arch), r.cfg
+        heads, kv, head = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        for name, t in r.stored.items():
+            if name.endswith(".attn_qkv.weight") and tuple(t.stored_shape[:1]) != ((heads + 2 * kv) * head,):
+                raise m.bad(m.key(K.Attention.HEAD_COUNT_KV), kv, f"but {name} is {list(t.stored_shape)}, not "
+                                                                  f"{heads} query + 2 x {kv} key/value heads of {head}")
+        rope = rope_config(m, cfg, head)
+        orig = m.integer(K.Rope.SCALING_ORIG_CTX_LEN, None)
+        long, short = (r.stored.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+        attn_key = m.key(K.Rope.SCALING_ATTN_FACTOR)
+        attn = m.number(K.Rope.SCALING_ATTN_FACTOR, None)
+        if long is None and short is None:
+            if attn is not None and attn != 1.0:
+                raise m.bad(attn_key, attn, "but the file has no rope_factors_long/short.weight it scales")
+        else:
+            half = round(rope["partial_rotary_factor"] * head) // 2
+            for gname, t in (("rope_factors_long.weight", long), ("rope_factors_short.weight", short)):
+                if t is None or tuple(t.stored_shape) != (half,):
+                    shape = "missing" if t is None else f"{list(t.stored_shape)}"
+                    raise m.bad(m.key(K.Rope.DIMENSION_COUNT), round(rope["partial_rotary_factor"] * head),
+                                f"but {gname} is {shape}, not [{half}] (half the rotary dimensions)")
+            orig = m.integer(K.Rope.SCALING_ORIG_CTX_LEN, lo=2)  # (longrope divides by its logarithm)
+            rope.update(rope_type="longrope", original_max_position_embeddings=orig)
+            for k, t in (("long_factor", long), ("short_factor", short)):
+                values = r.value(f"rope_factors_{k[:-7]}.weight", k).read_all(torch.device("cpu")).float().numpy()
+                if not np.isfinite(values).all() or (values <= 0).any():
+                    raise file_error(r.path, f"tensor rope_factors_{k[:-7]}.weight holds a value that is not a "
+                                             "finite number above 0")
+                rope[k] = [float(str(v)) for v in values.astype(np.float32)]
+                r.into_config[f"rope_factors_{k[:-7]}.weight"] = f"config.json rope_parameters {k}"
+            scale = cfg["max_position_embeddings"] / orig
+            derived = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+            if attn is not None and np.float32(attn) != np.float32(derived):
+                rope["attention_factor"] = attn
+                r.notes.append(f"config.json rope_parameters attention_factor {attn} from {attn_key} (not the "
+                               f"{np.float32(derived)} transformers derives for longrope)")
+        window = m.integer(K.Attention.SLIDING_WINDOW, 0, lo=0)
+        cfg.update(rope_parameters=rope, sliding_window=window or None, pad_token_id=None)
+        if orig is not None:
+            cfg["original_max_position_embeddings"] = orig
+        if window:
+            r.notes.append(f"config.json sliding_window {window} as the original had it (llama.cpp runs Phi-3 "
+                           "without a sliding window)")
+        pad_token(m, cfg)
+
 
 def _phi3_rope(hparams: dict, rope: dict, where="config.json") -> tuple[int, int, int]:
     n_embd = find(hparams, ["hidden_size", "n_embd"], optional=False)
@@ -85,4 +152,4 @@ def phi3_rope_factors(hparams: dict, rope: dict, where="config.json"):
 
 
 ARCH = Phi3("phi3", "Phi3ForCausalLM", "phi3", PHI3_LAYER, hf_classes=("Phi3ForCausalLM",), params="phi3", vocab="phi3",
-            readable=False)
+            ffn_up_rows=2)
