@@ -16,6 +16,19 @@ import pytest
 from ckpt.interrupts import signals_deferred
 
 
+@pytest.fixture(autouse=True)
+def pythons_own_sigint_handler():
+    """Python's default SIGINT handler in place, as in the CLI's process. In the test process a library another
+    test loaded may have replaced it (with SIG_IGN, or with a C handler: `signal.getsignal` then says None), and
+    `_thread.interrupt_main()` reaches only a Python handler; the SIGINT cases then never see KeyboardInterrupt.
+    Restored afterwards where it was a Python-level one."""
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if old is not None:
+        signal.signal(signal.SIGINT, old)
+
+
 def busy_threads(n=3):
     """Unmasked threads that sleep in short steps (as the write stages' threads wait for bands)."""
     stop = threading.Event()
