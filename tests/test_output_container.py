@@ -49,8 +49,13 @@ CASES = {
     "lora extract": (["lora", "extract", "base.safetensors", "tuned.safetensors", "--rank", "2"], NEVER),
     "lora resize": (["lora", "resize", "l.safetensors", "--rank", "2"], NEVER),
     "lora merge": (["lora", "merge", "l.safetensors", "l.safetensors"], NEVER),
-    "lora convert": (["lora", "convert", "l.safetensors", "--format", "diffusers", "--base", "a.safetensors"], NEVER),
-    "lora convert --format peft": (["lora", "convert", "l.safetensors", "--format", "peft", "--base", "a.safetensors"], "a folder, never GGUF"),
+    # lora convert writes GGUF with --format gguf (a llama.cpp LoRA adapter), so its hint names that
+    "lora convert": (["lora", "convert", "l.safetensors", "--format", "diffusers", "--base", "a.safetensors"],
+                     "writes safetensors here; add --format gguf --base HF_FOLDER to write GGUF, or name it "
+                     "x.safetensors"),
+    "lora convert --format peft": (["lora", "convert", "l.safetensors", "--format", "peft", "--base", "a.safetensors"],
+                                   "writes a folder here; add --format gguf --base HF_FOLDER to write GGUF, or name "
+                                   "a folder"),
 }
 
 
