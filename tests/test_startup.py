@@ -72,7 +72,7 @@ def test_missing_path_is_one_line_before_torch(tmp_path, args, what):
 
 @pytest.mark.parametrize("args, message", [
     (["convert", "x", "--to", "fp16", "--report", "{d}/no/r.json"], "--report {d}/no/r.json: folder {d}/no does not exist"),
-    (["lora", "convert", "x"], "ckpt lora convert: Missing option '--format'. Choose from: kohya, peft, diffusers, comfy"),
+    (["lora", "convert", "x"], "ckpt lora convert: Missing option '--format'. Choose from: kohya, peft, diffusers, comfy, gguf"),
 ])
 def test_usage_errors_before_torch(tmp_path, args, message):
     verdict, err = run_fresh(*[a.format(d=tmp_path) for a in args])
