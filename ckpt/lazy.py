@@ -32,3 +32,11 @@ class LazyModule:
 
 torch = LazyModule("torch")
 numpy = LazyModule("numpy")
+
+
+def resolve(proxy: LazyModule):
+    """The module itself behind a proxy (imported now): for code that needs the real module object, such as the
+    globals numba compiles kernels against (`ckpt.quant.kquants.jit`)."""
+    from ckpt.interrupts import load
+
+    return load(proxy._lazy_name)

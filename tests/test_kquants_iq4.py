@@ -98,10 +98,12 @@ def test_bytes_equal_ggml(ggml_lib, qname, ggml_name, blk, nbytes, case):
 
 
 def test_registered():
-    from ckpt.quant.kquants import encoders
+    """The torch encoders serve CUDA rows (the registry wraps a plain function as a static, any-device Encoder)."""
+    from ckpt.quant.kquants import encoder
 
-    enc = encoders()
-    assert enc["IQ4_NL"] is iq4.encode_iq4_nl and enc["IQ4_XS"] is iq4.encode_iq4_xs
+    x = torch.randn(2, 256)
+    for name, fn in (("IQ4_NL", iq4.encode_iq4_nl), ("IQ4_XS", iq4.encode_iq4_xs)):
+        assert torch.equal(encoder(name, "cuda").fn(x, None), fn(x))
 
 
 @pytest.mark.parametrize("qname, blk", [("IQ4_NL", 32), ("IQ4_XS", 256)])

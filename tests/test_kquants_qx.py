@@ -12,7 +12,7 @@ import torch
 
 from helpers import ggml_ref
 
-from ckpt.quant.kquants import encoders, qx
+from ckpt.quant.kquants import qx
 
 TYPES = [("Q6_K", "q6_K", 210), ("Q3_K", "q3_K", 110)]
 
@@ -54,7 +54,7 @@ def _check(name: str, ref: str, bb: int, x: np.ndarray):
     import gguf
 
     want = np.frombuffer(ggml_ref.quantize(ref, x), dtype=np.uint8).reshape(x.shape[0], -1)
-    got = encoders()[name](torch.from_numpy(x))
+    got = qx.ENCODERS[name](torch.from_numpy(x))  # the torch encoder (CUDA's; CPU kernels: test_kquants_cpu)
     assert got.dtype == torch.uint8 and tuple(got.shape) == want.shape
     got = got.numpy()
     if not np.array_equal(got, want):

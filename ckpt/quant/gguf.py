@@ -142,21 +142,32 @@ def dequantize(raw: torch.Tensor, ggml_type: int, row_len: int) -> torch.Tensor:
     return out
 
 
-def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def encode(values: torch.Tensor, ggml_type: int, qw: torch.Tensor | None = None) -> torch.Tensor:
     """One band (or a whole tensor) of values -> the bytes GGUF stores for it in `ggml_type`: uint8 blocks
     for block types, the plain dtype otherwise. Blocks run along the last dimension, which must be a
     multiple of the block size. This is the one call that (re-)encodes a tensor in a GGUF type.
 
-    The legacy types (Q4_0/1, Q5_0/1, Q8_0) are gguf's own quantize, run on pieces of the band by every core
-    the caller's stage has (`_quantize_pieces`); bf16 values reach it as they are (widened piece by piece
-    there, not copied to a whole fp32 band first).
+    `qw`: the importance (`--imatrix`) of this band's columns, fp32 [n] or [rows, n] (one row of importance per
+    row of the band: the expert slices of a 3-D tensor), or None. A type with an importance path
+    (`ckpt.quant.kquants.Encoder.weighted`) then runs it, as ggml's `quantize_<type>(..., imatrix)` does; the
+    types whose ggml quantizer ignores the importance (Q8_0, the plain types) ignore it here too.
+
+    The encoder is ckpt's own where it has one (`ckpt.quant.kquants`: compiled CPU kernels, torch ones for CUDA);
+    the legacy types' static path (Q4_0/1, Q5_0/1, Q8_0) is gguf's own quantize, run on pieces of the band by
+    every core the caller's stage has (`_quantize_pieces`); bf16 values reach it as they are (widened piece by
+    piece there, not copied to a whole fp32 band first).
 
     NaN/Inf values make gguf's numpy arithmetic warn ("invalid value encountered in multiply / cast") on
     stderr; every caller counts them into its Report (`nonfinite_input`), which says it once, so numpy's
     warnings are silenced here."""
     plain = plain_types().get(ggml_type)
-    ours = kquant_encoder(ggml_type)
     v = values.detach()
+    ours = kquant_encoder(ggml_type, v.device.type, weighted=qw is not None)
+    if ours is None and qw is not None:
+        if plain is None and type_name(ggml_type) != "Q8_0":
+            raise ValueError(f"no importance-matrix encoder for {type_name(ggml_type)}")
+        qw = None  # ggml's Q8_0 and the plain types take no importance
+        ours = kquant_encoder(ggml_type, v.device.type)
     if plain is None and ours is None and v.dtype in (torch.bfloat16, torch.float32):
         x = v.to("cpu").contiguous()  # bf16: half the bytes of a device->host copy, and no fp32 band copy
     else:
@@ -173,7 +184,13 @@ def encode(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
         # NaN/Inf (counted by the caller) make ggml's C block math undefined; a NaN is encoded as 0 (the rest of its
         # block survives), an Inf as the largest finite float32 (its block's fp16 scale then overflows, as in C)
         x = torch.nan_to_num(x, nan=0.0)
-        return ours(x.reshape(-1, row)).reshape(-1).cpu()
+        rows = x.reshape(-1, row)
+        if rows.device.type not in ours.devices:  # a CPU kernel for CUDA rows
+            rows = rows.cpu()
+        if qw is not None:
+            qw = qw.to(rows.device, torch.float32)
+            qw = qw.reshape(row) if qw.numel() == row else qw.reshape(-1, row)
+        return ours.fn(rows, qw).reshape(-1).cpu()
     return _quantize_pieces(x.reshape(-1), ggml_type)
 
 
@@ -192,7 +209,7 @@ _pool = None
 _pool_lock = threading.Lock()
 
 
-def _helpers():
+def helper_pool():
     """The persistent threads that quantize pieces beside the caller (one fewer than the cores: the caller
     is a worker too), made on first use."""
     global _pool
@@ -249,7 +266,7 @@ def _quantize_pieces(flat: torch.Tensor, ggml_type: int) -> torch.Tensor:
                 dst[a // blk * size: b // blk * size] = quantize(v.reshape(1, -1), ggml_type).reshape(-1)
 
     workers = quant_workers(-(-n // step))
-    helpers = [_helpers().submit(work) for _ in range(workers - 1)]
+    helpers = [helper_pool().submit(work) for _ in range(workers - 1)]
     try:
         work()
     finally:
@@ -264,12 +281,12 @@ def _quantize_pieces(flat: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return out
 
 
-def kquant_encoder(ggml_type: int):
-    """ckpt's own encoder of a type the gguf package cannot write (`ckpt.quant.kquants`: Q2_K..Q6_K, IQ4_NL,
-    IQ4_XS), or None."""
-    from ckpt.quant.kquants import encoders
+def kquant_encoder(ggml_type: int, device: str = "cpu", weighted: bool = False):
+    """ckpt's own encoder (`ckpt.quant.kquants.Encoder`) of a type for rows on `device`, with an importance or
+    without, or None (the gguf package's quantize, or nothing, writes it)."""
+    from ckpt.quant.kquants import encoder
 
-    return encoders().get(type_name(ggml_type))
+    return encoder(type_name(ggml_type), device, weighted)
 
 
 def stored_output(stored: GGUFStored, name: str | None = None):

@@ -1,7 +1,9 @@
 """llama.cpp's own quantizers as a test oracle: `ggml/src/ggml-quants.c` as vendored by the llama-cpp-python sdist
 (0.3.36, llama.cpp 0c1e57098, MIT), compiled with the system C compiler into a small shared library and called
 through ctypes: `quantize(type, rows)` is what `llama-quantize` writes for a tensor without an importance matrix
-(`quantize_<type>(src, dst, nrow, n_per_row, NULL)`).
+(`quantize_<type>(src, dst, nrow, n_per_row, NULL)`), `quantize(type, rows, imatrix=qw)` what it writes with one
+(`ggml_quantize_chunk`'s call with the tensor's importance, fp32 [n_per_row]), for every type ggml quantizes (the
+IQ types' grids are initialised first, as `ggml_quantize_init` does).
 
 The sdist comes from the package registry (`pip download`, the one network access, once) and is unpacked and built
 under `.venv/ggml-ref/` (git-ignored, kept between runs; `CKPT_GGML_REF` names another folder). Only the files the
@@ -29,9 +31,18 @@ FILES = ("src/ggml-quants.c", "src/ggml-quants.h", "src/ggml-common.h", "src/ggm
 # type -> (elements per block, bytes per block), as ggml's type traits
 BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
           "q2_K": (256, 84), "q3_K": (256, 110), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
-          "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
+          "iq4_nl": (32, 18), "iq4_xs": (256, 136),
+          "iq2_xxs": (256, 66), "iq2_xs": (256, 74), "iq2_s": (256, 82), "iq3_xxs": (256, 98), "iq3_s": (256, 110),
+          "iq1_s": (256, 50), "iq1_m": (256, 56), "tq1_0": (256, 54), "tq2_0": (256, 66), "mxfp4": (32, 17),
+          "nvfp4": (64, 36), "q1_0": (128, 18), "q2_0": (64, 18)}
 TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13,
-            "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
+            "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23, "iq2_xxs": 16, "iq2_xs": 17, "iq3_xxs": 18, "iq1_s": 19,
+            "iq3_s": 21, "iq2_s": 22, "iq1_m": 29, "tq1_0": 34, "tq2_0": 35, "mxfp4": 39, "nvfp4": 40, "q1_0": 41,
+            "q2_0": 42}
+# ggml_quantize_init: the grids a type's quantizer needs, made once per process
+INIT = {"iq2_xxs": ("iq2xs_init_impl", 16), "iq2_xs": ("iq2xs_init_impl", 17), "iq2_s": ("iq2xs_init_impl", 22),
+        "iq1_s": ("iq2xs_init_impl", 19), "iq1_m": ("iq2xs_init_impl", 29), "iq3_xxs": ("iq3xs_init_impl", 256),
+        "iq3_s": ("iq3xs_init_impl", 512)}
 STUBS = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -142,19 +153,27 @@ def library(release: bool = False) -> ctypes.CDLL:
             fn = getattr(lib, f"quantize_{t}")
             fn.restype = ctypes.c_size_t
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        for fn_name, arg in set(INIT.values()):
+            getattr(lib, fn_name).argtypes = [ctypes.c_int]
+            getattr(lib, fn_name)(arg)
         _LIB[release] = lib
     return _LIB[release]
 
 
-def quantize(type_name: str, rows: np.ndarray, release: bool = False) -> bytes:
+def quantize(type_name: str, rows: np.ndarray, release: bool = False, imatrix: np.ndarray | None = None) -> bytes:
     """The bytes `llama-quantize` writes for these fp32 rows (2-D, row length a multiple of the block size) in
-    `type_name` (ggml's spelling: q4_K, iq4_xs, ...), without an importance matrix (`release`: `library`)."""
+    `type_name` (ggml's spelling: q4_K, iq4_xs, ...), without an importance matrix or with `imatrix` (fp32
+    [row length]: one importance per column, as llama-quantize passes a 2-D tensor's; `release`: `library`)."""
     x = np.ascontiguousarray(rows, dtype=np.float32)
+    qw = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+    if qw is not None and qw.size != x.shape[1]:
+        raise ValueError(f"imatrix of {qw.size} values for rows of {x.shape[1]}")
     nrow, n = x.shape
     blk, nbytes = BLOCKS[type_name]
     if n % blk:
         raise ValueError(f"{type_name}: rows of {n} are not a multiple of {blk}")
     out = np.zeros(nrow * (n // blk) * nbytes, dtype=np.uint8)
-    written = getattr(library(release), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n, None)
+    written = getattr(library(release), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n,
+                                                                 None if qw is None else qw.ctypes.data)
     assert written == out.nbytes, (written, out.nbytes)
     return out.tobytes()

@@ -1,0 +1,223 @@
+"""Compiled CPU kernels for the block encoders: ggml's C quantizers written as plain Python over scalars and numpy
+arrays and compiled by numba (LLVM) on first use, so they run at the C code's speed with its float32 arithmetic.
+
+Why numba: the torch encoders of this package vectorize across blocks and cap at ~9 M values/s on 2 cores, where
+ggml's scalar C does ~24 M/s; the IQ types' searches (grids, neighbour lists) do not vectorize at all. numba ships
+wheels for every platform torch does, needs no compiler on the user's machine, and compiles to the same
+arithmetic as C when fast-math is off (no FMA contraction, no reassociation: bytes stay ggml's). The torch
+encoders stay for CUDA (`Encoder.devices`).
+
+A kernel module keeps the import rule of the package (importing it imports neither numba nor numpy,
+tests/test_layering.py): its kernels are plain functions marked `@kernel`, written against `np` (`from ckpt.lazy
+import numpy as np`) and calling each other by name; `compiled(module_name)` builds them the first time an encoder
+runs: one copy of the module's globals in which `np` is numpy itself and every `@kernel` function is its numba
+dispatcher (so kernels call kernels compiled), `cache=True` (compiled once per machine, under numba's cache dir),
+`nogil=True` (the row pieces run on threads, `encode_rows`). Constant tables (ggml's grids) are declared as
+`JIT_TABLES = {"NAME": lambda np: np.array(DATA, dtype=np.uint64)}`: built with numpy at compile time and put in
+the kernels' globals under NAME, where numba freezes them into the compiled code.
+
+Writing a kernel so that it gives C's bits: every float is float32 (`np.float32(0.5)`, never a bare `0.5`, which
+is float64 and promotes the expression), `/` only between floats (int / int is float64), accumulations in the C
+loop's order, `nearest_int` as below. The entry kernel of an encoder has the signature
+`fn(x: float32[r, n], qw: float32[k, n], out: uint8[r, n / block * block_bytes])` with k = 0 (no importance),
+k = 1 (one for every row) or k = r (one row each).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import types
+
+from ckpt.lazy import numpy as np, torch
+
+_BUILT: dict[str, types.SimpleNamespace] = {}
+_LOCK = threading.RLock()  # a module's kernels may call another module's (built first, same thread)
+
+
+def kernel(fn):
+    """Mark `fn` as a kernel of its module (compiled by `compiled`)."""
+    fn._ckpt_kernel = True
+    return fn
+
+
+def available() -> bool:
+    """numba imports here (it is a dependency; a platform without its wheels falls back to the torch encoders)."""
+    try:
+        import numba  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def compiled(module_name: str) -> types.SimpleNamespace:
+    """The compiled kernels of `module_name`, as attributes (built on first call; thread-safe)."""
+    with _LOCK:
+        ns = _BUILT.get(module_name)
+        if ns is None:
+            ns = _BUILT[module_name] = _build(module_name)
+        return ns
+
+
+def _build(module_name: str) -> types.SimpleNamespace:
+    import importlib
+
+    import numba
+
+    from ckpt.lazy import resolve
+
+    numpy = resolve(np)
+    mod = importlib.import_module(module_name)
+    g = dict(vars(mod))
+    g["np"] = numpy
+    g["numpy"] = numpy
+    for name, make in getattr(mod, "JIT_TABLES", {}).items():  # constant arrays the kernels read as globals
+        g[name] = make(numpy)
+    out = {}
+    for name, f in vars(mod).items():
+        if isinstance(f, types.FunctionType) and getattr(f, "_ckpt_kernel", False):
+            if f.__module__ != module_name:  # imported from another kernel module: its own compiled one
+                g[name] = getattr(compiled(f.__module__), f.__name__)
+                continue
+            copy = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+            copy.__module__, copy.__qualname__ = f.__module__, f.__qualname__
+            g[name] = out[name] = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")(copy)
+    return types.SimpleNamespace(**out)
+
+
+# ------------------------------------------------------------------------------------------- scalar helpers
+
+
+@kernel
+def nearest_int(fval):
+    """ggml's `nearest_int`: the low mantissa bits of fval + 12582912.f as int32. For |fval| <= 4194303 that is
+    fval rounded half to even; beyond, what the C arithmetic gives (a release build: the debug assert is off),
+    read from the float32 sum's mantissa with frexp (numba has no scalar bit cast)."""
+    if abs(fval) <= np.float32(4194303.0):
+        return np.int32(np.rint(fval))
+    s = np.float32(fval) + np.float32(12582912.0)
+    a = abs(np.float64(s))
+    if a == 0.0 or a != a or a == np.inf:
+        return np.int32(-0x00400000) if a == 0.0 or a == np.inf else np.int32(0x00400000 - 0x00400000)
+    m, e = math.frexp(a)
+    if e < -125:  # a subnormal float32: its mantissa bits are a / 2**-149
+        mant = np.int64(a * 2.0 ** 149)
+    else:
+        mant = np.int64((m * 2.0 - 1.0) * 8388608.0)
+    return np.int32(mant - 0x00400000)
+
+
+@kernel
+def fp16_bits(f):
+    """GGML_FP32_TO_FP16 (round to nearest even; NaN -> 0x7E00) as uint16 bits, from the exact value (float64)."""
+    a = np.float64(f)
+    sign = np.uint16(0x8000) if (a < 0.0 or (a == 0.0 and np.copysign(1.0, a) < 0.0)) else np.uint16(0)
+    if a != a:
+        return np.uint16(0x7E00)
+    a = abs(a)
+    if a >= 65520.0:
+        return sign | np.uint16(0x7C00)
+    if a < 2.0 ** -14:
+        return sign | np.uint16(np.rint(a * 2.0 ** 24))
+    m, e = math.frexp(a)
+    ex = e - 1 + 15
+    mant = np.int64(np.rint((m * 2.0 - 1.0) * 1024.0))
+    if mant == 1024:
+        mant = 0
+        ex += 1
+    if ex >= 31:
+        return sign | np.uint16(0x7C00)
+    return sign | np.uint16((ex << 10) | mant)
+
+
+@kernel
+def fp16_value(h):
+    """GGML_FP16_TO_FP32 of uint16 bits."""
+    hi = np.int64(h)
+    ex = (hi >> 10) & 31
+    mant = hi & 1023
+    if ex == 0:
+        v = np.float64(mant) * 2.0 ** -24
+    elif ex == 31:
+        v = np.inf if mant == 0 else np.nan
+    else:
+        v = np.float64(1024 + mant) * 2.0 ** (ex - 25)
+    return np.float32(-v if hi & 0x8000 else v)
+
+
+@kernel
+def put_fp16(out, pos, f):
+    """Store GGML_FP32_TO_FP16(f) little-endian at out[pos:pos + 2]; returns the fp16 value as float32 (what the C
+    code reads back with GGML_FP16_TO_FP32)."""
+    h = fp16_bits(f)
+    out[pos] = np.uint8(h & np.uint16(0xFF))
+    out[pos + 1] = np.uint8(h >> np.uint16(8))
+    return fp16_value(h)
+
+
+# ------------------------------------------------------------------------------------------- running a kernel
+
+PIECE_ROWS_ELEMS = 1 << 18  # values per piece a thread takes (1 MiB of fp32: stays in cache)
+
+
+def encode_rows(module_name: str, kernel_name: str, rows: torch.Tensor, qw, block: int, block_bytes: int):
+    """Run the entry kernel `kernel_name` of `module_name` over fp32 `rows` [r, n] with importance `qw` (None, [n]
+    or [r, n]) on the CPU: pieces of whole rows, taken in turn by the caller's stage's threads
+    (`ckpt.quant.gguf.quant_workers`, the pool `_quantize_pieces` uses). Rows are independent, so the bytes do
+    not depend on how the pieces fall. Returns uint8 [r, n / block * block_bytes] on the CPU."""
+    from ckpt.quant.gguf import helper_pool, quant_workers
+
+    fn = getattr(compiled(module_name), kernel_name)
+    if rows.dim() != 2 or rows.shape[1] % block:
+        raise ValueError(f"expected rows [r, n] with n a multiple of {block}, got {tuple(rows.shape)}")
+    r, n = rows.shape
+    x = rows.detach().to("cpu", torch.float32).contiguous().numpy()
+    if qw is None:
+        w = np.zeros((0, n), dtype=np.float32)
+    else:
+        w = qw.detach().to("cpu", torch.float32).contiguous().numpy()
+        w = w.reshape(1, n) if w.ndim == 1 else w
+        if w.shape not in ((1, n), (r, n)):
+            raise ValueError(f"importance of shape {tuple(qw.shape)} for rows {tuple(rows.shape)}")
+    out = np.empty((r, n // block * block_bytes), dtype=np.uint8)
+    if r == 0:
+        return torch.from_numpy(out)
+    step = max(1, PIECE_ROWS_ELEMS // max(1, n))
+    starts = iter(range(0, r, step))
+    lock = threading.Lock()
+    stop = []
+
+    def work():
+        while not stop:
+            with lock:
+                a = next(starts, None)
+            if a is None:
+                return
+            b = min(r, a + step)
+            fn(x[a:b], w if w.shape[0] <= 1 else w[a:b], out[a:b])
+
+    workers = quant_workers(-(-r // step))
+    helpers = [helper_pool().submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        stop.append(True)
+        for f in helpers:
+            if not f.cancel():
+                f.exception()
+    for f in helpers:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+    return torch.from_numpy(out)
+
+
+def cpu_encoder(module_name: str, kernel_name: str, block: int, block_bytes: int):
+    """An `Encoder.fn` running a compiled entry kernel (`encode_rows`)."""
+
+    def fn(rows, qw=None):
+        return encode_rows(module_name, kernel_name, rows, qw, block, block_bytes)
+
+    fn.__qualname__ = fn.__name__ = f"{kernel_name}_cpu"
+    return fn
+
+
