@@ -3,7 +3,8 @@
 through ctypes: `quantize(type, rows)` is what `llama-quantize` writes for a tensor without an importance matrix
 (`quantize_<type>(src, dst, nrow, n_per_row, NULL)`), `quantize(type, rows, imatrix=qw)` what it writes with one
 (`ggml_quantize_chunk`'s call with the tensor's importance, fp32 [n_per_row]), for every type ggml quantizes (the
-IQ types' grids are initialised first, as `ggml_quantize_init` does).
+IQ types' grids are initialised first, as `ggml_quantize_init` does); `dequantize(type, bytes, n)` is what llama.cpp
+reads back from such blocks (`dequantize_row_<type>`).
 
 The sdist comes from the package registry (`pip download`, the one network access, once) and is unpacked and built
 under `.venv/ggml-ref/` (git-ignored, kept between runs; `CKPT_GGML_REF` names another folder). Only the files the
@@ -153,9 +154,9 @@ def library(release: bool = False) -> ctypes.CDLL:
             fn = getattr(lib, f"quantize_{t}")
             fn.restype = ctypes.c_size_t
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        for fn_name, arg in set(INIT.values()):
+        for fn_name, _ in set(INIT.values()):
             getattr(lib, fn_name).argtypes = [ctypes.c_int]
-            getattr(lib, fn_name)(arg)
+        lib.ckpt_inited = set()  # the grids made so far (`_init`: on a type's first use; some take seconds)
         _LIB[release] = lib
     return _LIB[release]
 
@@ -173,7 +174,34 @@ def quantize(type_name: str, rows: np.ndarray, release: bool = False, imatrix: n
     if n % blk:
         raise ValueError(f"{type_name}: rows of {n} are not a multiple of {blk}")
     out = np.zeros(nrow * (n // blk) * nbytes, dtype=np.uint8)
-    written = getattr(library(release), f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n,
+    lib = library(release)
+    if type_name in INIT and INIT[type_name] not in lib.ckpt_inited:
+        fn_name, arg = INIT[type_name]
+        getattr(lib, fn_name)(arg)
+        lib.ckpt_inited.add(INIT[type_name])
+    written = getattr(lib, f"quantize_{type_name}")(x.ctypes.data, out.ctypes.data, nrow, n,
                                                                  None if qw is None else qw.ctypes.data)
     assert written == out.nbytes, (written, out.nbytes)
     return out.tobytes()
+
+
+def dequantize(type_name: str, raw: bytes | np.ndarray, n_per_row: int, release: bool = False) -> np.ndarray:
+    """What llama.cpp reads back from blocks of `type_name` (ggml's `dequantize_row_<type>`, the to_float of its
+    type traits): float32 [rows, n_per_row] of whole rows of `n_per_row` values."""
+    blk, nbytes = BLOCKS[type_name]
+    src = np.ascontiguousarray(np.frombuffer(bytes(raw), dtype=np.uint8))
+    if n_per_row % blk or src.size % (n_per_row // blk * nbytes):
+        raise ValueError(f"{type_name}: {src.size} bytes are not whole rows of {n_per_row} values")
+    n = src.size // nbytes * blk
+    out = np.zeros(n, dtype=np.float32)
+    fn = getattr(library(release), f"dequantize_row_{type_name}")
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn(src.ctypes.data, out.ctypes.data, n)
+    return out.reshape(-1, n_per_row)
+
+
+def ref_name(ggml_type_name: str) -> str:
+    """ggml's own spelling (this module's keys) of a gguf type name: Q4_K -> q4_K, IQ4_XS -> iq4_xs."""
+    low = ggml_type_name.lower()
+    return low[:-2] + "_K" if low.endswith("_k") else low
