@@ -23,6 +23,14 @@ class WriteOptions(RunOptions):
     clamp: bool = False  # saturate values a cast would overflow
     scaled: bool = False  # --to fp8_e4m3fn: ComfyUI's scaled-fp8 layout
     pure: bool = False  # --to gguf-*: llama-quantize --pure
+    # --to gguf-*: llama-quantize's other flags (`ckpt.targets.planners.gguf_quant_flags`)
+    imatrix: str | None = None
+    include_weights: list[str] = field(default_factory=list)
+    exclude_weights: list[str] = field(default_factory=list)
+    tensor_type: list[str] = field(default_factory=list)
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    leave_output_tensor: bool = False
     max_shard_size: str | None = None
     format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else the command's default
     layout: str | None = None  # "diffusers" | "original": the model under that layout's names (`ckpt.layout`)

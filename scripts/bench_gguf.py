@@ -35,6 +35,10 @@ subprocesses timed with their peak RSS (`os.wait4`, see benchlib.py), all output
             --outtype bf16` (its default keeps every tensor in memory until it writes), then
             `llama_model_quantize(..., Q4_K_M, nthread=cores)`, the function `llama-quantize` runs.
   check:    same tensors, types and bytes (only the `general.*` keys differ).
+- the same Llama folder with an importance matrix (`--cases llm-q4_k_m,llm-q4_k_m-imatrix`; random statistics for
+  every matrix, a GGUF imatrix as llama-imatrix writes it): `ckpt convert DIR --to gguf-q4_k_m --imatrix FILE`
+  against `convert_hf_to_gguf.py --outtype bf16` + llama-quantize's function given the same importances and
+  `quantize.imatrix.*` keys (issue 34's target: <= 1.0x). check: the same file.
 - bf16 Mixtral-shaped HF folder -> GGUF Q4_K_M (`--cases moe-q4_k_m`; 16 experts of which 4 are used per token, a
   SentencePiece tokenizer): the same two tools as llm-q4_k_m. The reference stacks each layer's
   experts into one tensor before it writes; ckpt stacks them lazily (whole experts per band).
@@ -406,9 +410,10 @@ def write_llm(folder: str, size_gb: float, kind: str = "llama") -> dict:
             "largest_shape": list(big[1]), "layers": cfg["num_hidden_layers"]}
 
 
-def llama_two_steps(folder: str, mid: str, dst: str, threads: int) -> None:
+def llama_two_steps(folder: str, mid: str, dst: str, threads: int, imatrix: str = "") -> None:
     """llama.cpp's way: convert_hf_to_gguf.py --outtype bf16 (a subprocess with its own gguf-py), then the
-    function llama-quantize runs, Q4_K_M."""
+    function llama-quantize runs, Q4_K_M; with `imatrix`, given its importances as llama-quantize's main() gives
+    them (read by ckpt's reader, whose values tests/test_imatrix_read.py proves equal to llama.cpp's loader)."""
     import subprocess
 
     _tests_on_path()
@@ -418,17 +423,35 @@ def llama_two_steps(folder: str, mid: str, dst: str, threads: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": "1"}
     subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), folder, "--outtype", "bf16", "--outfile",
                     mid], check=True, env=env, cwd=str(tree), stdout=subprocess.DEVNULL)
-    import llama_cpp
+    from helpers import llama_ref
 
-    llama_cpp.llama_backend_init()
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    p.nthread = threads
-    rc = llama_cpp.llama_model_quantize(mid.encode(), dst.encode(), p)
-    if rc != 0:
-        raise SystemExit(f"llama_model_quantize failed ({rc})")
+    kw = {}
+    if imatrix:
+        from ckpt.io.imatrix import load_imatrix
+
+        im = load_imatrix(imatrix)
+        kw["imatrix"] = {n: im.importance(n).reshape(-1) for n in im.names()}
+        kw["kv_overrides"] = {"quantize.imatrix.file": imatrix[:127],
+                              **({"quantize.imatrix.dataset": im.datasets[0]} if im.datasets else {}),
+                              "quantize.imatrix.entries_count": im.entries_count,
+                              **({"quantize.imatrix.chunks_count": im.chunk_count} if im.chunk_count > 0 else {})}
+    llama_ref.quantize_gguf(Path(mid), Path(dst), "MOSTLY_Q4_K_M", nthread=threads, **kw)
     os.unlink(mid)
     bl.fsync_path(dst)
+
+
+def write_imatrix(ref: str, dst: str) -> None:
+    """A GGUF imatrix (llama-imatrix's layout) with random statistics for every matrix of the GGUF `ref`."""
+    _tests_on_path()
+    import gguf
+    from helpers import imatrix_files
+
+    shapes = {}
+    for t in gguf.GGUFReader(ref).tensors:
+        ne = [int(d) for d in t.shape]
+        if len(ne) >= 2 and t.name.endswith(".weight"):
+            shapes[t.name] = (ne[2] if len(ne) >= 3 else 1, ne[0])
+    imatrix_files.write_gguf(dst, imatrix_files.random_stats(shapes, seed=0))
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -449,14 +472,16 @@ def main(argv=None) -> int:
     ap.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--to-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--from-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
-    ap.add_argument("--cases", default="q8_0,flux-q4_k_m,llm-q4_k_m,moe-q4_k_m",
-                    help="comma-separated: q8_0 (both ways), flux-q4_k_m, llm-q4_k_m, moe-q4_k_m (default: all)")
+    ap.add_argument("--cases", default="q8_0,flux-q4_k_m,llm-q4_k_m,llm-q4_k_m-imatrix,moe-q4_k_m",
+                    help="comma-separated: q8_0 (both ways), flux-q4_k_m, llm-q4_k_m, llm-q4_k_m-imatrix (needs "
+                         "llm-q4_k_m), moe-q4_k_m (default: all)")
     ap.add_argument("--compare-gguf", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--to-bf16-gguf", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--quantize-c", nargs=3, metavar=("SRC", "DST", "THREADS"), help=argparse.SUPPRESS)
     ap.add_argument("--generate-llm", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--llm-kind", default="llama", help=argparse.SUPPRESS)
-    ap.add_argument("--llama-two-steps", nargs=4, metavar=("DIR", "MID", "DST", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--llama-two-steps", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
+    ap.add_argument("--write-imatrix", nargs=2, metavar=("REF", "DST"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.to_bf16_gguf:
         to_bf16_gguf(*a.to_bf16_gguf)
@@ -468,8 +493,11 @@ def main(argv=None) -> int:
         print(json.dumps(write_llm(a.generate_llm, a.size_gb, a.llm_kind)))
         return 0
     if a.llama_two_steps:
-        d, mid, dst, n = a.llama_two_steps
-        llama_two_steps(d, mid, dst, int(n))
+        d, mid, dst, n, *im = a.llama_two_steps
+        llama_two_steps(d, mid, dst, int(n), *im)
+        return 0
+    if a.write_imatrix:
+        write_imatrix(*a.write_imatrix)
         return 0
     if a.generate:
         print(json.dumps(write_source(a.generate, a.size_gb)))
@@ -531,6 +559,33 @@ def main(argv=None) -> int:
                                                              check=False).stdout.strip().splitlines()[-1])
             for f in (dst, mid, ref):
                 f.unlink(missing_ok=True)
+        def imatrix_case(folder: Path, ref: Path, made: dict) -> None:
+            """The same folder with an importance matrix (random statistics for every matrix of the reference's
+            file): ckpt with --imatrix against convert_hf_to_gguf.py + llama-quantize --imatrix."""
+            case = "bf16 Llama HF folder -> GGUF Q4_K_M --imatrix"
+            im = work / "imatrix.gguf"
+            bl.run_py(__file__, "--write-imatrix", ref, im)
+            dst = work / "ckpt-imatrix.gguf"
+            log(f"{case}: ckpt ...")
+            m = bl.measure(bl.ckpt_argv("convert", folder, "--to", "gguf-q4_k_m", "--imatrix", im, "-o", dst, *dev,
+                                        "-q"))
+            rows.append([case, "ckpt", bl.fmt_gb(dst.stat().st_size), f"{m.seconds:.1f}", bl.fmt_mb(m.peak_rss)])
+            yardstick(case, m, dst, 2 * _numel(made["largest_shape"]))
+            ref2 = work / "ref-imatrix.gguf"
+            log(f"{case}: baseline (convert_hf_to_gguf.py --outtype bf16, then llama-quantize --imatrix) ...")
+            mb = bl.measure([sys.executable, __file__, "--llama-two-steps", folder, work / "mid-imatrix-BF16.gguf",
+                             ref2, threads, im])
+            rows.append([case, f"baseline: convert_hf_to_gguf + llama-quantize --imatrix ({threads} threads)",
+                         bl.fmt_gb(ref2.stat().st_size), f"{mb.seconds:.1f}", bl.fmt_mb(mb.peak_rss)])
+            verdicts[case]["lines"].append(f"{case}: ckpt {m.seconds:.1f} s vs the two steps {mb.seconds:.1f} s "
+                                           f"(ratio {m.seconds / mb.seconds:.2f}), peak RSS {bl.fmt_mb(m.peak_rss)} "
+                                           f"vs {bl.fmt_mb(mb.peak_rss)} MB")
+            if not a.no_verify:
+                checks["llm_q4_k_m_imatrix"] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref2,
+                                                                    check=False).stdout.strip().splitlines()[-1])
+            for f in (dst, ref2, im):
+                f.unlink(missing_ok=True)
+
         for key, kind, label in (("llm-q4_k_m", "llama", "Llama"), ("moe-q4_k_m", "mixtral", "Mixtral")):
             if key not in cases:
                 continue
@@ -561,6 +616,8 @@ def main(argv=None) -> int:
             if not a.no_verify:
                 checks[key.replace("-", "_")] = json.loads(bl.run_py(__file__, "--compare-gguf", dst, ref,
                                                                      check=False).stdout.strip().splitlines()[-1])
+            if key == "llm-q4_k_m" and "llm-q4_k_m-imatrix" in cases:
+                imatrix_case(folder, ref, made)
             shutil.rmtree(folder, ignore_errors=True)
             for f in (dst, ref):
                 f.unlink(missing_ok=True)

@@ -55,11 +55,15 @@ SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test
                 "test_gguf_llm_mix", "test_gguf_llm_export_fuzz", "test_lora_gguf", "test_gguf_llm_gpt_oss",
                 "test_gguf_llm_qwen3next", "test_gguf_llm_readback",
                 "test_gguf_llm_glm_minimax", "test_gguf_llm_vlm_text", "test_gguf_llm_deepseek",
-                "test_gguf_llm_llama4", "test_gguf_mmproj"}
+                "test_gguf_llm_llama4", "test_gguf_mmproj", "test_gguf_mix_imatrix"}
 # Single tests of a few seconds in otherwise quick modules (a 100 MB header, a fresh interpreter, a signal).
 SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               "test_mutants_are_refused_in_one_line_or_read_as_gguf_reads_them", "test_a_new_target_is_a_new_module",
               "test_a_new_format_is_a_new_module",
+              # tests/test_gguf_dequant_types.py: ggml's IQ1_S/IQ2_S grid set-up on first use (~30 s)
+              "test_ckpt_reads_every_block_type_as_llama_cpp_does",
+              # tests/test_kquants_cpu_iq3_small.py: builds and initialises ggml's release library (~20 s)
+              "test_extreme_rows_byte_identical_to_a_release_build",
               "test_every_module_imports_in_a_fresh_interpreter_without_torch", "test_sigterm_to_a_running_convert_leaves_nothing",
               "test_a_set_a_sigkilled_run_published_in_part_is_recognised_cleaned_and_replaced",
               "test_an_llm_tensor_without_values_is_refused_for_block_types",

@@ -23,7 +23,13 @@ EXPECTED = {
     "gguf-q8_0": ("Q8_0", ".gguf"), "gguf-q6_k": ("Q6_K", ".gguf"), "gguf-q5_k_m": ("Q5_K_M", ".gguf"),
     "gguf-q5_k_s": ("Q5_K_S", ".gguf"), "gguf-q4_k_m": ("Q4_K_M", ".gguf"), "gguf-q4_k_s": ("Q4_K_S", ".gguf"),
     "gguf-q3_k_l": ("Q3_K_L", ".gguf"), "gguf-q3_k_m": ("Q3_K_M", ".gguf"), "gguf-q3_k_s": ("Q3_K_S", ".gguf"),
-    "gguf-q2_k": ("Q2_K", ".gguf"), "gguf-iq4_xs": ("IQ4_XS", ".gguf"), "gguf-iq4_nl": ("IQ4_NL", ".gguf"),
+    "gguf-q2_k": ("Q2_K", ".gguf"), "gguf-q2_k_s": ("Q2_K_S", ".gguf"), "gguf-iq4_xs": ("IQ4_XS", ".gguf"),
+    "gguf-iq4_nl": ("IQ4_NL", ".gguf"), "gguf-iq3_m": ("IQ3_M", ".gguf"), "gguf-iq3_s": ("IQ3_S", ".gguf"),
+    "gguf-iq3_xs": ("IQ3_XS", ".gguf"), "gguf-iq3_xxs": ("IQ3_XXS", ".gguf"), "gguf-iq2_m": ("IQ2_M", ".gguf"),
+    "gguf-iq2_s": ("IQ2_S", ".gguf"), "gguf-iq2_xs": ("IQ2_XS", ".gguf"), "gguf-iq2_xxs": ("IQ2_XXS", ".gguf"),
+    "gguf-iq1_m": ("IQ1_M", ".gguf"), "gguf-iq1_s": ("IQ1_S", ".gguf"), "gguf-tq2_0": ("TQ2_0", ".gguf"),
+    "gguf-tq1_0": ("TQ1_0", ".gguf"), "gguf-mxfp4_moe": ("MXFP4_MOE", ".gguf"), "gguf-q2_0": ("Q2_0", ".gguf"),
+    "gguf-q1_0": ("Q1_0", ".gguf"),
     "gguf-q5_1": ("Q5_1", ".gguf"), "gguf-q5_0": ("Q5_0", ".gguf"), "gguf-q4_1": ("Q4_1", ".gguf"),
     "gguf-q4_0": ("Q4_0", ".gguf"), "gguf-bf16": ("BF16", ".gguf"), "gguf-f16": ("F16", ".gguf"),
     "gguf-f32": ("F32", ".gguf"),
@@ -37,7 +43,7 @@ def test_registry_names_suffixes_and_file_suffixes():
     assert targets.names() == list(EXPECTED)  # the order of the choices and of the messages
     assert targets.resolve("fp8_e4m3fn", scaled=True).suffix == "fp8_e4m3fn-scaled"
     assert targets.resolve("fp16", scaled=True).name == "fp16"  # refused by its check, not swapped
-    assert targets.get("gguf-iq2_xs").name == "gguf-iq2_xs"  # claimed by the gguf kind, which refuses it
+    assert targets.get("gguf-q4_k_xl").name == "gguf-q4_k_xl"  # claimed by the gguf kind, which refuses it
     assert targets.get("fp7") is None
 
 

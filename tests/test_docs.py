@@ -396,6 +396,12 @@ def _llms(root: Path) -> None:
         shutil.copy(base / "config.json", root / name / "config.json")
     _ckpt("convert", base, "--to", "gguf-f16", "-o", root / "Mistral-7B-v0.3-F16.gguf")
     _ckpt("convert", base, "--to", "gguf-q8_0", "-o", root / "Mistral-7B-v0.3-Q8_0.gguf")
+    import gguf
+    from helpers import imatrix_files
+
+    shapes = {t.name: (1, int(t.shape[0])) for t in gguf.GGUFReader(str(root / "Mistral-7B-v0.3-F16.gguf")).tensors
+              if len(t.shape) >= 2}
+    imatrix_files.write_gguf(root / "imatrix.gguf", imatrix_files.random_stats(shapes))  # what llama-imatrix writes
 
     cfg = json.loads((base / "config.json").read_text())
     head = cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -22,9 +22,12 @@ from gguf import GGMLQuantizationType as T
 from helpers import llama_ref
 
 from ckpt.errors import CkptError
-from ckpt.families.llm.quant_mix import DEFAULT_TYPE, FILE_TYPE, llm_types
+from ckpt.families.llm.quant_mix import FILE_TYPE, llm_types
 
-FTYPES = [f for f in DEFAULT_TYPE]
+# the static file types (every other one, and the flags, in tests/test_gguf_mix_imatrix.py)
+FTYPES = ["ALL_F32", "MOSTLY_F16", "MOSTLY_BF16", "MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q5_0", "MOSTLY_Q5_1",
+          "MOSTLY_Q8_0", "MOSTLY_Q2_K", "MOSTLY_Q3_K_S", "MOSTLY_Q3_K_M", "MOSTLY_Q3_K_L", "MOSTLY_Q4_K_S",
+          "MOSTLY_Q4_K_M", "MOSTLY_Q5_K_S", "MOSTLY_Q5_K_M", "MOSTLY_Q6_K", "MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"]
 FALLBACK_WARNING = re.compile(r"warning: (\S+)\s+- ncols\s+\d+ not divisible by")
 N_VOCAB = 320
 
@@ -209,7 +212,7 @@ def test_the_models_reach_the_rules():
     assert "".join("6" if lex[f"blk.{i}.attn_v.weight"][0] == "Q6_K" else "4" for i in range(12)) == "644644644666"
 
 
-@pytest.mark.parametrize("ftype", ["MOSTLY_IQ2_XXS", "MOSTLY_Q2_K_S", "Q4_K_M", "GUESSED", ""])
+@pytest.mark.parametrize("ftype", ["MOSTLY_NVFP4", "Q4_K_M", "GUESSED", ""])  # NVFP4: no llama-quantize type
 def test_unsupported_file_types_are_refused_by_name(ftype):
     with pytest.raises(CkptError, match=f"file type {ftype} is not supported"):
         llm_types(ftype, [("output.weight", (256, 256), "F16")], arch="llama", n_layer=1, n_head=8, n_head_kv=8)

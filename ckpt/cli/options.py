@@ -161,6 +161,24 @@ MMPROJ = click.option("--mmproj", is_flag=True,
 PURE = click.option("--pure", is_flag=True,
                     help="With --to gguf-<quant>: every quantizable tensor in the one type, as llama-quantize --pure "
                          "(no per-tensor mix rules; row fallbacks apply).")
+IMATRIX = click.option("--imatrix", metavar="FILE",
+                       help="With --to gguf-<quant>: quantize with this importance matrix, as llama-quantize --imatrix "
+                            "(llama-imatrix's imatrix.gguf or legacy imatrix.dat); the IQ1/IQ2 types need one.")
+INCLUDE_WEIGHTS = click.option("--include-weights", "include_weights", multiple=True, metavar="NAME",
+                               help="With --imatrix: use it only for these tensors (repeatable; llama-quantize's).")
+EXCLUDE_WEIGHTS = click.option("--exclude-weights", "exclude_weights", multiple=True, metavar="NAME",
+                               help="With --imatrix: use it for every tensor but these (repeatable; llama-quantize's).")
+TENSOR_TYPE = click.option("--tensor-type", "tensor_type", multiple=True, metavar="PATTERN=TYPE",
+                           help="With --to gguf-<quant>: tensors whose name matches PATTERN (a regex) get TYPE "
+                                "(repeatable; llama-quantize's --tensor-type).")
+OUTPUT_TENSOR_TYPE = click.option("--output-tensor-type", "output_tensor_type", metavar="TYPE",
+                                  help="With --to gguf-<quant>: output.weight's type (llama-quantize's).")
+TOKEN_EMBEDDING_TYPE = click.option("--token-embedding-type", "token_embedding_type", metavar="TYPE",
+                                    help="With --to gguf-<quant>: token_embd.weight's type (llama-quantize's).")
+LEAVE_OUTPUT_TENSOR = click.option("--leave-output-tensor", "leave_output_tensor", is_flag=True,
+                                   help="With --to gguf-<quant>: leave output.weight unquantized (llama-quantize's).")
+GGUF_FLAGS = [IMATRIX, INCLUDE_WEIGHTS, EXCLUDE_WEIGHTS, TENSOR_TYPE, OUTPUT_TENSOR_TYPE, TOKEN_EMBEDDING_TYPE,
+              LEAVE_OUTPUT_TENSOR]
 
 CONFIG = click.option("--config", "config", metavar="REF", callback=check_source_option,
                       help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
@@ -175,26 +193,30 @@ KEEP_FORMAT = click.option("--keep-format", is_flag=True,
                                 "re-encoded in its quantization (GGUF, scaled fp8, comfy_quant, quanto, GPTQ, AWQ, "
                                 "compressed-tensors, NVFP4, MXFP4), everything else copied as stored.")
 # What every command that writes a model takes, in this order (`writing_options`); the names are WriteOptions'.
-WRITE_KEYS = ("to", "layout", "config", "keep", "clamp", "scaled", "pure", "keep_format", "max_shard_size", "format",
-              "dry_run", "device", "overwrite", "quiet")
+WRITE_KEYS = ("to", "layout", "config", "keep", "clamp", "scaled", "pure", "imatrix", "include_weights",
+              "exclude_weights", "tensor_type", "output_tensor_type", "token_embedding_type", "leave_output_tensor",
+              "keep_format", "max_shard_size", "format", "dry_run", "device", "overwrite", "quiet")
+LIST_KEYS = ("keep", "include_weights", "exclude_weights", "tensor_type")  # repeatable: lists in WriteOptions
 
 
 def writing_options(*, to_help: str, keep_format: bool = False):
     """The options of a command that writes a model (convert, dequant, merge-lora, merge), declared once: --to (every
-    target of `ckpt.targets`), --layout, --config, --keep, --clamp, --scaled, --pure, (--keep-format), --max-shard-size,
+    target of `ckpt.targets`), --layout, --config, --keep, --clamp, --scaled, --pure, llama-quantize's flags
+    (--imatrix ... `GGUF_FLAGS`), (--keep-format), --max-shard-size,
     --format, --dry-run, --device, --overwrite, --quiet. The command function gets them as one `write` dict of
     `ckpt.options.WriteOptions` fields; whether an option applies to a target is the target's to say."""
     import functools
 
     to = click.option("--to", "to", type=CONVERT_OR_GGUF, help=CONVERT_OR_GGUF.help + " " + to_help)
-    opts = [to, LAYOUT, CONFIG, KEEP, CLAMP, SCALED, PURE] + ([KEEP_FORMAT] if keep_format else []) + [
+    opts = [to, LAYOUT, CONFIG, KEEP, CLAMP, SCALED, PURE, *GGUF_FLAGS] + ([KEEP_FORMAT] if keep_format else []) + [
         MAX_SHARD_SIZE, FORMAT, DRY_RUN, DEVICE, OVERWRITE, QUIET]
 
     def decorate(f):
         @functools.wraps(f)
         def command(*args, **kw):
             write = {k: kw.pop(k if k != "format" else "fmt") for k in WRITE_KEYS if (k if k != "format" else "fmt") in kw}
-            write["keep"] = list(write.get("keep", ()))
+            for k in LIST_KEYS:
+                write[k] = list(write.get(k, ()))
             return f(*args, write=write, **kw)
 
         for o in reversed(opts):

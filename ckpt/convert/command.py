@@ -30,7 +30,26 @@ def convert_operation(opts: ConvertOptions) -> str:
     to = targets.canonical(opts.to)
     return ("convert" + (f" --layout {opts.layout}" if opts.layout else "") + (f" --to {to}" if to else "")
             + (" --scaled" if opts.scaled else "") + (" --pure" if opts.pure else "")
+            + "".join(f" {flag} {v}" for flag, v in _gguf_flag_values(opts))
             + (" --mmproj" if opts.mmproj else ""))
+
+
+def _gguf_flag_values(opts):
+    """(flag, value) of llama-quantize's flags given (`gguf_quant_flags.FLAGS`), in that order; the imatrix by its
+    file name (the operation string is recorded in outputs: no directory of the user's)."""
+    from pathlib import Path
+
+    from ckpt.targets.planners.gguf_quant_flags import FLAGS
+
+    for flag, key in FLAGS:
+        v = getattr(opts, key, None)
+        if not v:
+            continue
+        for one in (v if isinstance(v, list) else [v]):
+            if one is True:
+                yield flag, ""
+            else:
+                yield flag, Path(one).name if key == "imatrix" else one
 
 
 MMPROJ_TO = "--mmproj writes a llama.cpp projector GGUF: give --to gguf-f16 (or gguf-bf16, gguf-f32, gguf-q8_0)"

@@ -369,8 +369,9 @@ def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:
     src = t.source
     for a, b in bands(src):
         slot = pipe.band()
+        cast = t.band_cast(a)
         with pipe.reading():
             x = src.read(a, b, device, slot)
-            if t.cast is not None and not t.stateless:
-                x = t.cast(x, slot)
-        pipe.submit(slot, t.name, t.torch_dtype, x, t.cast if t.stateless else None)
+            if cast is not None and not t.stateless:
+                x = cast(x, slot)
+        pipe.submit(slot, t.name, t.torch_dtype, x, cast if t.stateless else None)

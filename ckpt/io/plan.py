@@ -39,6 +39,9 @@ class OutTensor:
     cast: Callable[[torch.Tensor, object], torch.Tensor] | None = None
     gguf_type: int | None = None  # GGUF block type: `cast` makes uint8 blocks (ckpt.quant.gguf.encode)
     stateless: bool = False
+    # the cast also takes the band's first row of `source` (`cast(band, buffers, start=row)`): a cast whose work
+    # depends on where the band lies, still stateless (the importance rows of a 3-D expert tensor, --imatrix)
+    positional: bool = False
 
     @property
     def entry(self) -> Entry:
@@ -48,9 +51,17 @@ class OutTensor:
     def torch_dtype(self) -> torch.dtype:
         return as_torch(self.dtype)
 
-    def apply(self, x: torch.Tensor, buffers=None) -> torch.Tensor:
-        """The output band of source band `x`: its cast, or `x` itself where there is none."""
-        return x if self.cast is None else self.cast(x, buffers)
+    def apply(self, x: torch.Tensor, buffers=None, start: int = 0) -> torch.Tensor:
+        """The output band of source band `x` (whose first row is `start`): its cast, or `x` itself."""
+        return x if self.cast is None else self.band_cast(start)(x, buffers)
+
+    def band_cast(self, start: int):
+        """The cast of the band whose first row of `source` is `start`."""
+        if self.cast is None or not self.positional:
+            return self.cast
+        import functools
+
+        return functools.partial(self.cast, start=start)
 
     def copy_ranges(self) -> list[ByteRange] | None:
         """The stored byte ranges that are exactly this tensor's output bytes (no cast, the source's dtype,

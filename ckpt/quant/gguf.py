@@ -41,9 +41,10 @@ ORIG_SHAPE = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: original torch shape of a
 
 
 def _gguf():
-    import gguf
+    """The gguf package, with the types it lacks added (`ckpt.io.ggml_types.gguf_package`)."""
+    from ckpt.io.ggml_types import gguf_package
 
-    return gguf
+    return gguf_package()
 
 
 class GGUFValues(Tensor):
@@ -128,17 +129,24 @@ def _row_chunks(n_rows: int, row_len: int):
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int, row_len: int) -> torch.Tensor:
-    """uint8 blocks (whole rows of `row_len` elements) -> float32 values, by gguf's own dequantize, a chunk
-    of rows at a time into one output (`CHUNK_ELEMS`)."""
+    """uint8 blocks (whole rows of `row_len` elements) -> float32 values, by gguf's own dequantize (ckpt's for
+    the types it cannot decode: `ckpt.quant.ggml_dequant_extra`), a chunk of rows at a time into one output
+    (`CHUNK_ELEMS`)."""
+    from ckpt.quant.ggml_dequant_extra import DEQUANTIZE
+
     blk, size = block_size(ggml_type)
     if raw.numel() == 0:
         return torch.empty(0, dtype=torch.float32)
     rows = raw.numpy().reshape(-1, row_len // blk * size)
     out = torch.empty(rows.shape[0] * row_len, dtype=torch.float32)
     values = out.numpy().reshape(-1, row_len)
+    ours = DEQUANTIZE.get(type_name(ggml_type))
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf blocks (counted where they were encoded)
         for a, b in _row_chunks(rows.shape[0], row_len):
-            values[a:b] = _gguf().quants.dequantize(rows[a:b], ggml_type)
+            if ours is not None:
+                values[a:b] = ours(rows[a:b]).reshape(b - a, row_len)
+            else:
+                values[a:b] = _gguf().quants.dequantize(rows[a:b], ggml_type)
     return out
 
 
@@ -309,7 +317,8 @@ def bits_per_weight(ggml_type: int) -> float:
 
 
 def nearest_writable(ggml_type: int) -> int:
-    """The type a tensor of a type nothing here can write (IQ1..IQ3, TQ) is written in again: the
+    """The type a tensor of a type nothing here can write without an importance (IQ1_S, IQ2_XXS, IQ2_XS, NVFP4)
+    is written in again: the
     general-purpose writable type with the fewest bits per weight above the source's (those types pack
     their bits better than a legacy type, so equal bits would lose precision); Q8_0 when none has more."""
     T = _gguf().GGMLQuantizationType
@@ -334,7 +343,7 @@ class BlockRows(Wrapper):
 class GGUFEncoding(Encoding):
     """A new value of a stored GGUF tensor: the same name and stored shape (rows of the stored row length,
     also where ComfyUI-GGUF reshaped it), encoded in the stored type (`encode`), or, for a type nothing here
-    can write (IQ1..IQ3, TQ), in `nearest_writable` of it, with a note. Block
+    can write without an importance (IQ1_S, IQ2_XXS, IQ2_XS), in `nearest_writable` of it, with a note. Block
     types carry their scales inside each block, so every band is encoded on its own (one pass)."""
 
     def __init__(self, stored: GGUFStored):
@@ -380,8 +389,9 @@ class GGUFEncoding(Encoding):
 
 
 def can_encode(ggml_type: int) -> bool:
-    """Whether this type can be written: by gguf's Python package (plain and legacy types), or by ckpt's own
-    encoders (K-quants, IQ4). The other IQ types: no."""
+    """Whether this type can be written without an importance matrix: by gguf's Python package (plain and legacy
+    types), or by ckpt's own static encoders (`ckpt.quant.kquants`: every type but IQ1_S, IQ2_XXS and IQ2_XS,
+    whose ggml quantizers require an importance, and NVFP4)."""
     if ggml_type in plain_types() or kquant_encoder(ggml_type) is not None:
         return True
     quants = _gguf().quants

@@ -73,6 +73,10 @@ class Target:
             raise CkptError(f"--clamp applies to dtype targets; --to {opts.to} saturates by design")
         if opts.pure:
             raise CkptError("--pure applies to --to gguf-* only")
+        from ckpt.targets.planners.gguf_quant_flags import given
+
+        if flags := given(opts):
+            raise CkptError(f"{flags[0]} applies to --to gguf-* only (llama-quantize's flags)")
         if getattr(opts, "keep_format", False):
             raise CkptError("--keep-format writes the input's own encoding: no --to with it")
 

@@ -47,6 +47,9 @@ class GGUF(Target):
             check_options(opts, self.mix)
         if opts.pure and not self.mix.quantized:
             raise CkptError(f"--pure does not apply to --to {opts.to} (nothing is quantized)")
+        from ckpt.targets.planners.gguf_quant_flags import QuantFlags
+
+        QuantFlags.from_options(opts, self.mix.quantized)  # refused here, before the input is read
         for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
                             ("--config", opts.config)):
             if given:
@@ -64,15 +67,17 @@ class GGUF(Target):
         then, for either, the parts of --max-shard-size."""
         from ckpt.targets.planners import gguf_llm_out
         from ckpt.targets.planners.gguf_out import plan_gguf
+        from ckpt.targets.planners.gguf_quant_flags import QuantFlags
 
+        flags = QuantFlags.from_options(opts, self.mix.quantized)
         if getattr(opts, "mmproj", False):
             from ckpt.targets.planners.gguf_mmproj_out import plan_mmproj
 
             plan = plan_mmproj(ckpt, views, self.mix, report, operation)
         elif gguf_llm_out.applies(ckpt, views):
-            plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, opts.pure, report, operation)
+            plan = gguf_llm_out.plan_gguf_llm(ckpt, views, self.mix, flags, report, operation)
         else:
-            plan = plan_gguf(ckpt, views, self.mix, opts.pure, report, operation)
+            plan = plan_gguf(ckpt, views, self.mix, flags, report, operation)
         if self.heavy(opts, views):
             plan.busy_stage = "compute"  # the encoders are the work; the reader only reads the source
         if opts.max_shard_size:  # every GGUF planner's one file, as llama.cpp's gguf-split parts

@@ -38,9 +38,12 @@ class KeepFormat(Target):
         return output_format(opts.format, out, kind)
 
     def check(self, opts) -> None:
+        from ckpt.targets.planners.gguf_quant_flags import FLAGS as GGUF_FLAGS
+
         for flag, given in (("--layout", opts.layout), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
                             ("--pure", opts.pure), ("--keep", opts.keep), ("--config", opts.config),
-                            ("--max-shard-size", opts.max_shard_size)):
+                            ("--max-shard-size", opts.max_shard_size),
+                            *((flag, getattr(opts, key, None)) for flag, key in GGUF_FLAGS)):
             if given:
                 raise CkptError(f"{flag} and --keep-format: choose one (--keep-format writes the input's own files: "
                                 "its layout, encoding and shards)")

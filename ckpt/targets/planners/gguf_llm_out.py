@@ -91,9 +91,10 @@ def block_number(name: str) -> int:
 
 
 def _gguf():
-    import gguf
+    """The gguf package with the types it lacks added (`ckpt.io.ggml_types.gguf_package`: Q2_0)."""
+    from ckpt.io.ggml_types import gguf_package
 
-    return gguf
+    return gguf_package()
 
 
 def _first_class(value) -> str | None:
@@ -161,27 +162,41 @@ def _source_order(view, comp) -> list[str]:
     return sorted(view.tensors, key=lambda n: (view.tensors[n].home or "", n))
 
 
-def _llm_types(mix, tensors, *, arch: str, n_layer: int, n_head: int, n_head_kv: int, n_expert: int, pure: bool):
+def _llm_types(mix, tensors, *, arch: str, n_layer: int, n_head: int, n_head_kv: int, n_expert: int, flags):
     from ckpt.families.llm.quant_mix import llm_types
 
     return llm_types(mix.ftype, tensors, arch=arch, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-                     n_expert=n_expert, pure=pure)
+                     n_expert=n_expert, **flags.mix_kwargs())
 
 
-def plan_gguf_llm(ckpt, views, mix, pure: bool, report: Report, operation: str) -> Plan:
+def _warn_unused(flags, types, report: Report) -> None:
+    """A --tensor-type / --output-tensor-type / --token-embedding-type that gave no tensor its type: a counted
+    warning (llama.cpp says nothing of it)."""
+    from ckpt.families.llm.quant_mix import unused_tensor_types
+
+    unused = unused_tensor_types(flags.tensor_types, types)
+    for flag, given in (("--output-tensor-type", flags.output_tensor_type),
+                        ("--token-embedding-type", flags.token_embedding_type)):
+        if given and not any(reason == flag or reason.startswith(flag + ":") for _, reason, _ in types):
+            unused.append(flag)
+    for u in unused:
+        report.warn(f"{u} gave no tensor its type (nothing matched, or an earlier rule took them)")
+
+
+def plan_gguf_llm(ckpt, views, mix, flags, report: Report, operation: str) -> Plan:
     """The whole single-file llama.cpp GGUF of an HF causal LM folder (module docstring)."""
     comp, view = ckpt.components[0], views[0]
     if (header := _gguf_llm_source(comp)) is not None:
-        return plan_from_gguf(comp, header, view, mix, pure, report, operation)
+        return plan_from_gguf(comp, header, view, mix, flags, report, operation)
     arch, x, stated = _export(ckpt, view)
     sources, skipped = _sources(arch, x, view, comp)
-    outs, counts, fallbacks = _outputs(arch, x, sources, mix, pure, report, comp)
+    outs, counts, fallbacks = _outputs(arch, x, sources, mix, flags, report, comp)
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize's file: its weights_map order
         sources = sorted(sources, key=lambda s: (block_number(s[0]), s[0]))
-    fields, notes = _fields(arch, x, stated, sources, mix, report, operation)
+    fields, notes = _fields(arch, x, stated, sources, mix, report, operation, flags)
     if skipped:
         notes.append(f"{plural(len(skipped), 'tensor')} llama.cpp does not use left out (e.g. {skipped[0]!r})")
-    notes += x.notes
+    notes += x.notes + flags.notes()
     if "output.weight" not in {g for g, _ in sources}:
         notes.append("no lm_head.weight: tied embeddings (llama.cpp uses token_embd.weight as the output layer)")
     notes.append(f"GGUF {arch.arch} LLM, {mix.label} (llama.cpp's convert_hf_to_gguf.py rules): {counts}")
@@ -260,7 +275,7 @@ def _sources(arch: LLMArch, x: Export, view, comp) -> tuple[list[tuple[str, Tens
     return sources, skipped
 
 
-def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report, comp):
+def _outputs(arch: LLMArch, x: Export, sources, mix, flags, report: Report, comp):
     """Each tensor's type (--outtype's, or auto's, first; then the mix's per-tensor rule) and its output tensor, in
     the file's order; the type counts said in the summary and the fallbacks."""
     from ckpt.targets.planners.gguf_out import out_tensor
@@ -283,12 +298,13 @@ def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report,
             gname[-7:] not in (".weight", ".lora_a", ".lora_b")
         before.append((gname, tuple(t.shape), "F32" if f32 else base))
     types = _llm_types(mix, before, arch=arch.arch, n_layer=x.n_block, n_head=x.n_head, n_head_kv=x.n_head_kv,
-                       n_expert=x.n_expert, pure=pure)
+                       n_expert=x.n_expert, flags=flags)
+    _warn_unused(flags, types, report)
     order = list(range(len(sources)))
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize's file: its weights_map order
         order.sort(key=lambda i: (block_number(sources[i][0]), sources[i][0]))
     casters: dict = {}
-    outs, summary, fallbacks = [], {}, {}
+    outs, summary, fallbacks, quantized = [], {}, {}, []
     for i in order:
         (gname, t), (_, shape, _), (tname, why, fell) = sources[i], before[i], types[i]
         if mix.name not in CONVERT_OUTTYPES:
@@ -299,15 +315,19 @@ def _outputs(arch: LLMArch, x: Export, sources, mix, pure: bool, report: Report,
             tname, why, fell = t.ggml_type, "as stored, repacked", False
             outs.append(OutTensor(gname, torch.uint8, shape, t.packed, gguf_type=int(T[tname])))
         else:
-            outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters))
+            outs.append(out_tensor(gname, t, int(T[tname]), shape, report, casters,
+                                   flags.importance(gname, ggml_shape(tuple(t.shape)), tname, report)))
+            if tname != before[i][2]:
+                quantized.append(gname)
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
         if fell:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
+    flags.check_used(quantized)
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
     return outs, counts, fallbacks
 
 
-def _fields(arch: LLMArch, x: Export, stated: dict, sources, mix, report: Report, operation: str):
+def _fields(arch: LLMArch, x: Export, stated: dict, sources, mix, report: Report, operation: str, flags):
     """The key-values, in the reference's order (ModelBase.prepare_metadata, TextModel.prepare_metadata), and the
     notes the architecture's parameters gave; the token count checked against the embedding rows."""
     from ckpt.io.gguf_writer import from_gguf_writer, string
@@ -327,6 +347,7 @@ def _fields(arch: LLMArch, x: Export, stated: dict, sources, mix, report: Report
     if mix.name not in CONVERT_OUTTYPES:  # llama-quantize sets these two last (gguf_set_val_u32 re-adds a key)
         last = ("general.quantization_version", "general.file_type")
         fields = [f for f in fields if f.key not in last] + [f for k in last for f in fields if f.key == k]
+    fields += flags.fields()  # llama-quantize's kv_overrides, set after its own two
     fields += [string("ckpt.version", __version__),
                string("ckpt.operation", operation)]
     return fields, notes
@@ -413,7 +434,7 @@ def _header_int(header, key: str, default=None) -> int:
     return v
 
 
-def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operation: str) -> Plan:
+def plan_from_gguf(comp, header, view, mix, flags, report: Report, operation: str) -> Plan:
     """`convert model-F16.gguf --to gguf-<mix>`, and merge-lora into a GGUF base: `llama-quantize` of a llama.cpp
     GGUF. Its metadata copied (tokenizer included) with `general.quantization_version` and `general.file_type`
     set last, as llama-quantize sets them; the tensors in its order (block, then name) and per-tensor types
@@ -462,9 +483,10 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
         sources.append((gname, stored, src, changed))
         before.append((gname, tuple(stored.stored_shape), stored.type_name))
     types = _llm_types(mix, before, arch=arch, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-                       n_expert=n_expert, pure=pure)
+                       n_expert=n_expert, flags=flags)
+    _warn_unused(flags, types, report)
     casters: dict = {}
-    outs, summary, fallbacks, copied = [], {}, {}, 0
+    outs, summary, fallbacks, copied, quantized = [], {}, {}, 0, []
     for (gname, stored, src, changed), (tname, why, fell) in zip(sources, types):
         if tname == stored.type_name and not changed:
             out = stored_output(stored)
@@ -475,8 +497,11 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
                             f"precision twice (llama-quantize refuses it without --allow-requantize): write "
                             f"--to gguf-{mix.name} from the F16/BF16/F32 GGUF or the Hugging Face folder")
         else:
-            outs.append(out_tensor(gname, src, int(T[tname]), ggml_shape(tuple(stored.stored_shape)), report,
-                                   casters))
+            shape = ggml_shape(tuple(stored.stored_shape))
+            outs.append(out_tensor(gname, src, int(T[tname]), shape, report, casters,
+                                   flags.importance(gname, shape, tname, report)))
+            if tname != stored.type_name:
+                quantized.append(gname)
         summary[(tname, why)] = summary.get((tname, why), 0) + 1
         if fell:
             fallbacks[(mix.default, tname)] = fallbacks.get((mix.default, tname), 0) + 1
@@ -484,10 +509,13 @@ def plan_from_gguf(comp, header, view, mix, pure: bool, report: Report, operatio
     fields = [x for x in fields_from(header) if x.key not in last and not x.key.startswith("ckpt.")]
     fields += [uint32("general.quantization_version", gguf.GGML_QUANT_VERSION),
                uint32("general.file_type", gguf.LlamaFileType[mix.ftype]),
+               *flags.fields(),
                string("ckpt.version", __version__),
                string("ckpt.operation", operation)]
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
+    flags.check_used(quantized)
     notes = [f"GGUF {arch} LLM -> {mix.label} as llama-quantize types it: {counts}; {copied} copied as stored"]
+    notes += flags.notes()
     if (fb := fallback_note(fallbacks)) is not None:
         notes.append(fb)
     return Plan(single_file=True, files=[OutFile("", {}, outs, "gguf", fields=fields)], notes=notes,

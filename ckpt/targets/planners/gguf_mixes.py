@@ -14,7 +14,16 @@ mixes). The rules differ by kind of model:
   same for those).
 
 `--pure` is `llama-quantize --pure`: every quantizable tensor in the default type, the row-length fallbacks aside.
-ComfyUI-GGUF's patch ignores --pure for image models; ckpt applies it to them too (what the flag says).
+ComfyUI-GGUF's patch ignores --pure for image models; ckpt applies it to them too (what the flag says). So with
+`--tensor-type PATTERN=TYPE` (llama.cpp's meaning: the first pattern found in a name gives the type, instead of
+the mix's rules; the patch's llama.cpp predates the flag), and with the importance-matrix rule: a type llama-quantize
+makes only with an importance matrix (`quant_mix.requires_imatrix`: Q2_K in a Q2_K_S file, or IQ2_XXS... by
+--tensor-type) is refused without --imatrix, as the patch's llama.cpp refused it for every model.
+
+Which mixes image models get (`Mix.image`): the patch refuses every IQ file type ("Invalid quantization type for
+image model"), not Q2_K_S, TQ1_0 or TQ2_0. MXFP4_MOE, Q1_0 and Q2_0 are newer than the patch's llama.cpp (b3962), so
+its tool cannot make them, and ComfyUI-GGUF's loader cannot read Q1_0 or Q2_0 (gguf-py 0.19 has no dequantizer for
+them) nor has a use for MXFP4_MOE's experts rule: ckpt refuses the three for image models as well.
 
 This module is torch-free: the `--to` registry reads it for the CLI's choices.
 """
@@ -23,15 +32,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt.errors import CkptError
+
 
 @dataclass(frozen=True)
 class Mix:
     """One `--to gguf-<name>`."""
 
     name: str  # llama-quantize's name in lower case: "q4_k_m"
-    ftype: str  # its gguf.LlamaFileType member (general.file_type)
-    default: str  # the GGML type of the quantizable tensors, before the mix's rules
-    image: bool = True  # ComfyUI-GGUF quantizes image models with it (its patch refuses the IQ types)
+    ftype: str  # its llama_ftype name (gguf.LlamaFileType member; general.file_type)
+    default: str  # the GGML type of the quantizable tensors, before the mix's rules (llama_ftype_get_default_type)
+    image: bool = True  # ckpt quantizes image models with it (module docstring: ComfyUI-GGUF's patch)
+
+    @property
+    def file_type(self) -> int:
+        """llama.h's number of the file type, written as general.file_type (gguf 0.19 lacks MOSTLY_Q2_0)."""
+        from ckpt.families.llm.quant_mix import FILE_TYPE
+
+        return FILE_TYPE[self.ftype]
+
+    @property
+    def not_for_images(self) -> str | None:
+        """Why ckpt does not quantize image models with this mix (module docstring), or None."""
+        if self.image:
+            return None
+        if self.name.startswith("iq"):
+            return "ComfyUI-GGUF's llama.cpp patch refuses the IQ types for image models"
+        return f"ComfyUI-GGUF's patched llama.cpp has no {self.label} (it is newer) and no rules for it"
 
     @property
     def label(self) -> str:
@@ -56,8 +83,24 @@ MIXES = (
     Mix("q3_k_m", "MOSTLY_Q3_K_M", "Q3_K"),
     Mix("q3_k_s", "MOSTLY_Q3_K_S", "Q3_K"),
     Mix("q2_k", "MOSTLY_Q2_K", "Q2_K"),
+    Mix("q2_k_s", "MOSTLY_Q2_K_S", "Q2_K"),
     Mix("iq4_xs", "MOSTLY_IQ4_XS", "IQ4_XS", image=False),
     Mix("iq4_nl", "MOSTLY_IQ4_NL", "IQ4_NL", image=False),
+    Mix("iq3_m", "MOSTLY_IQ3_M", "IQ3_S", image=False),
+    Mix("iq3_s", "MOSTLY_IQ3_S", "IQ3_S", image=False),
+    Mix("iq3_xs", "MOSTLY_IQ3_XS", "IQ3_S", image=False),
+    Mix("iq3_xxs", "MOSTLY_IQ3_XXS", "IQ3_XXS", image=False),
+    Mix("iq2_m", "MOSTLY_IQ2_M", "IQ2_S", image=False),
+    Mix("iq2_s", "MOSTLY_IQ2_S", "IQ2_XS", image=False),
+    Mix("iq2_xs", "MOSTLY_IQ2_XS", "IQ2_XS", image=False),
+    Mix("iq2_xxs", "MOSTLY_IQ2_XXS", "IQ2_XXS", image=False),
+    Mix("iq1_m", "MOSTLY_IQ1_M", "IQ1_M", image=False),
+    Mix("iq1_s", "MOSTLY_IQ1_S", "IQ1_S", image=False),
+    Mix("tq2_0", "MOSTLY_TQ2_0", "TQ2_0"),
+    Mix("tq1_0", "MOSTLY_TQ1_0", "TQ1_0"),
+    Mix("mxfp4_moe", "MOSTLY_MXFP4_MOE", "MXFP4", image=False),
+    Mix("q2_0", "MOSTLY_Q2_0", "Q2_0", image=False),
+    Mix("q1_0", "MOSTLY_Q1_0", "Q1_0", image=False),
     Mix("q5_1", "MOSTLY_Q5_1", "Q5_1"),
     Mix("q5_0", "MOSTLY_Q5_0", "Q5_0"),
     Mix("q4_1", "MOSTLY_Q4_1", "Q4_1"),
@@ -118,12 +161,29 @@ def _bump_of(name: str):
 
 
 class ImageMix:
-    """ComfyUI-GGUF's `img_tensor_get_type` for one output file. Its attention-V counter numbers the tensors in the
-    order llama-quantize visits them: by name (llama.cpp keeps the weights in a map ordered by name; the `blk.N`
-    layer sort of later versions does not apply to image names), so `names` are every tensor the mix will see."""
+    """ComfyUI-GGUF's `img_tensor_get_type` for one output file, with llama-quantize's per-tensor flags where they
+    apply. Its attention-V counter numbers the tensors in the order llama-quantize visits them: by name (llama.cpp
+    keeps the weights in a map ordered by name; the `blk.N` layer sort of later versions does not apply to image
+    names), so `names` are every tensor the mix will see.
 
-    def __init__(self, m: Mix, pure: bool = False, names=()):
+    The flags in llama_tensor_get_type's order: `token_embedding_type` (token_embd.weight, per_layer_token_embd.weight)
+    and `output_tensor_type` (output.weight) as given, then the first `tensor_types` pattern found in the name (a
+    type instead of the bumps), else the bumps unless `pure`; then ComfyUI-GGUF's row-length fallback. No image
+    model ckpt writes has the LLM names the first two and `quantize_output_tensor` (--leave-output-tensor, `leaves`)
+    name; `unused` lists what applied to no tensor. `has_imatrix`: whether --imatrix is given (the image rules have
+    no imatrix branch; a type that needs one is refused without it)."""
+
+    def __init__(self, m: Mix, pure: bool = False, names=(), tensor_types=(), output_tensor_type=None,
+                 token_embedding_type=None, quantize_output_tensor: bool = True, has_imatrix: bool = False):
+        from ckpt.families.llm.tensor_type_option import compile_pattern, ggml_type
+
         self.mix, self.pure = m, pure
+        self.patterns = [(p, compile_pattern(p), ggml_type(t, "--tensor-type")) for p, t in tensor_types]
+        self.output_tensor_type = output_tensor_type and ggml_type(output_tensor_type, "--output-tensor-type")
+        self.token_embedding_type = token_embedding_type and ggml_type(token_embedding_type,
+                                                                       "--token-embedding-type")
+        self.quantize_output_tensor, self.has_imatrix = quantize_output_tensor, has_imatrix
+        self.used: set[str] = set()  # the flags (as `unused` names them) that gave a tensor its type
         self.rank: dict[str, int] = {}
         seen: dict[str, int] = {}
         for n in sorted(names):
@@ -132,11 +192,29 @@ class ImageMix:
                 self.rank[n] = seen.get(b.what, 0)
                 seen[b.what] = self.rank[n] + 1
 
+    def leaves(self, name: str) -> bool:
+        """--leave-output-tensor: output.weight keeps the type it has (llama.cpp's tensor_allows_quantization)."""
+        return not self.quantize_output_tensor and name == "output.weight"
+
     def type_of(self, name: str, row_len: int) -> tuple[str, str, str | None]:
         """(GGML type name, why, the type it fell back from or None) for a quantizable tensor."""
+        from ckpt.families.llm.quant_mix import BLOCK, TOKEN_EMBD_NAMES
+
+        for flag, t, hit in (("--token-embedding-type", self.token_embedding_type, name in TOKEN_EMBD_NAMES),
+                             ("--output-tensor-type", self.output_tensor_type, name == "output.weight")):
+            if t and hit:
+                if row_len % BLOCK[t]:
+                    raise CkptError(f"{flag} {t}: tensor {name} has rows of {row_len} values, not whole {t} blocks "
+                                    f"of {BLOCK[t]}")
+                self.used.add(flag)
+                return self._checked(name, t), flag, None
         m, t, why = self.mix, self.mix.default, "quantized"
+        manual = next(((p, pt) for p, rx, pt in self.patterns if rx.search(name)), None)
         b = _bump_of(name)
-        if b is not None and not self.pure:
+        if manual is not None:
+            t, why = manual[1], f"--tensor-type {manual[0]}={manual[1]}"
+            self.used.add(why)
+        elif b is not None and not self.pure:
             bumped = b.types.get(m.ftype)
             if b.first and m.ftype in b.first:
                 n, below, above = b.first[m.ftype]
@@ -145,4 +223,20 @@ class ImageMix:
                 t, why = bumped, f"{b.what}, more bits in {m.label}"
         if t in K_TYPES and row_len % 256:
             return "F16", f"{t} fallback: rows of {row_len} are not a multiple of 256", t
-        return t, why, None
+        return self._checked(name, t), why, None
+
+    def _checked(self, name: str, t: str) -> str:
+        from ckpt.families.llm.quant_mix import GGML_REQUIRES_IMATRIX, requires_imatrix
+
+        if not self.has_imatrix and (requires_imatrix(name, t, self.mix.ftype) or t in GGML_REQUIRES_IMATRIX):
+            raise CkptError(f"{self.mix.label} needs an importance matrix: tensor {name} would be {t}, which "
+                            "llama-quantize makes only with one; give --imatrix FILE")
+        return t
+
+    def unused(self) -> list[str]:
+        """The flags that gave no tensor its type (after every `type_of`): "--tensor-type PATTERN=TYPE",
+        "--output-tensor-type", "--token-embedding-type"; for a summary line (llama.cpp says nothing of them)."""
+        out = [f"--tensor-type {p}={t}" for p, _, t in self.patterns if f"--tensor-type {p}={t}" not in self.used]
+        out += [f for f, t in (("--output-tensor-type", self.output_tensor_type),
+                               ("--token-embedding-type", self.token_embedding_type)) if t and f not in self.used]
+        return out

@@ -57,9 +57,10 @@ PREPROCESSOR_FILES = (("preprocessor_config.json", "media_proc_cfg"), ("processo
 
 
 def _gguf():
-    import gguf
+    """The gguf package with the types it lacks added (`ckpt.io.ggml_types.gguf_package`: Q2_0)."""
+    from ckpt.io.ggml_types import gguf_package
 
-    return gguf
+    return gguf_package()
 
 
 def check_options(opts, mix) -> None:
@@ -67,8 +68,10 @@ def check_options(opts, mix) -> None:
     if mix.name not in OUTTYPES:
         raise CkptError(f"--mmproj with --to gguf-{mix.name}: llama.cpp's converter writes a projector as "
                         f"{', '.join('gguf-' + t for t in OUTTYPES)} only (its --outtype choices)")
-    if opts.pure:
-        raise CkptError("--pure does not apply to --mmproj (the projector's types are the converter's)")
+    from ckpt.targets.planners.gguf_quant_flags import given
+
+    for flag in (["--pure"] if opts.pure else []) + given(opts):
+        raise CkptError(f"{flag} does not apply to --mmproj (the projector's types are the converter's)")
 
 
 def plan_mmproj(ckpt, views, mix, report: Report, operation: str) -> Plan:

@@ -41,6 +41,7 @@ Two edges where llama.cpp's own tools have no sensible output, and what ckpt doe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -75,9 +76,10 @@ class Rules:
 
 
 def _gguf():
-    import gguf
+    """The gguf package with the types it lacks added (`ckpt.io.ggml_types.gguf_package`: Q2_0)."""
+    from ckpt.io.ggml_types import gguf_package
 
-    return gguf
+    return gguf_package()
 
 
 def _matches(name: str, patterns) -> bool:
@@ -175,6 +177,8 @@ def choose(name: str, t: Tensor, fam: Rules, m: Mix, img: ImageMix) -> Choice:
         return Choice(t1, shape, reshaped, "input/output layer kept unquantized")
     if any(s in name for s in NEVER_QUANTIZED):
         return Choice(t1, shape, reshaped, "never quantized by llama.cpp")
+    if img.leaves(name):
+        return Choice(t1, shape, reshaped, "--leave-output-tensor")
     if n == 0:  # module docstring: nothing to quantize, and llama-quantize cannot (it divides by the row length)
         return Choice(t1, shape, reshaped, "no values to quantize")
     chosen, why, fell = img.type_of(name, shape[-1])
@@ -219,23 +223,50 @@ def _nonfinite(v: torch.Tensor, q: torch.Tensor, ggml_type: int, row_len: int) -
     return int((~finite).sum()), int((finite & ~torch.isfinite(decoded)).sum())
 
 
-def _encoder(name: str, ggml_type: int, row_len: int, report: Report):
+def _block_cast(name: str, ggml_type: int, row_len: int, report: Report, importance=None,
+                stored_rows_per_row: int = 1, total_rows: int = 0):
+    """(cast, positional) of one GGUF block tensor: each band encoded (`ckpt.quant.gguf.encode`), its NaN/Inf
+    counted. `importance` (--imatrix): float32 [n_mat, row_len], one row for a 2-D tensor, one per expert for a
+    3-D one (`total_rows` stored rows in all); a band of a 3-D tensor takes its experts' rows, so that cast is
+    positional (`start`: the band's first source row, of `stored_rows_per_row` stored rows each), as llama-quant.cpp
+    passes `imatrix + (row / nrows_per_expert) * n_per_row`."""
     from ckpt.quant.gguf import encode
 
-    def cast(x, buffers):
+    qw_all = None if importance is None else torch.from_numpy(importance).float()
+    n_mat = 0 if qw_all is None else qw_all.shape[0]
+    per_mat = total_rows // n_mat if n_mat else 0
+
+    def cast(x, buffers, start: int = 0):
         v = x.float() if x.dtype in FP8 else x
-        q = encode(v.reshape(-1, row_len), ggml_type)
+        rows = v.reshape(-1, row_len)
+        qw = None
+        if n_mat == 1:
+            qw = qw_all[0]
+        elif n_mat > 1:
+            first = start * stored_rows_per_row
+            qw = qw_all[torch.arange(first, first + rows.shape[0]) // per_mat]
+        q = encode(rows, ggml_type, qw)
         bad, decoded_bad = _nonfinite(v, q, ggml_type, row_len)
         report.count("nonfinite_input", name, bad)
         report.count("nonfinite_decoded", name, decoded_bad)
         return q
 
-    return cast
+    return cast, n_mat > 1
 
 
-def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Report, casters: dict) -> OutTensor:
+def _encodes_without_importance(ggml_type: int) -> bool:
+    """Whether a type is written without an importance: ckpt's static encoders, or the gguf package's quantize
+    (the legacy types); the IQ1_S/IQ2_XXS/IQ2_XS quantizers of ggml assert one."""
+    from ckpt.quant.gguf import WRITABLE_FALLBACKS, kquant_encoder
+
+    return kquant_encoder(ggml_type) is not None or _gguf().GGMLQuantizationType(ggml_type).name in WRITABLE_FALLBACKS
+
+
+def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Report, casters: dict,
+               importance=None) -> OutTensor:
     """The output of one GGUF tensor stored as `ggml_type` with stored `shape`: plain types cast (one Caster per
-    dtype, shared through `casters`), block types encoded band by band in whole stored rows."""
+    dtype, shared through `casters`), block types encoded band by band in whole stored rows, with the tensor's
+    importance (`QuantFlags.importance`) where given."""
     from ckpt.io.ggml_types import plain_types
 
     plain = plain_types().get(ggml_type)
@@ -250,8 +281,14 @@ def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Repor
         else:
             cast = (lambda x, b: x)
         return OutTensor(name, plain, shape, t, cast, stateless=True)
-    return OutTensor(name, torch.uint8, shape, BlockRows(t, shape[-1]), _encoder(name, ggml_type, shape[-1], report),
-                     gguf_type=ggml_type, stateless=True)
+    if importance is None and not _encodes_without_importance(ggml_type):
+        raise CkptError(f"tensor {name!r}: {_gguf().GGMLQuantizationType(ggml_type).name} needs an importance "
+                        "matrix entry for it (--imatrix), as llama-quantize does; it has none")
+    src = BlockRows(t, shape[-1])
+    per_row = math.prod(src.shape[1:]) // shape[-1] if len(src.shape) > 1 else 1
+    cast, positional = _block_cast(name, ggml_type, shape[-1], report, importance, per_row,
+                                   math.prod(shape) // shape[-1])
+    return OutTensor(name, torch.uint8, shape, src, cast, gguf_type=ggml_type, stateless=True, positional=positional)
 
 
 def fallback_note(fallbacks: dict) -> str | None:
@@ -263,7 +300,7 @@ def fallback_note(fallbacks: dict) -> str | None:
     return f"{plural(total, 'tensor')} fell back to another type (rows not a whole number of blocks): {parts}"
 
 
-def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report, operation: str) -> Plan:
+def plan_gguf(ckpt, views, m: Mix, flags, report: Report, operation: str) -> Plan:
     """The whole GGUF output (one file) for SRC's single component."""
     from ckpt.io.gguf_writer import int32_array, string, uint32
 
@@ -282,8 +319,8 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report, operation: str) -
     except CkptError as e:
         raise CkptError(f"{comp.where}: {e}") from None
     if not m.image:
-        raise CkptError(f"--to gguf-{m.name}: ComfyUI-GGUF does not quantize image models to {m.label} (its "
-                        "llama.cpp patch refuses the IQ types for them); choose a K-quant such as gguf-q4_k_m")
+        raise CkptError(f"--to gguf-{m.name}: ComfyUI-GGUF does not quantize image models to {m.label} "
+                        f"({m.not_for_images}); choose a K-quant such as gguf-q4_k_m")
     notes = []
     if dropped:
         notes.append(f"{plural(len(dropped), 'tensor')} outside {prefix!r} left out (e.g. {dropped[0]!r}): "
@@ -291,7 +328,10 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report, operation: str) -
     casters: dict = {}
     outs, orig_shapes, summary, fallbacks = [], [], {}, {}
     ignored = []
-    img = ImageMix(m, pure, [n[len(prefix):] for n in keep])
+    kw = flags.mix_kwargs()
+    kw.pop("imatrix_names")
+    img = ImageMix(m, names=[n[len(prefix):] for n in keep], **kw)
+    quantized = []
     for full in keep:
         name, t = full[len(prefix):], view.tensors[full]
         if _matches(name, fam.ignore):
@@ -308,7 +348,15 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report, operation: str) -
             fallbacks[(c.fallback, label)] = fallbacks.get((c.fallback, label), 0) + 1
         if c.reshaped:
             orig_shapes.append(int32_array(f"comfy.gguf.orig_shape.{name}", t.shape))
-        outs.append(out_tensor(name, t, c.ggml_type, c.shape, report, casters))
+        importance = None
+        if c.ggml_type not in (T.F32, T.F16, T.BF16):
+            quantized.append(name)
+            importance = flags.importance(name, c.shape, label, report)
+        outs.append(out_tensor(name, t, c.ggml_type, c.shape, report, casters, importance))
+    flags.check_used(quantized)
+    notes += flags.notes()
+    for unused in img.unused():
+        report.warn(f"{unused} gave no tensor its type (nothing matched, or an earlier rule took them)")
     if ignored:
         notes.append(f"{plural(len(ignored), fam.arch + ' tensor')} ComfyUI-GGUF ignores left out "
                      f"(e.g. {ignored[0]!r})")
@@ -317,6 +365,7 @@ def plan_gguf(ckpt, views, m: Mix, pure: bool, report: Report, operation: str) -
               uint32("general.quantization_version", gguf.GGML_QUANT_VERSION),
               uint32("general.file_type", gguf.LlamaFileType[m.ftype]),
               *orig_shapes,
+              *flags.fields(),
               string("ckpt.version", __version__),
               string("ckpt.operation", operation)]
     counts = ", ".join(f"{n} {label} ({why})" for (label, why), n in sorted(summary.items(), key=lambda kv: -kv[1]))
