@@ -113,13 +113,15 @@ def test_dat_and_gguf_imatrix_give_the_same_file(models, run_ckpt, tmp_path):
 
 
 @pytest.mark.slow
-def test_imatrix_missing_tensors_and_gguf_source(models, run_ckpt, tmp_path):
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_imatrix_missing_tensors_and_gguf_source(name, models, run_ckpt, tmp_path):
     """An imatrix without the second block's tensors: those are quantized without one, as llama-quantize does, and
-    the summary says how many; from a llama.cpp BF16 GGUF source the same file comes out."""
+    the summary says how many; from a llama.cpp BF16 GGUF source (3-D expert tensors stored as such) the same file
+    comes out."""
     from helpers import llama_ref
 
     llama_ref.llama_cpp()
-    folder, ref_bf16 = models["llama"]
+    folder, ref_bf16 = models[name]
     stats = _stats_for(ref_bf16, seed=5, drop=("blk.1.",))
     im = imatrix_files.write_gguf(tmp_path / "partial.gguf", stats)
     _llama_quantize(ref_bf16, tmp_path / "ref.gguf", "MOSTLY_Q4_K_S", stats, im)

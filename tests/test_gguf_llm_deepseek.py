@@ -316,3 +316,38 @@ def test_refusals(built, registered, run_ckpt, tmp_path):
     tiktoken(k2)
     assert_refused(run_ckpt, tmp_path, ("convert", k2, "--to", "gguf-f16"), str(k2),
                    "no tokenizer (tokenizer.model or tokenizer.json)")
+
+
+def test_merge_lora_into_a_deepseek_gguf(built, registered, run_ckpt, tmp_path, capsys):
+    """merge-lora into a DeepSeek GGUF: a LoRA on tensors the GGUF stores as they are (q_a_proj, o_proj) is merged and
+    reads back as PEFT's merge_and_unload; one on kv_b_proj (stored split per head into k_b and v_b) is refused in
+    one line naming the way that works, nothing written."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = built["v3"][0]
+    base = ckpt_gguf(run_ckpt, folder, "f32", tmp_path / "base-F32.gguf")
+    for targets in (["q_a_proj", "o_proj"], ["kv_b_proj"]):
+        torch.manual_seed(3)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                              LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+        lora = tmp_path / f"lora-{targets[0]}"
+        peft.save_pretrained(lora)
+        capsys.readouterr()  # transformers' progress bars
+        out = tmp_path / f"merged-{targets[0]}.gguf"
+        if targets == ["kv_b_proj"]:
+            assert_refused(run_ckpt, tmp_path, ("merge-lora", base, lora, "--to", "gguf-f32", "-o", out), str(base),
+                           "merge into the Hugging Face folder instead (merge-lora HF_FOLDER LORA --to gguf-f32)")
+            continue
+        merged = {k: v.detach().clone() for k, v in peft.merge_and_unload().state_dict().items()}
+        capsys.readouterr()
+        code, _, err = run_ckpt("merge-lora", base, lora, "--to", "gguf-f32", "-o", out, "-q")
+        assert code == 0, err
+        code, _, err = run_ckpt("convert", out, "--to", "fp32", "-o", tmp_path / "back", "-q")
+        assert code == 0, err
+        back = load_file(tmp_path / "back" / "model.safetensors")
+        changed = [k for k in merged if any(t in k for t in targets)]
+        assert changed
+        for k in changed:
+            torch.testing.assert_close(back[k], merged[k], rtol=0, atol=1e-6)

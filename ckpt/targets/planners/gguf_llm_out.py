@@ -464,8 +464,10 @@ def plan_from_gguf(comp, header, view, mix, flags, report: Report, operation: st
     decoded = (view.origin or view).tensors
     extra = sorted(n for n in view.tensors if n not in placed and view.tensors[n] is not decoded.get(n))
     if extra:
-        raise CkptError(f"{f.path}: tensor {extra[0]!r} is not one of the GGUF's own ({plural(len(extra), 'tensor')} "
-                        "without a place in it); nothing was written")
+        raise CkptError(f"{f.path}: tensor {extra[0]!r}, changed by the merge, is rebuilt from several of the GGUF's "
+                        f"tensors (MLA's split kv_b, stacked experts, fused projections) and cannot be written back "
+                        f"into them ({plural(len(extra), 'such tensor')}); merge into the Hugging Face folder instead "
+                        f"(merge-lora HF_FOLDER LORA --to gguf-{mix.name}); nothing was written")
     names = sorted(f.names, key=lambda n: (block_number(n), n))  # llama-quantize's weights_map order
     sources, before = [], []
     for gname in names:
