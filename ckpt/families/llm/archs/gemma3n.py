@@ -9,7 +9,17 @@ three AltUp unembedding projections each stacked into one tensor; the vocabulary
 `vocab_size_per_layer_input`); and its own keys after Gemma 3's (AltUp, per-layer input size, shared KV layers, the
 activation sparsity as normal quantiles, the sliding-window pattern from `layer_types`).
 
-Not read back (no HF name table for the stacked AltUp tensors yet): `readable=False`."""
+Read back (GGUF -> HF) as `Gemma3nForCausalLM`: the AltUp stacks split again, `*_scale.weight` as `*_scale`, the
+config from the metadata (Gemma 3's keys, then AltUp, the per-layer input size, the shared KV layers, the activation
+sparsity as the fractions whose quantiles were written), each checked against the tensors that show it. What the GGUF
+does not hold exactly, and how it is handled:
+- `vocab_size_per_layer_input`: the converter padded the per-layer embeddings with zero rows to `vocab_size` and
+  recorded no size. transformers' model gives a token past the table the pad row (row 0); read back with every stored
+  row, a padded token gets its zero row, the same values wherever row 0 is zero (as `padding_idx` keeps it). The
+  file's padding is told from its last row: zero there and a non-zero row 0 is refused (the size is unknowable).
+- the k/v projections and k norms of KV-sharing layers (a release checkpoint has them; transformers' model has no
+  module for them and reuses an earlier layer's keys and values): left out, with a note.
+- `altup_coef_clip` (a training-time clamp): transformers' default, with a note."""
 
 from __future__ import annotations
 
@@ -17,14 +27,24 @@ import math
 
 from ckpt.lazy import torch
 
-from ckpt.errors import CkptError
-from ckpt.families.llm.arch import Export
+from ckpt.errors import CkptError, file_error
+from ckpt.families.llm.arch import Export, Readback
+from ckpt.families.llm.archs.gemma2 import GEMMA2_LAYER
 from ckpt.families.llm.archs.gemma3 import Gemma3
 from ckpt.families.llm.multimodal import text_model_name
-from ckpt.families.llm.tensors import Stacked
-from ckpt.io.tensors import Tensor
+from ckpt.families.llm.tensors import Stacked, Unstacked
+from ckpt.io.tensors import Tensor, read_rows
 
-GEMMA3N_LAYER = ()  # not read back
+GEMMA3N_LAYER = GEMMA2_LAYER + ("self_attn.q_norm", "self_attn.k_norm", "altup.correct_output_scale",
+                               "altup.correction_coefs", "altup.modality_router", "altup.prediction_coefs",
+                               "altup.router_norm", "laurel.linear_left", "laurel.linear_right",
+                               "laurel.post_laurel_norm", "per_layer_input_gate", "per_layer_projection",
+                               "post_per_layer_input_norm")
+GEMMA3N_TOP = ("model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm",
+               "model.altup_projections", "model.altup_unembed_projections")
+KV_SHARED = ("attn_k", "attn_v", "attn_k_norm")  # what a KV-sharing layer of transformers' model has no module for
+STACKED_ALTUP = {"altup_proj.weight": "model.altup_projections.{i}.weight",
+                 "altup_unembd_proj.weight": "model.altup_unembed_projections.{i}.weight"}
 ALTUP = {"altup_unembed_projections": "model.altup_unembed_projections.weight",
          "altup_projections": "model.altup_projections.weight"}  # (checked in this order: the first contains no other)
 
@@ -147,6 +167,160 @@ class Gemma3n(Gemma3):
         return notes
 
 
+    # ------------------------------------------------------------------ reading back (GGUF -> HF)
+
+    def hf_modules(self, n_blocks: int) -> list[str]:
+        return super().hf_modules(n_blocks) + list(GEMMA3N_TOP)
+
+    def read_config(self, r: Readback) -> None:
+        """Gemma3nTextConfig: Gemma 3's keys (less the query scale and attention softcapping it has not; its
+        sliding-window layers by llama.cpp's gemma3n period of 5 where the file has no pattern), then each of the
+        architecture's own from the metadata, checked against the tensors that show it."""
+        import gguf
+
+        from ckpt.families.llm.readback_keys import layer_types, swa_layers
+        from ckpt.quant.gguf_llm import Meta
+
+        K = gguf.Keys
+        super().read_config(r)
+        m, cfg, stored = Meta(r.header, self.arch), r.cfg, r.stored
+        n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+        for key in ("query_pre_attn_scalar", "attn_logit_softcapping"):
+            cfg.pop(key, None)
+        cfg["sliding_window"] = m.integer(K.Attention.SLIDING_WINDOW)  # llama.cpp's gemma3n requires it
+        cfg["layer_types"] = types = layer_types(swa_layers(m, n, 5))
+        cfg["intermediate_size"] = [cfg["intermediate_size"]] * n
+        n_alt = m.integer(K.LLM.ALTUP_NUM_INPUTS, lo=2)
+        active = m.integer(K.LLM.ALTUP_ACTIVE_IDX, lo=0)
+        if active >= n_alt:
+            raise m.bad(m.key(K.LLM.ALTUP_ACTIVE_IDX), active, f"not below {m.key(K.LLM.ALTUP_NUM_INPUTS)} ({n_alt})")
+        per = m.integer(K.LLM.EMBD_LENGTH_PER_LAYER_INP)
+        emb = stored.get("per_layer_token_embd.weight")
+        if emb is None:
+            raise file_error(r.path, "tensor per_layer_token_embd.weight is missing; nothing was written")
+        rows = emb.stored_shape[0] if emb.stored_shape else 0
+        laurel = stored.get("blk.0.laurel_l.weight")
+        rank = laurel.stored_shape[0] if laurel is not None and laurel.stored_shape else 0
+        sizes = {"per_layer_token_embd": ((rows, n * per), K.LLM.EMBD_LENGTH_PER_LAYER_INP),
+                 "per_layer_model_proj": ((n * per, hidden), K.LLM.EMBD_LENGTH_PER_LAYER_INP),
+                 "per_layer_proj_norm": ((per,), K.LLM.EMBD_LENGTH_PER_LAYER_INP),
+                 "inp_gate": ((per, hidden), K.LLM.EMBD_LENGTH_PER_LAYER_INP),
+                 "proj": ((hidden, per), K.LLM.EMBD_LENGTH_PER_LAYER_INP),
+                 "altup_proj": ((n_alt - 1, hidden, hidden), K.LLM.ALTUP_NUM_INPUTS),
+                 "altup_unembd_proj": ((n_alt - 1, hidden, hidden), K.LLM.ALTUP_NUM_INPUTS),
+                 "altup_correct_coef": ((n_alt, n_alt), K.LLM.ALTUP_NUM_INPUTS),
+                 "altup_predict_coef": ((n_alt * n_alt, n_alt), K.LLM.ALTUP_NUM_INPUTS),
+                 "altup_router": ((n_alt, hidden), K.LLM.ALTUP_NUM_INPUTS),
+                 "laurel_l": ((rank, hidden), K.LLM.EMBEDDING_LENGTH),
+                 "laurel_r": ((hidden, rank), K.LLM.EMBEDDING_LENGTH)}
+        for name, t in stored.items():
+            parts = name.split(".")
+            want = sizes.get(parts[2] if parts[0] == "blk" and len(parts) == 4 else parts[0])
+            if want is not None and tuple(t.stored_shape) != want[0]:
+                raise m.bad(m.key(want[1]), m.integer(want[1]), f"but {name} is {list(t.stored_shape)}, not "
+                                                                f"{list(want[0])}")
+        shared = self._kv_shared(m, r, n, types)
+        cfg.update(vocab_size_per_layer_input=self._per_layer_vocab(r, rows), hidden_size_per_layer_input=per,
+                   altup_num_inputs=n_alt, altup_active_idx=active, altup_correct_scale=True, laurel_rank=rank,
+                   num_kv_shared_layers=shared, activation_sparsity_pattern=self._sparsity(m, n))
+        r.notes.append("config.json altup_coef_clip: transformers' default (the GGUF does not record this clamp of "
+                       "the AltUp coefficients, applied in training only)")
+
+    def _kv_shared(self, m, r: Readback, n: int, types: list[str]) -> int:
+        """`attention.shared_kv_layers`: the last layers reuse an earlier layer's keys and values (transformers
+        needs a layer of each of their kinds before them); every layer before them has its own k/v projections.
+        Those a KV-sharing layer has (a release checkpoint's) are left out: transformers' model has no module for
+        them."""
+        import gguf
+
+        key = m.key(gguf.Keys.Attention.SHARED_KV_LAYERS)
+        shared = m.integer(gguf.Keys.Attention.SHARED_KV_LAYERS, 0, lo=0)
+        first = n - shared
+        if shared and (first < 1 or not set(types[first:]) <= set(types[:first])):
+            raise m.bad(key, shared, f"but layers {first}-{n - 1} would share keys and values with no earlier layer "
+                                     "of their kind (attention.sliding_window_pattern)")
+        for i in range(first):
+            for kind in KV_SHARED:
+                if f"blk.{i}.{kind}.weight" not in r.stored:
+                    raise m.bad(key, shared, f"but blk.{i}.{kind}.weight is missing (only the last {shared} of "
+                                             f"{n} layers share keys and values)")
+        left = [g for g in r.stored if g.startswith("blk.") and int(g.split(".")[1]) >= first
+                and g.split(".")[2] in KV_SHARED]
+        for g in left:
+            r.into_config[g] = "left out: a KV-sharing layer's, which transformers' model has no module for"
+        if left:
+            r.notes.append(f"{len(left)} k/v tensors of the {shared} KV-sharing layers left out (e.g. {left[0]}): "
+                           "transformers' model reuses an earlier layer's keys and values there and has none")
+        return shared
+
+    def _per_layer_vocab(self, r: Readback, rows: int) -> int:
+        """vocab_size_per_layer_input: every stored row (see the module docstring), refused where the converter's
+        zero padding (a zero last row) is not what transformers gives a token past the table (row 0, when it is not
+        zero)."""
+        if rows < 1:
+            raise file_error(r.path, "tensor per_layer_token_embd.weight has no rows")
+        t = r.value("per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight")
+        cpu = torch.device("cpu")
+        first, last = read_rows(t, 0, 1, cpu), read_rows(t, rows - 1, rows, cpu)
+        if rows > 1 and not last.any() and first.any():
+            raise file_error(r.path, "tensor per_layer_token_embd.weight ends in zero rows (llama.cpp's padding past "
+                                     "vocab_size_per_layer_input, which the GGUF does not record) and its row 0 is "
+                                     "not zero: the original table's size cannot be recovered; nothing was written")
+        return rows
+
+    def _sparsity(self, m, n: int) -> list[float]:
+        """activation_sparsity_pattern: the fraction each layer's `activation_sparsity_scale` (its standard-normal
+        quantile, as float32 torch computes it) was written from: the shortest decimal whose quantile is the stored
+        value exactly, else the nearest float (-inf: 0, no sparsity)."""
+        import gguf
+
+        key = m.key(gguf.Keys.LLM.ACTIVATION_SPARSITY_SCALE)
+        scales = m.header.value(key)
+        if (not isinstance(scales, list) or len(scales) != n or
+                any(isinstance(s, bool) or not isinstance(s, (int, float)) or math.isnan(s) or s == math.inf
+                    for s in scales)):
+            raise m.bad(key, scales[:8] if isinstance(scales, list) else scales,
+                        f"not {n} standard-normal quantiles (one per block)")
+        normal = torch.distributions.normal.Normal(0, 1)
+
+        def quantile(p: float) -> float:
+            return normal.icdf(torch.tensor(p, dtype=torch.float32)).item()
+
+        out = []
+        for s in scales:
+            if s == -math.inf:
+                out.append(0.0)
+                continue
+            p = 0.5 * math.erfc(-s / math.sqrt(2))
+            out.append(next((c for c in (round(p, d) for d in range(1, 10)) if 0 < c < 1 and quantile(c) == s), p))
+        return out
+
+    def blocks_with(self, r: Readback, suffix: str) -> set[int] | None:
+        """k/v projections and k norms in the layers that compute their own (those of KV-sharing layers, where a
+        file has them, are left out); every other tensor in every block."""
+        if suffix.split(".")[0] not in KV_SHARED:
+            return None
+        n = r.cfg["num_hidden_layers"]
+        first = n - r.cfg["num_kv_shared_layers"]
+        return set(range(first)) | {i for i in range(first, n) if f"blk.{i}.{suffix}" in r.stored}
+
+    def in_place(self, gname: str) -> bool:
+        """The stacked AltUp projections are rebuilt (three HF tensors), not in place."""
+        return gname not in STACKED_ALTUP
+
+    def read_tensor(self, r: Readback, gname: str) -> list[tuple[str, Tensor]]:
+        """The stacked AltUp projections as the three HF matrices; `altup.correct_output_scale` without the
+        `.weight` the converter added; the rest by the table."""
+        if gname in STACKED_ALTUP:
+            template = STACKED_ALTUP[gname]
+            v = r.value(gname, template.format(i="X"))
+            return [(template.format(i=i), Unstacked(v, i, template.format(i=i))) for i in range(v.shape[0])]
+        hf = r.names.get(gname, "")
+        if hf.endswith("_scale.weight"):
+            hf = hf[:-len(".weight")]
+            return [(hf, r.value(gname, hf))]
+        return super().read_tensor(r, gname)
+
+
 ARCH = Gemma3n("gemma3n", "Gemma3nForCausalLM", "gemma3n_text", GEMMA3N_LAYER,
-               hf_classes=("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration"), params="gemma3", vocab="gemma3n",
-               readable=False)
+               hf_classes=("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration"), params="gemma3", vocab="gemma3n")
