@@ -65,7 +65,7 @@ def sort_block(x, row, xo, bs, vals, idx):
 
 
 @kernel
-def iq1_place(x, row, xo, ngroups, weight, scale, xx_first, xx_rest, L, index, grid, kmap, nb):
+def iq1_place(x, row, xo, ngroups, weight, scale, xx_first, xx_rest, L, index, grid, kmap, nb, sqv):
     """Put each group of 8 levels L[8k:8k + 8] (0..2) on the grid: its grid index into index[k], or, off the grid,
     the neighbour iq1_find_best_neighbour2 picks at `scale` (closest under the weights to the values
     x[row, xo + 8k:]), whose levels replace it in L. Group 0 takes the values xx_first, the others xx_rest (IQ1_M's
@@ -81,16 +81,33 @@ def iq1_place(x, row, xo, ngroups, weight, scale, xx_first, xx_rest, L, index, g
         if code < 0:
             all_on_grid = False
             start = -code - 1
+            # iq1_find_best_neighbour2, the values, weights and the 3 levels' scaled values read once
+            v0, v1, v2, v3 = x[row, xo + o], x[row, xo + o + 1], x[row, xo + o + 2], x[row, xo + o + 3]
+            v4, v5, v6, v7 = x[row, xo + o + 4], x[row, xo + o + 5], x[row, xo + o + 6], x[row, xo + o + 7]
+            w0, w1, w2, w3 = weight[o], weight[o + 1], weight[o + 2], weight[o + 3]
+            w4, w5, w6, w7 = weight[o + 4], weight[o + 5], weight[o + 6], weight[o + 7]
+            for i in range(3):
+                sqv[i] = scale * xx[i]
             best = np.float32(FLT_MAX)
             gi = -1
             for m in range(1, np.int64(nb[start]) + 1):
-                p = 8 * np.int64(nb[start + m])
-                d2 = np.float32(0.0)
-                for i in range(8):
-                    q = xx[(np.int64(grid[p + i]) - 1) // 2]
-                    w = weight[o + i]
-                    diff = scale * q - x[row, xo + o + i]
-                    d2 += w * diff * diff
+                p = 8 * np.int64(nb[start + m])  # grid bytes 1, 3, 5: level (b - 1) / 2 = b >> 1
+                diff = sqv[grid[p] >> 1] - v0
+                d2 = np.float32(0.0) + w0 * diff * diff
+                diff = sqv[grid[p + 1] >> 1] - v1
+                d2 += w1 * diff * diff
+                diff = sqv[grid[p + 2] >> 1] - v2
+                d2 += w2 * diff * diff
+                diff = sqv[grid[p + 3] >> 1] - v3
+                d2 += w3 * diff * diff
+                diff = sqv[grid[p + 4] >> 1] - v4
+                d2 += w4 * diff * diff
+                diff = sqv[grid[p + 5] >> 1] - v5
+                d2 += w5 * diff * diff
+                diff = sqv[grid[p + 6] >> 1] - v6
+                d2 += w6 * diff * diff
+                diff = sqv[grid[p + 7] >> 1] - v7
+                d2 += w7 * diff * diff
                 if d2 < best:
                     best = d2
                     gi = np.int64(nb[start + m])
@@ -152,6 +169,7 @@ def quantize_iq1_s(x, qw, out):
     idx = np.zeros(bs, np.int64)
     L = np.zeros(bs, np.int64)
     index = np.zeros(bs // 8, np.int64)
+    sqv = np.zeros(3, np.float32)
     for row in range(r):
         wr = 0 if qw.shape[0] == 1 else row
         for ibl in range(n // QK_K):
@@ -190,14 +208,16 @@ def quantize_iq1_s(x, qw, out):
                 best_shift = 0
                 p0, p1, p2 = x_p[0], x_p[1], x_p[2]
                 m0, m1, m2 = x_m[0], x_m[1], x_m[2]
+                tx = sumx[bs]
+                tw = sumw[bs]
                 for i1 in range(bs + 1):
+                    a = sumx[i1] - sumx[0]
+                    wa = sumw[i1] - sumw[0]
                     for i2 in range(i1, bs + 1):
-                        a = sumx[i1] - sumx[0]
                         b = sumx[i2] - sumx[i1]
-                        c = sumx[bs] - sumx[i2]
-                        wa = sumw[i1] - sumw[0]
+                        c = tx - sumx[i2]
                         wb = sumw[i2] - sumw[i1]
-                        wc = sumw[bs] - sumw[i2]
+                        wc = tw - sumw[i2]
                         sumqx = a * p0 + b * p1 + c * p2
                         sumq2 = wa * p0 * p0 + wb * p1 * p1 + wc * p2 * p2
                         if sumq2 > np.float32(0.0) and sumqx * sumqx > best_score * sumq2:
@@ -226,7 +246,7 @@ def quantize_iq1_s(x, qw, out):
                     scale = -scale
                     best_shift = -best_shift
                 xx = x_p if best_shift == 1 else x_m
-                if not iq1_place(x, row, xo, bs // 8, weight, scale, xx, xx, L, index, grid, kmap, nb):
+                if not iq1_place(x, row, xo, bs // 8, weight, scale, xx, xx, L, index, grid, kmap, nb, sqv):
                     scale = refit_scale(x, row, xo, bs // 8, weight, xx, xx, index, grid, scale)
                 h = 0
                 for k in range(bs // 8):
@@ -283,6 +303,7 @@ def quantize_iq1_m(x, qw, out):
     idx = np.zeros(bs, np.int64)
     L = np.zeros(bs, np.int64)
     index = np.zeros(bs // 8, np.int64)
+    sqv = np.zeros(3, np.float32)
     px = np.zeros((2, bs + 1), np.float32)
     pw = np.zeros((2, bs + 1), np.float32)
     sc = np.zeros(4, np.int64)
@@ -376,7 +397,7 @@ def quantize_iq1_m(x, qw, out):
                     best_k = 3 - best_k  # 0 <-> 3, 1 <-> 2
                 xx0 = x_p if best_k < 2 else x_m
                 xx1 = x_p if best_k % 2 == 0 else x_m
-                if not iq1_place(x, row, xo, bs // 8, weight, scale, xx0, xx1, L, index, grid, kmap, nb):
+                if not iq1_place(x, row, xo, bs // 8, weight, scale, xx0, xx1, L, index, grid, kmap, nb, sqv):
                     scale = refit_scale(x, row, xo, bs // 8, weight, xx0, xx1, index, grid, scale)
                 out[row, ob + 2 * ib] = np.uint8(index[0] & 255)
                 out[row, ob + 2 * ib + 1] = np.uint8(index[1] & 255)

@@ -245,7 +245,10 @@ def _block_cast(name: str, ggml_type: int, row_len: int, report: Report, importa
         elif n_mat > 1:
             first = start * stored_rows_per_row
             qw = qw_all[torch.arange(first, first + rows.shape[0]) // per_mat]
-        q = encode(rows, ggml_type, qw)
+        try:
+            q = encode(rows, ggml_type, qw)
+        except CkptError as e:  # a kernel's refusal (values where ggml's search aborts) names no tensor
+            raise CkptError(f"tensor {name!r}: {e}") from None
         bad, decoded_bad = _nonfinite(v, q, ggml_type, row_len)
         report.count("nonfinite_input", name, bad)
         report.count("nonfinite_decoded", name, decoded_bad)
