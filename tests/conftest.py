@@ -64,6 +64,8 @@ SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               "test_ckpt_reads_every_block_type_as_llama_cpp_does",
               # tests/test_kquants_cpu_iq3_small.py: builds and initialises ggml's release library (~20 s)
               "test_extreme_rows_byte_identical_to_a_release_build",
+              # tests/test_kquants_cpu_iq2_iq1.py: children running ggml's IQ2/IQ1 grid inits (5-10 s each)
+              "test_huge_values_byte_identical_or_refused_where_ggml_aborts", "test_iq2_grid_tables_are_the_c_inits",
               "test_every_module_imports_in_a_fresh_interpreter_without_torch", "test_sigterm_to_a_running_convert_leaves_nothing",
               "test_a_set_a_sigkilled_run_published_in_part_is_recognised_cleaned_and_replaced",
               "test_an_llm_tensor_without_values_is_refused_for_block_types",
