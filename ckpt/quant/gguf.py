@@ -257,21 +257,32 @@ def _quantize_pieces(flat: torch.Tensor, ggml_type: int) -> torch.Tensor:
     out = torch.empty(n // blk * size, dtype=torch.uint8)
     dst = out.numpy()
     step = max(blk, PIECE_ELEMS_OF.get(type_name(ggml_type), PIECE_ELEMS) // blk * blk)
+
+    def piece(a: int, b: int) -> None:
+        # errstate is per thread (numpy keeps it in a context variable)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            v = np.left_shift(src[a:b], 16, dtype=np.uint32).view(np.float32) if bf16 else src[a:b]
+            dst[a // blk * size: b // blk * size] = quantize(v.reshape(1, -1), ggml_type).reshape(-1)
+
+    run_pieces(n, step, piece)
+    return out
+
+
+def run_pieces(n: int, step: int, piece) -> None:
+    """`piece(a, b)` over [0, n) in pieces of `step`, taken in turn by `quant_workers` threads: the caller and the
+    pool's helpers (`helper_pool`); for work that releases the GIL (numpy's loops, compiled kernels) and whose
+    pieces are independent, so the result does not depend on which thread took which piece."""
     starts = iter(range(0, n, step))
     lock = threading.Lock()
     stop = []  # set when the caller is done (or failed): helpers take no further pieces
 
     def work():
-        # errstate is per thread (numpy keeps it in a context variable)
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            while not stop:
-                with lock:
-                    a = next(starts, None)
-                if a is None:
-                    return
-                b = min(n, a + step)
-                v = np.left_shift(src[a:b], 16, dtype=np.uint32).view(np.float32) if bf16 else src[a:b]
-                dst[a // blk * size: b // blk * size] = quantize(v.reshape(1, -1), ggml_type).reshape(-1)
+        while not stop:
+            with lock:
+                a = next(starts, None)
+            if a is None:
+                return
+            piece(a, min(n, a + step))
 
     workers = quant_workers(-(-n // step))
     helpers = [helper_pool().submit(work) for _ in range(workers - 1)]
@@ -286,7 +297,6 @@ def _quantize_pieces(flat: torch.Tensor, ggml_type: int) -> torch.Tensor:
     for f in helpers:
         if not f.cancelled() and f.exception() is not None:
             raise f.exception()
-    return out
 
 
 def kquant_encoder(ggml_type: int, device: str = "cpu", weighted: bool = False):

@@ -205,7 +205,7 @@ def encode_rows(module_name: str, kernel_name: str, rows: torch.Tensor, qw, bloc
     or [r, n]) on the CPU: pieces of whole rows, taken in turn by the caller's stage's threads
     (`ckpt.quant.gguf.quant_workers`, the pool `_quantize_pieces` uses). Rows are independent, so the bytes do
     not depend on how the pieces fall. Returns uint8 [r, n / block * block_bytes] on the CPU."""
-    from ckpt.quant.gguf import helper_pool, quant_workers
+    from ckpt.quant.gguf import run_pieces
 
     fn = getattr(compiled(module_name), kernel_name)
     if rows.dim() != 2 or rows.shape[1] % block:
@@ -223,31 +223,7 @@ def encode_rows(module_name: str, kernel_name: str, rows: torch.Tensor, qw, bloc
     if r == 0:
         return torch.from_numpy(out)
     step = max(1, PIECE_ROWS_ELEMS // max(1, n))
-    starts = iter(range(0, r, step))
-    lock = threading.Lock()
-    stop = []
-
-    def work():
-        while not stop:
-            with lock:
-                a = next(starts, None)
-            if a is None:
-                return
-            b = min(r, a + step)
-            fn(x[a:b], w if w.shape[0] <= 1 else w[a:b], out[a:b])
-
-    workers = quant_workers(-(-r // step))
-    helpers = [helper_pool().submit(work) for _ in range(workers - 1)]
-    try:
-        work()
-    finally:
-        stop.append(True)
-        for f in helpers:
-            if not f.cancel():
-                f.exception()
-    for f in helpers:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()
+    run_pieces(r, step, lambda a, b: fn(x[a:b], w if w.shape[0] <= 1 else w[a:b], out[a:b]))
     return torch.from_numpy(out)
 
 
