@@ -338,7 +338,8 @@ def _bad_cases():
         ("orig_shape misfit", good | {"l.comfy_quant": conf_tensor({"format": "nvfp4", "orig_shape": [32, 40]})}, "orig_shape"),
         ("config not JSON", good | {"l.comfy_quant": torch.tensor([1, 2, 3], dtype=torch.uint8)}, "not ComfyUI quantization JSON"),
         ("int8 convrot", {"l.weight": torch.zeros(4, 256, dtype=torch.int8), "l.weight_scale": torch.ones(4, 1),
-                          "l.comfy_quant": conf_tensor({"format": "int8_tensorwise", "convrot": True})}, "convrot"),
+                          "l.comfy_quant": conf_tensor({"format": "int8_tensorwise", "convrot": True,
+                                                        "convrot_groupsize": 1024})}, "convrot_groupsize 1024"),
     ]
 
 

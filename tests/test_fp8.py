@@ -121,10 +121,9 @@ def test_comfy_quant_fp8_formats(tmp_path, run_ckpt, small_bands):
     assert "_quantization_metadata" not in meta_out and meta_out["modelspec.title"] == "tiny"
 
 
-@pytest.mark.parametrize("fmt,weight", [  # formats ComfyUI knows and ckpt does not decode, and a made-up one
-    ("convrot_w4a4", torch.zeros(8, 8, dtype=torch.int8)),
-    ("svdquant_w4a4", torch.zeros(8, 4, dtype=torch.int8)),
-    ("float8_e4m3fn_blockwise", torch.zeros(8, 64, dtype=torch.uint8).view(E4)),
+@pytest.mark.parametrize("fmt,weight", [  # a format ComfyUI knows and ckpt does not decode, and a made-up one
+    ("float8_e4m3fn_blockwise", torch.zeros(8, 64, dtype=torch.uint8).view(E4)),  # (ConvRot, SVDQuant: their tests)
+    ("int3_made_up", torch.zeros(8, 8, dtype=torch.int8)),
 ])
 def test_comfy_quant_other_formats_refused(tmp_path, run_ckpt, fmt, weight):
     t = {"x.weight": weight, "x.weight_scale": torch.ones(1), "x.comfy_quant": _comfy_json({"format": fmt})}

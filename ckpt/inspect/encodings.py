@@ -159,6 +159,8 @@ def _label(s: dict) -> str:
         parts.append("one group per row (group_size -1)" if s["group_size"] == -1 else f"group {s['group_size']}")
     if "block" in s:
         parts.append("block " + "x".join(map(str, s["block"])))
+    if "rank" in s:  # SVDQuant's low-rank branch
+        parts.append(f"rank {s['rank']}")
     if "axis" in s:
         parts.append(f"axis {s['axis']}")
     if "sym" in s:

@@ -8,12 +8,15 @@ comfy-kitchen layouts (`QUANT_ALGOS`):
 
 - `float8_e4m3fn` / `float8_e5m2`: `X.weight` fp8, `X.weight_scale` fp32 scalar: W = w * s.
 - `int8_tensorwise`: `X.weight` int8, `X.weight_scale` fp32, scalar (tensor-wise) or [out, 1] (row-wise):
-  W = q * s. `convrot` (Hadamard-rotated) layers are refused by name.
+  W = q * s. With `convrot` (Hadamard-rotated weights) the layer is ConvRot's: `ckpt.quant.convrot`.
 - `nvfp4`: `X.weight` U8 (out, in/2), e2m1 codes two per byte; `X.weight_scale` float8_e4m3fn block
   scales, one per 16 inputs, in the cuBLAS blocked layout padded to (128k, 4m); `X.weight_scale_2` fp32
   global scale: W = code * (global * block). `X.pre_quant_scale` (AWQ smoothing, which ComfyUI multiplies
   into the input) is folded into the weight's columns.
 - `mxfp8`: `X.weight` float8_e4m3fn, `X.weight_scale` e8m0 exponents, one per 32 inputs, blocked layout.
+- `convrot_w4a4`, `asym_w4a8_int8`: ConvRot's 4-bit layouts, decoded and encoded by `ckpt.quant.convrot`.
+- `svdquant_w4a4`: int4 codes, group scales, smoothing and a low-rank branch, decoded (and a LoRA baked into
+  the branch) by `ckpt.quant.svdquant`.
 - `X.input_scale` only quantizes activations at inference: dropped.
 
 Values are computed as comfy-kitchen 0.2.40's eager backend computes them with output_type float32 (the
@@ -42,7 +45,9 @@ from ckpt.dtypes import FP8, ST_TO_TORCH
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import ComputedTensor, Tensor
 from ckpt.io.wrapper import Wrapper
+from ckpt.quant import convrot
 from ckpt.quant import microscaling as mx
+from ckpt.quant import svdquant
 from ckpt.quant.common import (DecodeContext, Decoded, activation_keys, companion, float_scale, model_dtype, refuse,
                                scaled, st_name, weight_key)
 from ckpt.quant.encoding import Encoding, Lazy
@@ -51,7 +56,7 @@ from ckpt.quant.formats import Format
 
 FP8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # comfy_quant format -> safetensors dtype
 BLOCK = {"nvfp4": 16, "mxfp8": 32}
-DECODABLE = (*FP8_FORMATS, "int8_tensorwise", "nvfp4", "mxfp8")
+DECODABLE = (*FP8_FORMATS, "int8_tensorwise", "nvfp4", "mxfp8", *convrot.FORMATS, svdquant.NAME)
 META_KEY = "_quantization_metadata"
 
 
@@ -175,6 +180,20 @@ def decode(ctx: DecodeContext) -> Decoded | None:
         w = ctx.remaining.get(wkey)
         if w is None:
             raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} has no weight {wkey!r}")
+        if fmt in convrot.FORMATS or (fmt == "int8_tensorwise" and convrot.rotated(conf)):
+            t = convrot.decode_layer(ctx, layer, conf, wkey, w, natural, consumed)
+            from ckpt.quant.convrot_encode import ConvRotEncoding
+
+            t.encoding = ConvRotEncoding.of(t)
+            formats.add(t.spec.label)
+            tensors[wkey] = t
+            consumed.update(activation_keys(ctx, layer))
+            continue
+        if fmt == svdquant.NAME:  # weight, low-rank branch and LoRA-bake encoding: ckpt.quant.svdquant
+            formats.add(fmt)
+            tensors.update(svdquant.decode_layer(ctx, layer, conf, wkey, w, consumed))
+            consumed.update(activation_keys(ctx, layer))
+            continue
         formats.add(fmt)
         if fmt in FP8_FORMATS:
             t = _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed)
@@ -206,10 +225,6 @@ def _fp8_layer(ctx, layer, wkey, w, fmt, natural, consumed):
 
 
 def _int8_layer(ctx, layer, conf, wkey, w, natural, consumed):
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    if conf.get("convrot", params.get("convrot", False)):
-        raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise with convrot (Hadamard-rotated "
-                                "weights), which ckpt cannot decode")
     if w.dtype != torch.int8:
         raise refuse(ctx, wkey, f"comfy_quant layer {layer!r} is int8_tensorwise but {wkey!r} is stored as "
                                 f"{st_name(w.dtype)}, not I8")
@@ -337,6 +352,10 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 def unencodable(spec: QuantSpec, shape) -> str | None:
     """Why a weight of `shape` cannot be stored as `spec` without recording a padded shape, or None."""
+    if getattr(spec, "convrot", False):
+        from ckpt.quant.convrot_encode import unencodable as convrot_unencodable
+
+        return convrot_unencodable(spec, shape)
     if len(shape) != 2 or 0 in shape:
         return "not a non-empty 2-D weight"
     block = BLOCK.get(spec.format)
@@ -354,6 +373,10 @@ def encode(spec: QuantSpec, t: Tensor, report: Report, name: str | None = None, 
 
     The one call a re-encoding merge needs: give it the base layer's `spec` and the merged tensor; `meter`
     (a `ckpt.quant.encoding.ErrorMeter`) then gets each chunk's values and what its codes decode to."""
+    if getattr(spec, "convrot", False):  # a ConvRotSpec: ConvRot's encoders
+        from ckpt.quant.convrot_encode import encode as convrot_encode
+
+        return convrot_encode(spec, t, report, name=name, meter=meter)
     name = name or t.name
     why = unencodable(spec, t.shape)
     if why:

@@ -73,6 +73,7 @@ class Encoding:
     label: str = ""
     keys: tuple[str, ...] = ()
     note: str | None = None  # said once per run (e.g. a K-quant re-encoded in another GGUF type)
+    resizes: bool = False  # writes its keys in new shapes, same dtypes (SVDQuant's low-rank factors grow by a LoRA's rank)
 
     def why_not(self) -> str | None:
         """Why a new value cannot be stored this way (no encoder for the format), or None."""

@@ -231,6 +231,73 @@ def comfy_mxfp8(folder: Path) -> Case:
                        "has no block scales 'm.weight_scale'")
 
 
+def comfy_svdquant(folder: Path) -> Case:
+    """A ComfyUI SVDQuant W4A4 layer (comfy-kitchen's layout, `state_dict_tensors`), its oracle comfy-kitchen's
+    dequantize in fp32. ckpt's decode agrees with it within fp32 rounding in general (tests/test_svdquant.py); here
+    every product and sum is exact (power-of-two smoothing, few-bit scales and factors), so bit for bit."""
+    pytest.importorskip("comfy_kitchen.tensor")
+    from comfy_kitchen.backends.eager.svdquant import _pack_int4_row_major
+    from comfy_kitchen.tensor import QuantizedTensor, TensorCoreSVDQuantW4A4Layout as Layout
+    from helpers.comfy_ref import conf_tensor
+
+    g = torch.Generator().manual_seed(0)
+    n, k, r, bf = 96, 128, 4, torch.bfloat16
+    params = Layout.Params(scale=(torch.randint(1, 256, (k // 64, n), generator=g) / 1024).to(bf), orig_dtype=bf,
+                           orig_shape=(n, k), proj_down=(torch.randint(-8, 9, (k, r), generator=g) / 16).to(bf),
+                           proj_up=(torch.randint(-8, 9, (n, r), generator=g) / 16).to(bf),
+                           smooth_factor=(2.0 ** torch.randint(-1, 2, (k,), generator=g)).to(bf))
+    codes = _pack_int4_row_major(torch.randint(-8, 8, (n, k), generator=g))
+    sd = {f"m.weight{s}": t for s, t in Layout.state_dict_tensors(codes, params).items()}
+    sd |= {"m.comfy_quant": conf_tensor({"format": "svdquant_w4a4"}), "m.bias": torch.randn(n, generator=g).to(bf)}
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    save_file(sd, path)
+    fp32 = Layout.Params(**{f: getattr(params, f).float() for f in ("scale", "proj_down", "proj_up", "smooth_factor")},
+                         orig_dtype=torch.float32, orig_shape=(n, k))
+    oracle = {"m.weight": QuantizedTensor(codes, "TensorCoreSVDQuantW4A4Layout", fp32).dequantize()}
+    return Case(path, oracle, drop="m.weight_proj_up", refusal="low-rank up projection of 'm.weight'",
+                bands=("m.weight",), dequant_to="fp32")
+
+
+def _convrot(folder: Path, fmt: str, drop: str, refusal: str) -> Case:
+    """One ConvRot layer (ckpt.quant.convrot) made by comfy-kitchen's quantizer, with a bias; the oracle is
+    comfy-kitchen's dequantize of the layer as ComfyUI's loader builds it (tests/test_convrot.py has the rest)."""
+    ck = pytest.importorskip("comfy_kitchen.tensor")
+    w = torch.randn((48, 256), generator=torch.Generator().manual_seed(31)) * 0.05
+    if fmt == "int8_tensorwise":
+        layout, q, p = ck.TensorWiseINT8Layout, *ck.TensorWiseINT8Layout.quantize(w, per_channel=True, convrot=True)
+        saved, conf = {"": q, "_scale": p.scale}, {"format": fmt, "convrot": True, "convrot_groupsize": 256}
+    else:
+        layout = ck.TensorCoreConvRotW4A4Layout if fmt == "convrot_w4a4" else ck.AsymW4A8Int8Layout
+        q, p = layout.quantize(w)
+        saved = layout.state_dict_tensors(q, p)
+        conf = {"format": fmt, "convrot_groupsize": 256} | ({"group_size": 16} if fmt == "asym_w4a8_int8" else {})
+    sd = {f"m.weight{k}": v for k, v in saved.items()}
+    sd["m.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    sd["m.bias"] = torch.randn(48, generator=torch.Generator().manual_seed(32))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_path = folder / "model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(sd, save_path)
+    oracle = {"m.weight": layout.dequantize(q, type(p)(**{**p.__dict__, "orig_dtype": torch.float32}))}
+    return Case(save_path, oracle, drop=drop, refusal=refusal, bands=("m.weight",), dequant_to="fp32")
+
+
+def convrot_int8(folder: Path) -> Case:
+    return _convrot(folder, "int8_tensorwise", "m.weight_scale", "has no per-channel scale 'm.weight_scale'")
+
+
+def convrot_w4a4(folder: Path) -> Case:
+    return _convrot(folder, "convrot_w4a4", "m.weight_scale", "has no per-row scale 'm.weight_scale'")
+
+
+def convrot_w4a8(folder: Path) -> Case:
+    return _convrot(folder, "asym_w4a8_int8", "m.weight_s_channel", "has no channel scales 'm.weight_s_channel'")
+
+
 def kohya_fp8(folder: Path) -> Case:
     from helpers import decoder_models as dm
 
@@ -392,6 +459,7 @@ CASES: dict[str, list[Callable[[Path], Case]]] = {
     "gguf": [gguf_blocks, gguf_llm],
     "torchao": [torchao_int4],
     "comfy_quant": [comfy_nvfp4, comfy_mxfp8],
+    "svdquant": [comfy_svdquant],
     "bitsandbytes": [bnb_nf4_nested, bnb_int8],
     "compressed-tensors": [ct_int4, ct_nvfp4, ct_mixed],
     "modelopt": [modelopt_nvfp4],
@@ -401,4 +469,5 @@ CASES: dict[str, list[Callable[[Path], Case]]] = {
     "awq": [awq_gemm, awq_gemv],
     "mxfp4": [mxfp4_gptoss],
     "hqq": [hqq_4bit],
+    "convrot": [convrot_int8, convrot_w4a4, convrot_w4a8],
 }

@@ -1,4 +1,4 @@
-"""`convert --to nvfp4|mxfp8|int8|int8_rowwise`: ComfyUI `comfy_quant` checkpoints (mixed precision).
+"""`convert --to nvfp4|mxfp8|int8|int8_rowwise|int8_convrot|convrot_w4a4|asym_w4a8_int8`: ComfyUI `comfy_quant` checkpoints (mixed precision).
 
 Which weights are quantized: the 2-D floating `.weight` tensors of the model, except what its family
 keeps in high precision (`high_precision` in `ckpt/families/<family>.py`: the input and output layers,
@@ -102,14 +102,14 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views,
             f.metadata.pop(META_KEY, None)
             if mine and f.format == "safetensors":
                 f.metadata[META_KEY] = json.dumps({"format_version": "1.0", "layers": mine})
-        plan.notes.append(f"{plural(len(layers), 'weight')} stored as {spec.format}"
-                          + (" (row-wise scales)" if spec.rowwise else "")
+        plan.notes.append(f"{plural(len(layers), 'weight')} stored as {getattr(spec, 'label', spec.format)}"
+                          + (" (row-wise scales)" if spec.rowwise and not getattr(spec, "convrot", False) else "")
                           + f"; other tensors keep their dtype ({'; '.join(sorted({r.describe for r in rules}))})")
         if misfits:
             block = {"nvfp4": 16, "mxfp8": 32}.get(spec.format)
             shown = ", ".join(misfits[:3]) + (", ..." if len(misfits) > 3 else "")
-            plan.notes.append(f"{plural(len(misfits), 'weight')} kept in high precision: dimensions not "
-                              f"multiples of {block} ({shown})")
+            why = getattr(spec, "misfit", None) or f"dimensions not multiples of {block}"
+            plan.notes.append(f"{plural(len(misfits), 'weight')} kept in high precision: {why} ({shown})")
 
     return make, finish
 

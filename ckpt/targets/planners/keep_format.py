@@ -74,11 +74,14 @@ class _AtHome(Tensor):
         return self.base.read(start, stop, device, scratch)
 
 
-def _conform(o: OutTensor, stored: Tensor, label: str) -> OutTensor:
+def _conform(o: OutTensor, stored: Tensor, label: str, resizes: bool = False) -> OutTensor:
     """The re-encoded key as the stored key is: same dtype and shape (a byte-compatible view where the base
-    stored e.g. fp8 codes as U8 or scales flattened), in the stored key's file."""
+    stored e.g. fp8 codes as U8 or scales flattened), in the stored key's file; an encoding that `resizes` its
+    keys keeps their dtype only."""
     want = as_stored(stored)
     src = o.source if o.source.home == stored.home else _AtHome(o.source, stored.home)
+    if resizes and want.gguf_type is None and o.dtype == want.dtype and len(o.shape) == len(want.shape):
+        return replace(o, source=src)
     if want.gguf_type is not None or o.gguf_type is not None:  # GGUF: same stored shape; the type may change
         if tuple(o.shape) != tuple(want.shape):
             raise CkptError(f"--keep-format: {o.name!r}: the {label} encoder writes shape {list(o.shape)}, "
@@ -134,7 +137,7 @@ def plan_keep_format(ckpt, views, changed: list[dict[str, Tensor]], report: Repo
                 stored = comp.tensors.get(o.name)
                 if stored is None or o.name in done:
                     raise RuntimeError(f"{o.name}: the {enc.label} encoding writes a key the base does not store once")
-                done[o.name] = _conform(o, stored, enc.label)
+                done[o.name] = _conform(o, stored, enc.label, enc.resizes)
             meters.append(meter)
             if enc.note and enc.note not in notes:
                 notes.append(enc.note)
