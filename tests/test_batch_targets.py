@@ -127,7 +127,7 @@ def test_batch_merge_lora_to_gguf_writes_gguf_files(tmp_path, run_ckpt):
     (["--to", "gguf-q8_0", "--max-shard-size", "1MB", "-o", "{out}"], "batch convert",
      "split GGUF parts, whose names depend on each model's size"),
     (["--to", "gguf-q8_0", "--layout", "diffusers", "-o", "{out}"], "--layout with --to gguf-q8_0", "layout first"),
-    (["--to", "gguf-iq2_xs", "-o", "{out}"], "--to gguf-iq2_xs", "unknown GGUF type"),
+    (["--to", "gguf-q4_k_xl", "-o", "{out}"], "--to gguf-q4_k_xl", "unknown GGUF type"),
 ], ids=["glob-o", "glob-beside", "glob-dry-run", "no-target", "gguf-split", "gguf-layout", "gguf-unknown"])
 def test_batch_convert_refusals(tmp_path, run_ckpt, args, culprit, problem):
     root = tmp_path / "in"

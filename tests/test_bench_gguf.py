@@ -21,11 +21,13 @@ def test_bench_gguf_tiny_run(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out_json.read_text())
     flux, llm = "bf16 Flux -> GGUF Q4_K_M", "bf16 Llama HF folder -> GGUF Q4_K_M"
-    moe = "bf16 Mixtral HF folder -> GGUF Q4_K_M"
+    moe, imx = "bf16 Mixtral HF folder -> GGUF Q4_K_M", "bf16 Llama HF folder -> GGUF Q4_K_M --imatrix"
     assert [(r[0], r[1]) for r in res["rows"]] == [
         (flux, "ckpt"), (flux, "cp + sync"), (flux, "baseline: convert.py step (BF16 GGUF)"),
         (flux, f"baseline: llama.cpp quantizer, {os.cpu_count()} threads"), (flux, "baseline: both steps"),
         (llm, "ckpt"), (llm, "cp + sync"), (llm, f"baseline: convert_hf_to_gguf + llama-quantize ({os.cpu_count()} threads)"),
+        (imx, "ckpt"), (imx, "cp + sync"),
+        (imx, f"baseline: convert_hf_to_gguf + llama-quantize --imatrix ({os.cpu_count()} threads)"),
         (moe, "ckpt"), (moe, "cp + sync"), (moe, f"baseline: convert_hf_to_gguf + llama-quantize ({os.cpu_count()} threads)"),
         ("bf16 -> GGUF Q8_0", "ckpt"), ("bf16 -> GGUF Q8_0", "cp + sync"),
                                                     ("bf16 -> GGUF Q8_0", "baseline"), ("GGUF Q8_0 -> bf16", "ckpt"),
@@ -34,6 +36,6 @@ def test_bench_gguf_tiny_run(tmp_path):
     assert "x cp + sync" in p.stdout and "import baseline" in p.stdout
     assert res["checks"]["to_gguf"]["equal"] is True and res["checks"]["from_gguf"]["equal"] is True
     assert res["checks"]["flux_q4_k_m"]["equal"] is True and res["checks"]["llm_q4_k_m"]["equal"] is True
-    assert res["checks"]["moe_q4_k_m"]["equal"] is True
+    assert res["checks"]["moe_q4_k_m"]["equal"] is True and res["checks"]["llm_q4_k_m_imatrix"]["equal"] is True
     assert res["source"]["tensors"] > 50 and res["source"]["bytes"] > 1e7
     assert [x for x in tmp_path.iterdir() if x.name != "r.json"] == []  # temporary files cleaned up

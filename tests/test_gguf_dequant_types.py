@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ggml_ref, llama_ref
-from test_gguf_llm_mix import MODELS, write_model
+from helpers.llm_mix_models import MODELS, write_model
 
 from ckpt.io.ggml_types import MISSING_TYPES, block_size, gguf_package, type_name
 

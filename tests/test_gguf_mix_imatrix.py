@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from helpers import llama_ref
-from test_gguf_llm_mix import FALLBACK_WARNING, MODELS, N_VOCAB, Model, tensors, write_model
+from helpers.llm_mix_models import FALLBACK_WARNING, MODELS, N_VOCAB, Model, tensors, write_model
 
 from ckpt.errors import CkptError
 from ckpt.families.llm.quant_mix import DEFAULT_TYPE, FILE_TYPE, llm_types, parse_tensor_type, unused_tensor_types

@@ -88,22 +88,23 @@ def test_gguf_changed_tensors_requantized_in_their_type_the_rest_byte_identical(
 
 def test_gguf_k_quants_changed_keep_their_type_and_other_iq_types_the_nearest_writable(tmp_path, run_ckpt, ggml_lib):
     """A changed K-quant tensor is encoded again in its own type, byte for byte what llama.cpp's quantizer writes for
-    the merged values (ckpt.quant.kquants); an IQ type ckpt has no encoder for goes to the nearest writable type."""
+    the merged values (ckpt.quant.kquants); an IQ type ckpt cannot encode without an importance matrix (IQ2_XS: ggml
+    asserts one) goes to the nearest writable type."""
     from helpers import ggml_ref
     from helpers.gguf_ref import pack_blocks
 
     blk = 256
     q4k = pack_blocks(T.Q4_K, 32 * 2).reshape(32, -1)  # 32 rows of 512 values
-    iq3 = pack_blocks(T.IQ3_S, 32 * 2).reshape(32, -1)
+    iq2 = pack_blocks(T.IQ2_XS, 32 * 2).reshape(32, -1)
     q6k_kept = pack_blocks(T.Q6_K, 16 * 2).reshape(16, -1)
-    write_gguf(tmp_path / "k.gguf", "wan", {"blocks.0.ffn.0.weight": (q4k, T.Q4_K), "blocks.0.ffn.2.weight": (iq3, T.IQ3_S),
+    write_gguf(tmp_path / "k.gguf", "wan", {"blocks.0.ffn.0.weight": (q4k, T.Q4_K), "blocks.0.ffn.2.weight": (iq2, T.IQ2_XS),
                                             "blocks.1.ffn.0.weight": (q6k_kept, T.Q6_K)})
     lora = kohya_lora(tmp_path / "l.safetensors", {"blocks.0.ffn.0": (32, 2 * blk), "blocks.0.ffn.2": (32, 2 * blk)})
     merged = plain_merge(run_ckpt, tmp_path / "k.gguf", lora, tmp_path)
     code, out, err = run_ckpt("merge-lora", tmp_path / "k.gguf", lora, "--keep-format", "-o", tmp_path / "o.gguf")
     assert code == 0, err
     assert "Q4_K tensors changed" not in err
-    assert "IQ3_S tensors changed by the LoRA are written as Q4_0" in err
+    assert "IQ2_XS tensors changed by the LoRA are written as Q4_0" in err
     dst = gguf_tensors(tmp_path / "o.gguf")
     assert dst["blocks.0.ffn.0.weight"].tensor_type == T.Q4_K
     assert np.asarray(dst["blocks.0.ffn.0.weight"].data).tobytes() == \

@@ -117,7 +117,7 @@ HAND_PACKED = {T.Q2_K: (ref_q2_k, (80, 82)), T.Q3_K: (ref_q3_k, (108,)), T.Q4_K:
 
 
 # types packed here without a reference decoder: the byte offsets of their f16 scales
-SCALE_ONLY = {T.IQ3_S: (0,)}
+SCALE_ONLY = {T.IQ3_S: (0,), T.IQ2_XS: (0,)}
 
 
 def pack_blocks(t, n_blocks, rng=None):
