@@ -264,3 +264,18 @@ def test_merge_lora_and_merge_take_the_imatrix(models, run_ckpt, tmp_path):
         code, _, err = run_ckpt(*args, "--to", "gguf-q4_k_m", "--imatrix", im, "-o", tmp_path / f"one{i}.gguf", "-q")
         assert code == 0, err
         assert read_gguf(tmp_path / f"one{i}.gguf")[1] == read_gguf(tmp_path / f"two{i}.gguf")[1]
+
+
+def test_the_imatrix_is_read_once_per_run(models, run_ckpt, tmp_path, monkeypatch):
+    """The target checks the flags before the input is read and plans with them after: the file (whose every kept
+    entry is read and checked on load) is loaded once."""
+    import ckpt.io.imatrix as imatrix_io
+
+    folder, ref_bf16 = models["llama"]
+    im = imatrix_files.write_gguf(tmp_path / "imatrix.gguf", _stats_for(ref_bf16, seed=13))
+    calls = []
+    real = imatrix_io.load_imatrix
+    monkeypatch.setattr(imatrix_io, "load_imatrix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    code, _, err = run_ckpt("convert", folder, "--to", "gguf-q4_k_m", "--imatrix", im, "-o", tmp_path / "o.gguf", "-q")
+    assert code == 0, err
+    assert len(calls) == 1

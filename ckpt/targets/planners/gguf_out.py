@@ -257,14 +257,6 @@ def _block_cast(name: str, ggml_type: int, row_len: int, report: Report, importa
     return cast, n_mat > 1
 
 
-def _encodes_without_importance(ggml_type: int) -> bool:
-    """Whether a type is written without an importance: ckpt's static encoders, or the gguf package's quantize
-    (the legacy types); the IQ1_S/IQ2_XXS/IQ2_XS quantizers of ggml assert one."""
-    from ckpt.quant.gguf import WRITABLE_FALLBACKS, kquant_encoder
-
-    return kquant_encoder(ggml_type) is not None or _gguf().GGMLQuantizationType(ggml_type).name in WRITABLE_FALLBACKS
-
-
 def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Report, casters: dict,
                importance=None) -> OutTensor:
     """The output of one GGUF tensor stored as `ggml_type` with stored `shape`: plain types cast (one Caster per
@@ -284,7 +276,9 @@ def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Repor
         else:
             cast = (lambda x, b: x)
         return OutTensor(name, plain, shape, t, cast, stateless=True)
-    if importance is None and not _encodes_without_importance(ggml_type):
+    from ckpt.quant.gguf import can_encode
+
+    if importance is None and not can_encode(ggml_type):  # IQ1_S, IQ2_XXS, IQ2_XS: ggml asserts an importance
         raise CkptError(f"tensor {name!r}: {_gguf().GGMLQuantizationType(ggml_type).name} needs an importance "
                         "matrix entry for it (--imatrix), as llama-quantize does; it has none")
     src = BlockRows(t, shape[-1])

@@ -78,10 +78,7 @@ class QuantFlags:
 
         imatrix, filtered_out = None, None
         if getattr(opts, "imatrix", None):
-            from ckpt.io.imatrix import load_imatrix
-
-            imatrix = load_imatrix(opts.imatrix, include=tuple(opts.include_weights or ()),
-                                   exclude=tuple(opts.exclude_weights or ()))
+            imatrix = _load(opts.imatrix, tuple(opts.include_weights or ()), tuple(opts.exclude_weights or ()))
             if not imatrix.names():  # llama-quantize: an empty imatrix is no imatrix (no keys written either)
                 imatrix, filtered_out = None, imatrix.path
         tensor_types = tuple(parse_tensor_type(t) for t in (getattr(opts, "tensor_type", None) or ()))
@@ -172,6 +169,31 @@ class QuantFlags:
         if im.chunk_count and im.chunk_count > 0:
             out.append(uint32("quantize.imatrix.chunks_count", im.chunk_count))
         return out
+
+
+_LOADED: dict = {}
+
+
+def _load(path: str, include: tuple, exclude: tuple):
+    """`load_imatrix`, once per run: the target checks the flags before the input is read and plans with them
+    after, and loading reads and checks every kept entry's values; the same file (path, size, mtime) with the
+    same filters is the same Imatrix."""
+    import os
+
+    from ckpt.io.imatrix import load_imatrix
+
+    try:
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, include, exclude)
+    except OSError:  # load_imatrix says what is wrong with it
+        key = None
+    if key is not None and key in _LOADED:
+        return _LOADED[key]
+    imatrix = load_imatrix(path, include=include, exclude=exclude)
+    if key is not None:
+        _LOADED.clear()  # one file at a time: a batch run does not keep every imatrix it met
+        _LOADED[key] = imatrix
+    return imatrix
 
 
 def _c_string(s: str) -> str:
