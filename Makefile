@@ -9,9 +9,12 @@ BIN := $(VENV)/bin
 # they run in a venv of their own.
 LIT_VENV ?= .venv-litgpt
 LIT_BIN := $(LIT_VENV)/bin
+# The serving formats' oracles (llm-compressor, mlx, mlx-lm) pin an older transformers: tests/serve has its own venv.
+SERVE_VENV ?= .venv-serve
+SERVE_BIN := $(SERVE_VENV)/bin
 DEMO_ARGS ?=
 
-.PHONY: setup setup-runtime setup-litgpt demo test bench clean
+.PHONY: setup setup-runtime setup-litgpt setup-serve demo test bench clean
 
 # The runtime alone (what `pip install .` pulls) plus safetensors, the demo's independent reader: a minute or two.
 $(VENV)/.runtime: pyproject.toml
@@ -41,16 +44,25 @@ $(LIT_BIN)/litgpt: pyproject.toml
 
 setup-litgpt: $(LIT_BIN)/litgpt
 
+$(SERVE_VENV)/.serve: pyproject.toml
+	$(PY) -m venv $(SERVE_VENV)
+	$(SERVE_BIN)/pip install -q "$(TORCH_SPEC)"
+	$(SERVE_BIN)/pip install -q -e ".[serve-test]"
+	touch $@
+
+setup-serve: $(SERVE_VENV)/.serve
+
 # `make demo DEMO_ARGS="--keep DIR"` keeps the demo's files in DIR.
 demo: setup-runtime
 	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
-test: setup setup-litgpt
-	$(BIN)/python -m pytest --ignore=tests/litgpt
+test: setup setup-litgpt setup-serve
+	$(BIN)/python -m pytest --ignore=tests/litgpt --ignore=tests/serve
 	$(LIT_BIN)/python -m pytest tests/litgpt
+	$(SERVE_BIN)/python -m pytest tests/serve
 
 bench: setup
 	$(BIN)/python scripts/bench_convert.py
 
 clean:
-	rm -rf $(VENV) $(LIT_VENV) build *.egg-info
+	rm -rf $(VENV) $(LIT_VENV) $(SERVE_VENV) build *.egg-info

@@ -31,6 +31,7 @@ class WriteOptions(RunOptions):
     output_tensor_type: str | None = None
     token_embedding_type: str | None = None
     leave_output_tensor: bool = False
+    group_size: int | None = None  # --group-size N: the quantization group of a target that has one (`Target.group_sizes`)
     max_shard_size: str | None = None
     format: str | None = None  # "safetensors" | "torch"; None: from -o's suffix, else the command's default
     layout: str | None = None  # "diffusers" | "original": the model under that layout's names (`ckpt.layout`)

@@ -180,6 +180,10 @@ LEAVE_OUTPUT_TENSOR = click.option("--leave-output-tensor", "leave_output_tensor
 GGUF_FLAGS = [IMATRIX, INCLUDE_WEIGHTS, EXCLUDE_WEIGHTS, TENSOR_TYPE, OUTPUT_TENSOR_TYPE, TOKEN_EMBEDDING_TYPE,
               LEAVE_OUTPUT_TENSOR]
 
+GROUP_SIZE = click.option("--group-size", "group_size", type=click.IntRange(min=1), metavar="N",
+                          help="With a target that quantizes in groups (the ConvRot targets, mlx-*, ct-w4a16...): "
+                               "the group size instead of the target's default (each target says which it takes).")
+
 CONFIG = click.option("--config", "config", metavar="REF", callback=check_source_option,
                       help="With --layout diffusers: the config.json to write (a file, a model folder or a hub id) "
                            "instead of the one derived from the shapes.")
@@ -193,7 +197,7 @@ KEEP_FORMAT = click.option("--keep-format", is_flag=True,
                                 "re-encoded in its quantization (GGUF, scaled fp8, comfy_quant, quanto, GPTQ, AWQ, "
                                 "compressed-tensors, NVFP4, MXFP4), everything else copied as stored.")
 # What every command that writes a model takes, in this order (`writing_options`); the names are WriteOptions'.
-WRITE_KEYS = ("to", "layout", "config", "keep", "clamp", "scaled", "pure", "imatrix", "include_weights",
+WRITE_KEYS = ("to", "layout", "config", "keep", "clamp", "scaled", "pure", "group_size", "imatrix", "include_weights",
               "exclude_weights", "tensor_type", "output_tensor_type", "token_embedding_type", "leave_output_tensor",
               "keep_format", "max_shard_size", "format", "dry_run", "device", "overwrite", "quiet")
 LIST_KEYS = ("keep", "include_weights", "exclude_weights", "tensor_type")  # repeatable: lists in WriteOptions
@@ -201,14 +205,14 @@ LIST_KEYS = ("keep", "include_weights", "exclude_weights", "tensor_type")  # rep
 
 def writing_options(*, to_help: str, keep_format: bool = False):
     """The options of a command that writes a model (convert, dequant, merge-lora, merge), declared once: --to (every
-    target of `ckpt.targets`), --layout, --config, --keep, --clamp, --scaled, --pure, llama-quantize's flags
+    target of `ckpt.targets`), --layout, --config, --keep, --clamp, --scaled, --pure, --group-size, llama-quantize's flags
     (--imatrix ... `GGUF_FLAGS`), (--keep-format), --max-shard-size,
     --format, --dry-run, --device, --overwrite, --quiet. The command function gets them as one `write` dict of
     `ckpt.options.WriteOptions` fields; whether an option applies to a target is the target's to say."""
     import functools
 
     to = click.option("--to", "to", type=CONVERT_OR_GGUF, help=CONVERT_OR_GGUF.help + " " + to_help)
-    opts = [to, LAYOUT, CONFIG, KEEP, CLAMP, SCALED, PURE, *GGUF_FLAGS] + ([KEEP_FORMAT] if keep_format else []) + [
+    opts = [to, LAYOUT, CONFIG, KEEP, CLAMP, SCALED, PURE, GROUP_SIZE, *GGUF_FLAGS] + ([KEEP_FORMAT] if keep_format else []) + [
         MAX_SHARD_SIZE, FORMAT, DRY_RUN, DEVICE, OVERWRITE, QUIET]
 
     def decorate(f):

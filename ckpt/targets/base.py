@@ -28,6 +28,9 @@ class Target:
     is_scaled = False  # this is a --scaled variant
     saturates = False  # encodes with saturation by design: --clamp refused
     decodes = True  # its output holds the decoded values (a note says which encodings were decoded)
+    # --group-size: the group sizes this target can write (None: it has no group, the option is refused); a target
+    # whose valid sizes depend on the tensors checks them when it plans
+    group_sizes: tuple[int, ...] | None = None
 
     def __init__(self, name: str | None, suffix: str | None = None, label: str | None = None):
         self.name = name
@@ -73,12 +76,23 @@ class Target:
             raise CkptError(f"--clamp applies to dtype targets; --to {opts.to} saturates by design")
         if opts.pure:
             raise CkptError("--pure applies to --to gguf-* only")
+        self.check_group_size(opts)
         from ckpt.targets.planners.gguf_quant_flags import given
 
         if flags := given(opts):
             raise CkptError(f"{flags[0]} applies to --to gguf-* only (llama-quantize's flags)")
         if getattr(opts, "keep_format", False):
             raise CkptError("--keep-format writes the input's own encoding: no --to with it")
+
+    def check_group_size(self, opts) -> None:
+        """--group-size N: refused where this target has no group, or where N is not one it can write."""
+        n = getattr(opts, "group_size", None)
+        if n is None:
+            return
+        if self.group_sizes is None:
+            raise CkptError(f"--group-size does not apply to --to {opts.to or self.name} (it quantizes in no groups)")
+        if n not in self.group_sizes:
+            raise CkptError(f"--group-size {n}: --to {self.name} takes {', '.join(map(str, self.group_sizes))}")
 
     def outputs(self, views, opts, report):
         """(make, finish): `make(tensor) -> [OutTensor]` for the planners; `finish(plan)` or None, run on

@@ -51,7 +51,7 @@ class GGUF(Target):
 
         QuantFlags.from_options(opts, self.mix.quantized)  # refused here, before the input is read
         for flag, given in (("--keep", opts.keep), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
-                            ("--config", opts.config)):
+                            ("--config", opts.config), ("--group-size", opts.group_size)):
             if given:
                 raise CkptError(f"{flag} does not apply to --to {opts.to} (GGUF types follow ComfyUI-GGUF's rules)")
         if opts.max_shard_size:  # the parts of llama.cpp's gguf-split layout (`plan`): checked before reading

@@ -42,7 +42,7 @@ class KeepFormat(Target):
 
         for flag, given in (("--layout", opts.layout), ("--scaled", opts.scaled), ("--clamp", opts.clamp),
                             ("--pure", opts.pure), ("--keep", opts.keep), ("--config", opts.config),
-                            ("--max-shard-size", opts.max_shard_size),
+                            ("--max-shard-size", opts.max_shard_size), ("--group-size", opts.group_size),
                             *((flag, getattr(opts, key, None)) for flag, key in GGUF_FLAGS)):
             if given:
                 raise CkptError(f"{flag} and --keep-format: choose one (--keep-format writes the input's own files: "
