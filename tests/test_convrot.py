@@ -6,8 +6,11 @@ the oracle of every byte:
   the file (its config read at the top level or under `params`, from the tensor or `_quantization_metadata`);
 - `convert --to int8_convrot|convrot_w4a4|asym_w4a8_int8` writes exactly what comfy-kitchen's quantizer makes of the
   same fp32 values, with ComfyUI's own `comfy_quant` configs, weights it cannot store kept and said;
+- `--group-size N` (the rotation group of int8_convrot / convrot_w4a4, the W4A8 group of asym_w4a8_int8) is
+  comfy-kitchen's quantizer with that group; a size it cannot use is refused, a width the group does not divide kept;
+- W6A8 (6-bit asym_w4a8_int8 storage) decodes as comfy-kitchen's dequantize;
 - `merge-lora --keep-format` re-quantizes a changed layer as comfy-kitchen's `requantize_from_float` does (the
-  base's parameters and W4A8 codebook), every other byte unchanged;
+  base's parameters and W4A8 codebook, asymmetric and W6A8 bases included), every other byte unchanged;
 - `inspect` names each format with its parameters; bad input is one line, exit 2, nothing written.
 """
 
@@ -139,6 +142,9 @@ DECODE_CASES = {
     "w4a8-asym-fp32-scales-group32": {"blocks.0.q": ("asym_w4a8_int8", weight((32, 256), 8),
                                                      {"symmetric": False, "scale_dtype": torch.float32,
                                                       "group_size": 32}, nest_params)},
+    "w6a8": {"blocks.0.q": ("asym_w4a8_int8", weight((48, 512), 14), {"bits": 6}, None)},
+    "w6a8-fp32-scales-group32": {"blocks.0.q": ("asym_w4a8_int8", weight((32, 256), 15),
+                                                {"bits": 6, "scale_dtype": torch.float32, "group_size": 32}, nest_params)},
     "mixed": {"blocks.0.a": ("int8_tensorwise", weight((32, 256), 10), {}, None),
               "blocks.0.b": ("convrot_w4a4", weight((32, 256), 11), {}, None),
               "blocks.1.c": ("asym_w4a8_int8", weight((32, 256), 12), {}, None)},
@@ -170,13 +176,10 @@ def test_dequant_equals_comfy_kitchen(tmp_path, run_ckpt, case, where):
         assert same_bytes(got[k], v.bfloat16()), k
 
 
-def test_w6a8_storage_is_refused_by_name(tmp_path, run_ckpt):
+def test_w6a8_storage_is_what_the_packed_width_says(tmp_path):
+    """comfy-kitchen stores W6A8 in the asym_w4a8_int8 format, the bit depth implied by the packed row: 3*in/4 bytes."""
     q, p = AsymW4A8Int8Layout.quantize(weight((16, 256)), bits=6)
-    sd = {f"l.weight{k}": v for k, v in AsymW4A8Int8Layout.state_dict_tensors(q, p).items()}
-    sd["l.comfy_quant"] = conf_tensor({"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": 256})
-    save_file(sd, tmp_path / "in.safetensors")
-    assert_refused(run_ckpt, tmp_path, ("dequant", tmp_path / "in.safetensors", "-o", tmp_path / "o.safetensors"),
-                   str(tmp_path / "in.safetensors"), "holds 6-bit codes (W6A8)")
+    assert tuple(q.shape) == (16, 192) and p.codebook is None and p.correction is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,12 +243,62 @@ def test_w4a8_encode_in_comfy_kitchens_row_chunks(tmp_path):
         assert same_bytes(got["weight" + suffix], v), suffix
 
 
+GROUP_CASES = {"int8_tensorwise": (16, 64), "convrot_w4a4": (16, 64), "asym_w4a8_int8": (4, 8, 32, 64)}
+
+
+@pytest.mark.parametrize("fmt,n", [(f, n) for f, ns in GROUP_CASES.items() for n in ns])
+def test_group_size_is_comfy_kitchens_quantize_with_that_group(tmp_path, run_ckpt, fmt, n):
+    """--group-size N: the rotation group of int8_convrot / convrot_w4a4, the W4A8 group of asym_w4a8_int8 (its
+    rotation stays 256); a weight whose width the layout cannot take with it is kept and said."""
+    shapes = {"blocks.0.attn.qkv": (48, 512), "blocks.0.mlp.fc": (24, 192), "blocks.1.mlp.fc": (16, 200), "head": (8, 256)}
+    sd = plain_model(tmp_path / "in.safetensors", shapes)
+    out = tmp_path / "o.safetensors"
+    code, stdout, err = run_ckpt("convert", tmp_path / "in.safetensors", "--to", TARGET[fmt], "--group-size", n, "-o", out)
+    assert code == 0, err
+    need = {"int8_tensorwise": n, "convrot_w4a4": max(n, 64), "asym_w4a8_int8": 256}[fmt]
+    fits = [layer for layer in ("blocks.0.attn.qkv", "blocks.0.mlp.fc", "blocks.1.mlp.fc") if shapes[layer][1] % need == 0]
+    kept = sorted(f"{layer}.weight" for layer in ("blocks.0.mlp.fc", "blocks.1.mlp.fc") if layer not in fits)
+    assert f"kept in high precision: input width not a multiple of {need} ({', '.join(kept)})" in stdout + err
+    got = load_file(out)
+    with safe_open(out, "pt") as f:
+        meta = json.loads(f.metadata()["_quantization_metadata"])
+    assert sorted(meta["layers"]) == sorted(fits)
+    for layer in fits:
+        kw = {"group_size": n} if fmt == "asym_w4a8_int8" else {"g": n}
+        want, conf = ck_quantize(fmt, sd[f"{layer}.weight"], **kw)
+        assert meta["layers"][layer] == conf
+        for suffix, v in want.items():
+            assert same_bytes(got[f"{layer}.weight{suffix}"], v), (layer, suffix)
+    for k in kept:
+        assert same_bytes(got[k], sd[k]), k
+    code, _, err = run_ckpt("dequant", out, "--to", "fp32", "-o", tmp_path / "d.safetensors", "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "d.safetensors")
+    want = oracle(out, {layer: (meta["layers"][layer], shapes[layer]) for layer in fits})
+    for k, v in want.items():
+        assert same_bytes(back[k], v), k
+
+
+@pytest.mark.parametrize("target,n,problem", [
+    ("int8_convrot", 128, "--to int8_convrot takes 16, 64, 256"),
+    ("convrot_w4a4", 4, "--to convrot_w4a4 takes 16, 64, 256"),
+    ("asym_w4a8_int8", 12, "--to asym_w4a8_int8 takes 4, 8, 16, 32, 64, 128, 256")])
+def test_group_size_comfy_kitchen_cannot_use_is_refused(tmp_path, run_ckpt, target, n, problem):
+    plain_model(tmp_path / "in.safetensors", {"blocks.0.attn.qkv": (16, 256)})
+    assert_refused(run_ckpt, tmp_path, ("convert", tmp_path / "in.safetensors", "--to", target, "--group-size", n,
+                                        "-o", tmp_path / "o.safetensors"), f"--group-size {n}", problem)
+
+
 # ---------------------------------------------------------------------------------------------------
 # merge-lora --keep-format
 
 
 KF = {"int8_tensorwise": {}, "convrot_w4a4": {"g": 64}, "asym_w4a8_int8": {},
-      "asym_w4a8_int8-fp32-uniform": {"scale_dtype": torch.float32, "codebook": False}}
+      "asym_w4a8_int8-fp32-uniform": {"scale_dtype": torch.float32, "codebook": False},
+      "asym_w4a8_int8-asymmetric": {"symmetric": False},
+      "asym_w4a8_int8-asymmetric-fp32-group32": {"symmetric": False, "scale_dtype": torch.float32, "group_size": 32},
+      "asym_w4a8_int8-w6a8": {"bits": 6}, "asym_w4a8_int8-w6a8-fp32-group32-g64": {"bits": 6, "group_size": 32,
+                                                                                  "scale_dtype": torch.float32, "g": 64}}
 
 
 @pytest.mark.parametrize("case", KF)
@@ -283,12 +336,14 @@ def test_keep_format_requantizes_as_comfy_kitchen(tmp_path, run_ckpt, case):
     assert reported(tmp_path / "r.json")["blocks.0.a.weight"] == pytest.approx(err_rms, rel=1e-6)
 
 
-def test_keep_format_refuses_an_asymmetric_w4a8_base(tmp_path, run_ckpt):
+def test_keep_format_refuses_an_asymmetric_w4a8_base_with_a_codebook(tmp_path, run_ckpt):
+    """comfy-kitchen's requantize of such a layer (no tool writes one) drops its codebook: not a keep-format."""
     checkpoint(tmp_path / "base.safetensors",
-               {"blocks.0.a": ("asym_w4a8_int8", weight((32, 256), 62), {"g": 256, "symmetric": False}, None)})
+               {"blocks.0.a": ("asym_w4a8_int8", weight((32, 256), 62), {"g": 256, "symmetric": False}, None)},
+               extra={"blocks.0.a.weight_codebook": torch.linspace(-1, 1, 16)})
     lora = kohya_lora(tmp_path / "lora.safetensors", {"blocks.0.a": (32, 256)})
     assert_refused(run_ckpt, tmp_path, ("merge-lora", tmp_path / "base.safetensors", lora, "--keep-format", "-o",
-                                        tmp_path / "kf.safetensors"), "", "weight_correction")
+                                        tmp_path / "kf.safetensors"), "", "drops the codebook")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,6 +366,24 @@ def test_inspect_names_each_format_with_its_parameters(tmp_path, run_ckpt):
     w4a8 = next(e["settings"] for e in comp["quantization"]["layers"] if "W4A8" in e["label"])
     assert w4a8 == {"format": "ComfyUI ConvRot", "type": "W4A8 (asym_w4a8_int8, rotation group 256, e4m3 group scales)",
                     "bits": 4, "convrot_groupsize": 256, "group_size": 16, "codebook": "16 levels"}
+
+
+def test_inspect_names_w6a8_and_asymmetric_w4a8(tmp_path, run_ckpt):
+    checkpoint(tmp_path / "in.safetensors", {"blocks.0.a": ("asym_w4a8_int8", weight((16, 256), 14), {"g": 256, "bits": 6}, None),
+                                             "blocks.0.b": ("asym_w4a8_int8", weight((16, 256), 15),
+                                                            {"g": 256, "symmetric": False, "group_size": 32}, None)})
+    code, out, err = run_ckpt("inspect", tmp_path / "in.safetensors", "--json")
+    assert code == 0, err
+    (comp,) = json.loads(out)["components"]
+    settings = {e["label"]: e["settings"] for e in comp["quantization"]["layers"]}
+    assert settings == {
+        "ComfyUI ConvRot W6A8 (asym_w4a8_int8, rotation group 256, e4m3 group scales), group 16": {
+            "format": "ComfyUI ConvRot", "type": "W6A8 (asym_w4a8_int8, rotation group 256, e4m3 group scales)",
+            "bits": 6, "convrot_groupsize": 256, "group_size": 16, "codebook": "uniform"},
+        "ComfyUI ConvRot W4A8 (asym_w4a8_int8, rotation group 256, e4m3 group scales, asymmetric), group 32": {
+            "format": "ComfyUI ConvRot",
+            "type": "W4A8 (asym_w4a8_int8, rotation group 256, e4m3 group scales, asymmetric)",
+            "bits": 4, "convrot_groupsize": 256, "group_size": 32, "codebook": "uniform", "asymmetric": True}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,6 +425,16 @@ def _bad_cases():
         "w4a8 group not dividing": (w8 | {"l.comfy_quant": conf_tensor(w8c | {"group_size": 512})},
                                     "group_size 512 does not divide the input width 256"),
         "3-D codes": (i8 | {"l.weight": i8["l.weight"].reshape(2, 16, 256)}, "is a 3-D weight"),
+    }
+    q, p = AsymW4A8Int8Layout.quantize(weight((32, 256), 71), bits=6)
+    w6 = {f"l.weight{k}": v for k, v in AsymW4A8Int8Layout.state_dict_tensors(q, p).items()} | {"l.comfy_quant": w8["l.comfy_quant"]}
+    cases |= {
+        "w6a8 with a codebook": (w6 | {"l.weight_codebook": w8["l.weight_codebook"]}, "uniform and symmetric: no codebook"),
+        "w6a8 with a correction": (w6 | {"l.weight_correction": torch.zeros(16, 32)}, "no correction"),
+        "w6a8 group 8": (w6 | {"l.weight_s_rel": torch.ones(32, 32, dtype=torch.float8_e4m3fn),
+                              "l.comfy_quant": conf_tensor(w8c | {"group_size": 8})},
+                         "a group_size multiple of 16 (not 8)"),
+        "w6a8 truncated plane": (w6 | {"l.weight": w6["l.weight"][:, :150].contiguous()}, "does not divide the input width 300"),
     }
     return cases
 

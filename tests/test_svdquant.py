@@ -11,6 +11,8 @@ own `TensorCoreSVDQuantW4A4Layout` (its eager CPU backend) as the oracle:
   the LoRA's), comfy-kitchen's dequantize of the result the base's plus the LoRA's delta within fp32 rounding, and its
   runtime on random inputs the base's output plus x @ delta.T (the activation quantization is the same for both);
   plain `merge-lora` writes the dense merge;
+- comfy-kitchen's tile-packed layout (4-D codes, 3-D scales and proj_up, told apart by their rank as its eager kernel
+  does): decoded as the natural layout it packs, the LoRA baked along proj_up's tile-packed rank axis;
 - `inspect` names the format, group size and rank;
 - bad input: one line, exit 2, nothing written; the intact twin converts.
 """
@@ -27,7 +29,9 @@ from helpers.refusals import assert_refused
 from safetensors.torch import load_file, save_file
 
 ck = pytest.importorskip("comfy_kitchen")
-from comfy_kitchen.backends.eager.svdquant import _GELU_UNSIGNED_SHIFT, _pack_int4_row_major  # noqa: E402
+from comfy_kitchen.backends.eager.svdquant import (_GELU_UNSIGNED_SHIFT, _pack_int4_row_major,  # noqa: E402
+                                                   _tile_packed_lora_up_to_natural, _tile_packed_scales_to_natural,
+                                                   _tile_packed_weight_to_row_major)
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreSVDQuantW4A4Layout as Layout  # noqa: E402
 
 QKV, FC2 = "double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.2"
@@ -65,8 +69,9 @@ def qtensor(sd, name, dtype=None) -> QuantizedTensor:
     conf = json.loads(sd[f"{name}.comfy_quant"].numpy().tobytes())
     f = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
     w = sd[f"{name}.weight"]
+    shape = (w.shape[0] * 128, w.shape[1] * 64) if w.dim() == 4 else (w.shape[0], w.shape[1] * 2)
     params = Layout.Params(scale=f(sd[f"{name}.weight_scale"]), orig_dtype=dtype or sd[f"{name}.weight_scale"].dtype,
-                           orig_shape=(w.shape[0], w.shape[1] * 2), proj_down=f(sd[f"{name}.weight_proj_down"]),
+                           orig_shape=shape, proj_down=f(sd[f"{name}.weight_proj_down"]),
                            proj_up=f(sd[f"{name}.weight_proj_up"]), smooth_factor=f(sd[f"{name}.weight_smooth_factor"]),
                            act_unsigned=bool(conf.get("act_unsigned", False)))
     return QuantizedTensor(w, "TensorCoreSVDQuantW4A4Layout", params)
@@ -184,6 +189,71 @@ def test_keep_format_bakes_the_lora_into_the_low_rank_branch(tmp_path, run_ckpt,
         assert close(plain[f"{name}.weight"], want), name
 
 
+# ---------------------------------------------------------------------------------------------------
+# comfy-kitchen's tile-packed layout
+
+TILED = {QKV: (256, 128, 8, False), FC2: (128, 256, 16, True)}
+
+
+def tile_pack(sd: dict, name: str) -> dict[str, torch.Tensor]:
+    """The layer's codes, scales and proj_up in comfy-kitchen's tile-packed layout, checked against its own
+    unpacking helpers (the layout's definition)."""
+    w, s, up = (sd[f"{name}.weight{x}"] for x in ("", "_scale", "_proj_up"))
+    n, kh = w.shape
+    tw = w.view(n // 128, 32, 4, kh // 32, 32).permute(0, 3, 1, 2, 4).contiguous().view(n // 128, kh // 32, 32, 128)
+    ts = s.view(s.shape[0], n // 128, 128).permute(1, 0, 2).contiguous()
+    tu = up.view(n // 128, 128, up.shape[1]).permute(0, 2, 1).contiguous()
+    assert torch.equal(_tile_packed_weight_to_row_major(tw), w)
+    assert torch.equal(_tile_packed_scales_to_natural(ts), s)
+    assert torch.equal(_tile_packed_lora_up_to_natural(tu), up)
+    return {f"{name}.weight": tw, f"{name}.weight_scale": ts, f"{name}.weight_proj_up": tu}
+
+
+def tiled_model(tmp_path, dtype=torch.float32):
+    natural = model(tmp_path / "nat.safetensors", dtype, TILED)
+    sd = dict(natural)
+    for name in TILED:
+        sd |= tile_pack(natural, name)
+    save_file(sd, tmp_path / "tiled.safetensors")
+    return natural, sd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tile_packed_decodes_as_the_natural_layout_it_packs(tmp_path, run_ckpt, dtype):
+    natural, tiled = tiled_model(tmp_path, dtype)
+    want = convert(run_ckpt, tmp_path / "nat.safetensors", tmp_path / "n.safetensors")
+    got = convert(run_ckpt, tmp_path / "tiled.safetensors", tmp_path / "t.safetensors")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bytes(got[k], want[k]), k
+    for name in TILED:  # and comfy-kitchen's kernel on the tile-packed tensors gives that weight
+        assert close(got[f"{name}.weight"], kitchen_dense(tiled, name)), name
+    code, out, err = run_ckpt("inspect", tmp_path / "tiled.safetensors", "--json")
+    assert code == 0, err
+    settings = [e["settings"] for e in json.loads(out)["components"][0]["quantization"]["layers"]]
+    assert all(s["layout"] == "tile-packed" for s in settings) and len(settings) == 2
+
+
+def test_tile_packed_keep_format_bakes_along_the_tile_packed_rank_axis(tmp_path, run_ckpt):
+    _, base = tiled_model(tmp_path)
+    lora = kohya_lora(tmp_path / "l.safetensors", {QKV: (256, 128), FC2: (128, 256)}, rank=4, alpha=2.0)
+    code, _, err = run_ckpt("merge-lora", tmp_path / "tiled.safetensors", lora, "--keep-format", "-o",
+                            tmp_path / "kf.safetensors", "--report", tmp_path / "r.json")
+    assert code == 0, err
+    got = load_file(tmp_path / "kf.safetensors")
+    assert sorted(got) == sorted(base)
+    grown = {f"{n}.weight_proj_{s}" for n in TILED for s in ("down", "up")}
+    for key in set(base) - grown:
+        assert same_bytes(got[key], base[key]), key
+    for name, (n, k, r, _) in TILED.items():
+        up = got[f"{name}.weight_proj_up"]
+        assert up.shape == (n // 128, r + 4, 128)  # still tile-packed, the rank grown by the LoRA's
+        assert same_bytes(up[:, :r].contiguous(), base[f"{name}.weight_proj_up"])
+        assert same_bytes(got[f"{name}.weight_proj_down"][:, :r].contiguous(), base[f"{name}.weight_proj_down"])
+        assert close(kitchen_dense(got, name), kitchen_dense(base, name) + lora_delta(lora, name, 4, 2.0)), name
+    assert all(e < 1e-6 for e in reported(tmp_path / "r.json").values())
+
+
 def test_keep_format_refuses_what_cannot_be_baked(tmp_path, run_ckpt):
     model(tmp_path / "m.safetensors")
     g = torch.Generator().manual_seed(1)
@@ -209,6 +279,8 @@ def test_keep_format_refuses_what_cannot_be_baked(tmp_path, run_ckpt):
 def _bad_cases():
     one = {f"l.{s}": t for s, t in svdq_layer(64, 128, 8, torch.bfloat16, 0).items()}
     fc2 = {f"l.{s}": t for s, t in svdq_layer(64, 128, 8, torch.bfloat16, 0, unsigned=True).items()}
+    nat = {f"l.{s}": t for s, t in svdq_layer(128, 128, 8, torch.bfloat16, 0).items()}
+    tiled = nat | tile_pack(nat, "l")
     return {
         "rank mismatch": (one | {"l.weight_proj_up": one["l.weight_proj_up"][:, :6].contiguous()}, "rank mismatch"),
         "scale shape": (one | {"l.weight_scale": one["l.weight_scale"].t().contiguous()}, "group scales"),
@@ -228,7 +300,14 @@ def _bad_cases():
                                               "l.weight_smooth_factor": torch.ones(96, dtype=torch.bfloat16),
                                               "l.weight_proj_down": torch.ones(96, 8, dtype=torch.bfloat16)},
                                        "does not divide"),
-        "tile-packed": (one | {"l.weight": torch.zeros(1, 2, 32, 128, dtype=torch.int8)}, "tile-packed"),
+        "tile-packed codes of a wrong block": (one | {"l.weight": torch.zeros(1, 2, 16, 128, dtype=torch.int8)},
+                                               "expected comfy-kitchen's tile-packed I8"),
+        "tile-packed proj_up of a wrong block": (tiled | {"l.weight_proj_up": torch.zeros(1, 8, 64, dtype=torch.bfloat16)},
+                                                 "expected the tile-packed [1, rank, 128]"),
+        "tile-packed rank mismatch": (tiled | {"l.weight_proj_up": tiled["l.weight_proj_up"][:, :6].contiguous()},
+                                      "rank mismatch"),
+        "tile-packed scale shape": (tiled | {"l.weight_scale": tiled["l.weight_scale"][:, :1].contiguous()},
+                                    "group scales"),
         "act_unsigned without bias": ({k: v for k, v in fc2.items() if k != "l.bias"}, "no bias"),
         "act_unsigned not a bool": (one | {"l.comfy_quant": conf_tensor({"format": "svdquant_w4a4",
                                                                         "act_unsigned": "yes"})}, "act_unsigned"),

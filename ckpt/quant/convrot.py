@@ -8,11 +8,14 @@ formats (comfy-kitchen 0.2.40's layouts, ComfyUI's `comfy/ops.py` loader):
 - `asym_w4a8_int8` (`AsymW4A8Int8Layout`, 4-bit): `X.weight` int8 [out, in/2] of unsigned 4-bit codes,
   `X.weight_s_rel` e4m3 (or fp32; U8 bytes are viewed as e4m3, as ComfyUI does) [out, in/group_size] relative
   group scales, `X.weight_s_channel` fp32 [out], optional `X.weight_codebook` fp32 [16] (without it the codes
-  are uniform, code - 8) and optional `X.weight_correction` [in/group_size, out] (asymmetric storage).
+  are uniform, code - 8) and optional `X.weight_correction` [in/group_size, out] (asymmetric storage);
+- the same format at 6 bits (W6A8): `X.weight` int8 [out, 3*in/4], the 4-bit nibble plane [out, in/2] followed by
+  a plane of each code's top 2 bits (column c in byte c//4 at bit 2*(c%4)), uniform codes (code - 32), no codebook
+  and no correction. As in comfy-kitchen, `in` comes from the group scales (groups * group_size) and the bit depth
+  from the packed width; 6 bits need `in` a multiple of 32 and group_size a multiple of 16.
 
 The parameters are read as ComfyUI reads them: each key at the top level of the layer config, else under its
-`params` object, else the default (`convrot_groupsize` 256, W4A8 `group_size` 16). The 6-bit W6A8 storage of
-the same format (rows of 3*in/4 bytes) is refused by name.
+`params` object, else the default (`convrot_groupsize` 256, W4A8 `group_size` 16).
 
 Values are comfy-kitchen's eager dequantize with output dtype float32, rounded once by the output cast. The
 rotation is one `torch.matmul` of the [out, in/g, g] weight with the transposed normalized Hadamard matrix, and
@@ -45,7 +48,8 @@ INT4_MAX = 7
 class ConvRotSpec:
     """How one ConvRot weight is stored: its comfy_quant format and parameters. `codebook` (W4A8): the 16
     levels to keep (a re-encoded layer keeps its base's), None to choose them as comfy-kitchen does;
-    `uniform`: a W4A8 base without codebook; `s_rel_dtype`: the group scales' stored dtype."""
+    `uniform`: a W4A8 base without codebook; `s_rel_dtype`: the group scales' stored dtype; `bits`: W4A8's code
+    width (4, or 6 for W6A8); `asymmetric`: W4A8 stored with a per-group correction (of `correction_dtype`)."""
 
     format: str  # "int8_tensorwise" | "convrot_w4a4" | "asym_w4a8_int8"
     convrot_groupsize: int = DEFAULT_GROUPSIZE
@@ -56,6 +60,9 @@ class ConvRotSpec:
     s_rel_dtype: str = "float8_e4m3fn"
     rowwise: bool = True  # what the comfy_quant planner's summary asks of a spec
     convrot: bool = True
+    bits: int = 4
+    asymmetric: bool = False
+    correction_dtype: str = "float32"
 
     @property
     def config(self) -> dict:
@@ -69,6 +76,8 @@ class ConvRotSpec:
 
     @property
     def label(self) -> str:
+        if self.format == "asym_w4a8_int8" and self.bits == 6:
+            return "asym_w4a8_int8-w6a8"
         return {"int8_tensorwise": "int8_tensorwise+convrot"}.get(self.format, self.format)
 
     @property
@@ -130,17 +139,28 @@ def unpack_unsigned4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([x & 0xF, (x >> 4) & 0xF], dim=-1).reshape(packed.shape[0], -1)
 
 
-def w4a8_int8_grid(codes: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None, group: int):
-    """The int8 values the W4A8 GEMM consumes: round(clamp(level * s_rel)) per group."""
+def unpack_codes(packed: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """W4A8 / W6A8 storage -> [n, k] int64 unsigned codes: the nibble plane, at 6 bits plus the 2-bit plane."""
+    codes = unpack_unsigned4(packed[:, : k // 2])
+    if bits == 6:
+        hi = packed[:, k // 2:].view(torch.uint8).to(torch.int64).unsqueeze(-1)
+        codes = codes | (((hi >> torch.tensor([0, 2, 4, 6])) & 0x3).reshape(packed.shape[0], k) << 4)
+    return codes
+
+
+def w4a8_int8_grid(codes: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None, group: int,
+                   bits: int = 4):
+    """The int8 values the W4A8 GEMM consumes: round(clamp(level * s_rel)) per group (uniform levels: code minus
+    the mid-range, 8 or 32)."""
     n, k = codes.shape
-    values = codebook.to(torch.float32)[codes] if codebook is not None else codes.float() - 8.0
+    values = codebook.to(torch.float32)[codes] if codebook is not None else codes.float() - float(1 << (bits - 1))
     values = values.view(n, k // group, group) * s_rel.float().unsqueeze(-1)
     return values.view(n, k).round().clamp_(-127, 127).to(torch.int8)
 
 
-def w4a8_dequantize(codes, s_rel, s_channel, codebook, correction, group: int, rot: int) -> torch.Tensor:
+def w4a8_dequantize(codes, s_rel, s_channel, codebook, correction, group: int, rot: int, bits: int = 4):
     n, k = codes.shape
-    w = w4a8_int8_grid(codes, s_rel, codebook, group).float().view(n, k // group, group)
+    w = w4a8_int8_grid(codes, s_rel, codebook, group, bits).float().view(n, k // group, group)
     w = w * s_channel.float().view(n, 1, 1)
     if correction is not None:
         w = w + correction.t().unsqueeze(-1).float()
@@ -183,9 +203,9 @@ class ConvRotWeight(Wrapper):
             w = unpack_signed4(c).to(torch.float32) * p["weight_scale"].to(torch.float32).reshape(-1, 1)
             w = rotate(w.float(), spec.convrot_groupsize)
         else:
-            codes = unpack_unsigned4(c)
+            codes = unpack_codes(c, self.shape[1], spec.bits)
             w = w4a8_dequantize(codes, p["weight_s_rel"], p["weight_s_channel"], p.get("weight_codebook"),
-                                p.get("weight_correction"), spec.group_size, spec.convrot_groupsize)
+                                p.get("weight_correction"), spec.group_size, spec.convrot_groupsize, spec.bits)
         return w
 
 
@@ -207,10 +227,18 @@ def decode_layer(ctx, layer: str, conf: dict, wkey: str, w: Tensor, natural, con
         raise bad(wkey, f"{wkey!r} is stored as {st_name(w.dtype)}, not {' or '.join(st_name(d) for d in allowed)}")
     rows, stored = w.shape
     cols = stored if fmt == "int8_tensorwise" else stored * 2
-    if fmt == "asym_w4a8_int8":  # rows of 3*in/4 bytes (in from the group scales): W6A8
+    bits = 4
+    if fmt == "asym_w4a8_int8":  # rows of 3*in/4 bytes (in from the group scales, as comfy-kitchen reads it): W6A8
         sr, gs = ctx.remaining.get(f"{layer}.weight_s_rel"), _param(conf, "group_size", W4A8_GROUP)
-        if sr is not None and len(sr.shape) == 2 and isinstance(gs, int) and stored * 8 == sr.shape[1] * gs * 6 > 0:
-            raise bad(wkey, f"{wkey!r} {list(w.shape)} holds 6-bit codes (W6A8), which ckpt does not decode")
+        if sr is not None and len(sr.shape) == 2 and type(gs) is int and stored * 8 == sr.shape[1] * gs * 6 > 0:
+            bits, cols = 6, sr.shape[1] * gs
+            if cols % 32 or gs % 16:
+                raise bad(wkey, f"{wkey!r} {list(w.shape)} holds 6-bit codes (W6A8), which need an input width "
+                                f"divisible by 32 (not {cols}) and a group_size multiple of 16 (not {gs})")
+            for extra in ("weight_codebook", "weight_correction"):
+                if f"{layer}.{extra}" in ctx.remaining:
+                    raise bad(f"{layer}.{extra}", f"{wkey!r} holds 6-bit codes (W6A8), which are uniform and "
+                                                  f"symmetric: no {extra[7:]}")
     g = _param(conf, "convrot_groupsize", DEFAULT_GROUPSIZE)
     if not power_of_4(g):
         raise bad(wkey, f"convrot_groupsize {str(g)[:20]} is not a power of 4 (4, 16, 64, 256 ...)")
@@ -257,7 +285,9 @@ def decode_layer(ctx, layer: str, conf: dict, wkey: str, w: Tensor, natural, con
         if s_rel.dtype == torch.uint8:
             parts["weight_s_rel"] = _Viewed(s_rel, torch.float8_e4m3fn)
         spec = ConvRotSpec(fmt, convrot_groupsize=g, group_size=gs, uniform=cb is None,
-                           s_rel_dtype="float32" if s_rel.dtype == torch.float32 else "float8_e4m3fn")
+                           s_rel_dtype="float32" if s_rel.dtype == torch.float32 else "float8_e4m3fn", bits=bits,
+                           asymmetric=corr is not None,
+                           correction_dtype=str(corr.dtype).removeprefix("torch.") if corr is not None else "float32")
         t = ConvRotWeight(wkey, spec, w, parts, (rows, cols), natural)
         t.s_rel_stored, t.asymmetric = s_rel.dtype, corr is not None
         return t
@@ -281,13 +311,17 @@ def inspect_settings(t: ConvRotWeight, config) -> dict:
     """inspect's settings of one ConvRot weight: the format, its bits and parameters."""
     s = t.spec
     kind = {"int8_tensorwise": ("W8A8", 8, "per-channel scales"), "convrot_w4a4": ("W4A4", 4, "per-row scales"),
-            "asym_w4a8_int8": ("W4A8", 4, "e4m3 group scales" if s.s_rel_dtype != "float32" else "fp32 group scales")}
+            "asym_w4a8_int8": ("W4A8" if s.bits == 4 else "W6A8", s.bits,
+                               "e4m3 group scales" if s.s_rel_dtype != "float32" else "fp32 group scales")}
     name, bits, scales = kind[s.format]
+    scales += ", asymmetric" if s.asymmetric else ""
     out = {"format": "ComfyUI ConvRot", "type": f"{name} ({s.format}, rotation group {s.convrot_groupsize}, {scales})",
            "bits": bits, "convrot_groupsize": s.convrot_groupsize}
     if s.format == "asym_w4a8_int8":
         out["group_size"] = s.group_size
         out["codebook"] = "uniform" if s.uniform else "16 levels"
+        if s.asymmetric:
+            out["asymmetric"] = True
     return out
 
 

@@ -8,7 +8,9 @@ round to nearest, stochastic rounding off):
   frozen Lloyd-Max table unless the rotated groups are heavy-tailed, then a fitted one; two ALS passes of the
   group scales; codes assigned on the int8 grid), rows rotated in comfy-kitchen's own chunks of 2**22 values.
   A re-encoded layer (`merge-lora --keep-format`) passes its base's codebook and scale dtype, as ComfyUI's
-  requantize does (`requantize_kwargs`).
+  requantize does (`requantize_kwargs`); so does an asymmetric base (min/max codes and a per-group correction, in
+  the base's correction dtype) and a W6A8 one (uniform 6-bit levels, two ALS passes, no scale search: requantize
+  turns it off).
 
 Like decoding, encoding takes the whole weight: the rotation's float32 matmul gives per-row results that depend on
 how many rows one call holds, so the rows are rotated in exactly the calls comfy-kitchen makes. The stored
@@ -22,7 +24,7 @@ from ckpt.lazy import torch
 
 from ckpt.io.plan import OutTensor
 from ckpt.io.tensors import Tensor
-from ckpt.quant.convrot import INT4_MAX, W4A4_QUANT_GROUP, ConvRotSpec, rotate, unpack_signed4, unpack_unsigned4, \
+from ckpt.quant.convrot import INT4_MAX, W4A4_QUANT_GROUP, ConvRotSpec, rotate, unpack_codes, unpack_signed4, \
     w4a8_dequantize
 from ckpt.quant.encoding import Encoding
 from ckpt.report import Report
@@ -37,6 +39,7 @@ KURTOSIS_SAMPLE = 1 << 19
 ALS_ITERS = 2
 ROW_ELEM_BUDGET = 1 << 22
 CODEBOOK_SAMPLE_ELEMS = 1 << 22
+W6_LEVELS = 31  # W6A8's uniform levels -31..31, stored as code + 32
 
 
 def unencodable(spec: ConvRotSpec, shape) -> str | None:
@@ -50,6 +53,8 @@ def unencodable(spec: ConvRotSpec, shape) -> str | None:
         return f"input width {k} is not a multiple of {W4A4_QUANT_GROUP}"
     if spec.format == "asym_w4a8_int8" and (k % 16 or k % spec.group_size):
         return f"input width {k} is not a multiple of 16 and of group_size {spec.group_size}"
+    if spec.format == "asym_w4a8_int8" and spec.bits == 6 and (k % 32 or spec.group_size % 16):
+        return "6-bit storage needs an input width divisible by 32 and a group_size multiple of 16"
     return None
 
 
@@ -86,13 +91,15 @@ def quantize_w4a8(w: torch.Tensor, spec: ConvRotSpec, codebook: torch.Tensor | N
     g, gs = spec.convrot_groupsize, spec.group_size
     scale_dtype = torch.float32 if spec.s_rel_dtype == "float32" else torch.float8_e4m3fn
     override = None
-    if not spec.uniform:
+    if spec.bits == 4 and not spec.asymmetric and not spec.uniform:
         override = codebook.to(torch.float32) if codebook is not None else _decide_codebook(w, g, gs)
     block = max(1, ROW_ELEM_BUDGET // max(k, 1))
-    parts = [_quantize_rotated(rotate(w[r: r + block].contiguous(), g), gs, scale_dtype, override)
+    parts = [_quantize_rotated(rotate(w[r: r + block].contiguous(), g), gs, scale_dtype, override, spec)
              for r in range(0, n, block)]
     out = {"weight": torch.cat([p[0] for p in parts]), "weight_s_rel": torch.cat([p[1] for p in parts]),
            "weight_s_channel": torch.cat([p[2] for p in parts])}
+    if spec.asymmetric:  # comfy-kitchen's correction is the weight's dtype (float32 here): stored as the base's
+        out["weight_correction"] = torch.cat([p[3] for p in parts], dim=1).to(getattr(torch, spec.correction_dtype))
     if override is not None:
         out["weight_codebook"] = override.contiguous()
     return out
@@ -163,11 +170,33 @@ def _assign_grid(weight: torch.Tensor, levels: torch.Tensor, s_channel: torch.Te
     return torch.where(dhi < dlo, hi, lo).to(torch.int32).reshape(n, groups, gsize)
 
 
-def _quantize_rotated(weight: torch.Tensor, gs: int, scale_dtype, table: torch.Tensor | None):
-    """comfy-kitchen's `_quantize_rotated_w4a8_int8_weight` at 4 bits, symmetric: (packed, s_rel, s_channel)."""
+def _quantize_rotated(weight: torch.Tensor, gs: int, scale_dtype, table: torch.Tensor | None, spec: ConvRotSpec):
+    """comfy-kitchen's `_quantize_rotated_w4a8_int8_weight`, stochastic rounding and scale search off:
+    (packed, s_rel, s_channel, correction or None)."""
     n, k = weight.shape
     grouped = weight.float().view(n, k // gs, gs)
-    if table is not None:
+    correction = None
+    if spec.bits == 6:  # uniform levels -31..31: the ALS loop with rounding as the assignment
+        table = torch.arange(-W6_LEVELS, W6_LEVELS + 1, dtype=torch.float32)
+
+        def assign(x):
+            return (x.round_().clamp_(-W6_LEVELS, W6_LEVELS) + W6_LEVELS).to(torch.int32)
+
+        group_scale = (grouped.abs().amax(dim=-1, keepdim=True) / W6_LEVELS).clamp(min=1e-8)
+        quantized = assign(grouped / group_scale)
+        for _ in range(ALS_ITERS):
+            ql = table[quantized]
+            group_scale = ((grouped * ql).sum(-1, keepdim=True)
+                           / (ql * ql).sum(-1, keepdim=True).clamp(min=1e-8)).clamp(min=1e-8)
+            quantized = assign(grouped / group_scale)
+        shifted = table[quantized] * group_scale
+    elif spec.asymmetric:  # min/max codes 0..15, decoded as code - 8 plus the group's correction
+        minimum = grouped.amin(dim=-1, keepdim=True)
+        group_scale = ((grouped.amax(dim=-1, keepdim=True) - minimum) / 15.0).clamp(min=1e-8)
+        unsigned = ((grouped - minimum) / group_scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        shifted = (unsigned.view(n, k // gs, gs) - 8) * group_scale
+        correction = (8.0 * group_scale + minimum).squeeze(-1).t().contiguous()
+    elif table is not None:
         group_scale = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
         quantized = _assign_codes(grouped / group_scale, table)
         for _ in range(ALS_ITERS):
@@ -187,8 +216,20 @@ def _quantize_rotated(weight: torch.Tensor, gs: int, scale_dtype, table: torch.T
         s_rel = s_rel.to(scale_dtype).contiguous()
     if table is not None:
         unsigned = _assign_grid(grouped, _grid_levels(table, s_rel), s_channel).view(n, k)
-    packed = ((unsigned[:, 0::2] & 0xF) | ((unsigned[:, 1::2] & 0xF) << 4)).to(torch.int8).contiguous()
-    return packed, s_rel, s_channel.float().contiguous()
+        if spec.bits == 6:
+            unsigned = unsigned + 1  # level index 0..62 -> stored code 1..63
+    return _pack_codes(unsigned, spec.bits), s_rel, s_channel.float().contiguous(), correction
+
+
+def _pack_codes(unsigned: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, k] unsigned codes -> the nibble plane (even column low), at 6 bits followed by the top-2-bit plane."""
+    low = ((unsigned[:, 0::2] & 0xF) | ((unsigned[:, 1::2] & 0xF) << 4)).to(torch.int8)
+    if bits == 4:
+        return low.contiguous()
+    hi = (unsigned[:, 0::4] >> 4) & 0x3
+    for j in range(1, 4):
+        hi |= ((unsigned[:, j::4] >> 4) & 0x3) << (2 * j)
+    return torch.cat([low, hi.to(torch.int8)], dim=1).contiguous()
 
 
 def quantize(spec: ConvRotSpec, w: torch.Tensor, codebook: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -207,8 +248,10 @@ def dequantize(spec: ConvRotSpec, stored: dict[str, torch.Tensor]) -> torch.Tens
         return rotate(stored["weight"].float() * stored["weight_scale"], g)
     if spec.format == "convrot_w4a4":
         return rotate(unpack_signed4(stored["weight"]).float() * stored["weight_scale"].reshape(-1, 1), g)
-    return w4a8_dequantize(unpack_unsigned4(stored["weight"]), stored["weight_s_rel"], stored["weight_s_channel"],
-                           stored.get("weight_codebook"), None, spec.group_size, g)
+    k = stored["weight_s_rel"].shape[1] * spec.group_size
+    return w4a8_dequantize(unpack_codes(stored["weight"], k, spec.bits), stored["weight_s_rel"],
+                           stored["weight_s_channel"], stored.get("weight_codebook"), stored.get("weight_correction"),
+                           spec.group_size, g, spec.bits)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,9 +318,12 @@ def encode(spec: ConvRotSpec, t: Tensor, report: Report, name: str | None = None
         shapes = {"weight": (torch.int8, (rows, cols // 2)), "weight_scale": (torch.float32, (rows,))}
     else:
         s_rel = torch.float32 if spec.s_rel_dtype == "float32" else torch.float8_e4m3fn
-        shapes = {"weight": (torch.int8, (rows, cols // 2)), "weight_s_rel": (s_rel, (rows, cols // spec.group_size)),
+        groups = cols // spec.group_size
+        shapes = {"weight": (torch.int8, (rows, cols * spec.bits // 8)), "weight_s_rel": (s_rel, (rows, groups)),
                   "weight_s_channel": (torch.float32, (rows,))}
-        if not spec.uniform and codebook is None:
+        if spec.asymmetric:
+            shapes["weight_correction"] = (getattr(torch, spec.correction_dtype), (groups, rows))
+        elif spec.bits == 4 and not spec.uniform and codebook is None:
             shapes["weight_codebook"] = (torch.float32, (16,))
     lt = _LayerTensors(spec, t, name, report, meter, codebook, set(shapes))
     out = []
@@ -292,8 +338,9 @@ def encode(spec: ConvRotSpec, t: Tensor, report: Report, name: str | None = None
 
 class ConvRotEncoding(Encoding):
     """A new value of a ConvRot layer stored as its base is: same format and parameters (rotation group, W4A8
-    group size, scale dtype), the base's W4A8 codebook kept (its stored key copied as it is), quantized as
-    comfy-kitchen requantizes with stochastic rounding off. `X.comfy_quant` is copied as stored."""
+    group size, bit depth, symmetric or not, scale and correction dtypes), the base's W4A8 codebook kept (its
+    stored key copied as it is), quantized as comfy-kitchen requantizes with stochastic rounding off.
+    `X.comfy_quant` is copied as stored."""
 
     def __init__(self, spec: ConvRotSpec, wkey: str, shape, s_rel_dtype, codebook: Tensor | None,
                  asymmetric: bool, scalar_scale: bool):
@@ -302,6 +349,7 @@ class ConvRotEncoding(Encoding):
         self.asymmetric, self.scalar_scale = asymmetric, scalar_scale
         layer = wkey[: -len(".weight")] if wkey.endswith(".weight") else wkey
         extra = ("weight_s_rel", "weight_s_channel") if spec.format == "asym_w4a8_int8" else ("weight_scale",)
+        extra += ("weight_correction",) if spec.asymmetric else ()
         self.keys = (wkey,) + tuple(f"{layer}.{s}" for s in extra)
         self.label = f"comfy_quant {spec.label}"
 
@@ -312,8 +360,9 @@ class ConvRotEncoding(Encoding):
                    t.scalar_scale)
 
     def why_not(self) -> str | None:
-        if self.asymmetric:
-            return "asymmetric W4A8 storage (weight_correction) is not re-encoded by ckpt"
+        if self.asymmetric and self.codebook is not None:
+            return ("an asymmetric W4A8 layer with a codebook: comfy-kitchen's requantize drops the codebook "
+                    "(asymmetric codes are uniform), which --keep-format cannot")
         if self.scalar_scale:
             return "a ConvRot int8 layer with one scale for the whole tensor is not what comfy-kitchen re-encodes"
         return unencodable(self.spec, self.shape)

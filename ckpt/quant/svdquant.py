@@ -26,8 +26,16 @@ rounded once to the stored dtype: exact where they are representable in it, as b
 a power-of-two scale are). Codes, scales, smoothing and the stored columns of the factors are kept byte for
 byte. Only LoRA modules can be baked this way (LoHa, LoKr, full deltas, DoRA and model merges are refused).
 
-Not decoded (refused by name): comfy-kitchen's tile-packed layout (4-D `X.weight`) and nunchaku's own files
-(`qweight`/`wscales`, a tile-swizzled int4 order).
+comfy-kitchen's tile-packed layout (`kitchen_tile_packed_w4a4`, blocks of 128 outputs) is the same format: no
+metadata says it, the tensors' rank does, each on its own, as comfy-kitchen's eager kernel reads them
+(`_tile_packed_weight_to_row_major` / `_tile_packed_scales_to_natural` / `_tile_packed_lora_up_to_natural`):
+`X.weight` (N/128, K/64, 32, 128) int8, `X.weight_scale` (N/128, K/64, 128), `X.weight_proj_up` (N/128, R, 128);
+proj_down and the smoothing stay natural. Such tensors are read through natural views (`TilePacked`), so decoding is
+the natural layout's; a LoRA bake appends its up factor along the tile-packed proj_up's rank axis (R -> R + r), which
+the layout allows: proj_up stays tile-packed and its stored bytes are kept.
+
+Not decoded (refused by name): nunchaku's own files (`qweight`/`wscales`, a tile-swizzled int4 order that no CPU
+reference decodes).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from ckpt.quant.formats import Format
 NAME = "svdquant_w4a4"  # the comfy_quant format
 GROUP = 64  # comfy-kitchen's int4 group size (inputs per weight scale)
 SHIFT = 0.171875  # comfy-kitchen's (and nunchaku's) shift of an act_unsigned layer's quantized activations
+TILE = 128  # outputs per tile of comfy-kitchen's tile-packed layout (`_TILE_PACKED_BLOCK_N`)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -53,6 +62,38 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     x = packed.contiguous().view(torch.uint8).to(torch.int16)
     v = torch.stack((x & 0x0F, x >> 4), dim=-1).reshape(packed.shape[0], -1)
     return torch.where(v >= 8, v - 16, v).to(torch.float32)
+
+
+class TilePacked(Wrapper):
+    """A tile-packed tensor read as its natural layout: `X.weight` (N/128, K/64, 32, 128) as (N, K/2), `X.weight_scale`
+    (N/128, K/64, 128) as (K/64, N) (read whole: it is small), `X.weight_proj_up` (N/128, R, 128) as (N, R). Row
+    bands of the codes and proj_up read only the tiles that hold them."""
+
+    row_align = 1
+
+    def __init__(self, base: Tensor, role: str):
+        self.base, self.role, self.name, self.home, self.dtype = base, role, base.name, base.home, base.dtype
+        s = tuple(base.shape)
+        self.shape = {"codes": (s[0] * TILE, s[1] * GROUP // 2), "scale": (s[1], s[0] * TILE),
+                      "up": (s[0] * TILE, s[1])}[role]
+
+    def read(self, start, stop, device, scratch=None):
+        if self.role == "scale":
+            t = read_rows(self.base, 0, self.base.shape[0], device)
+            return t.permute(1, 0, 2).reshape(self.shape)[start:stop]
+        a, b = start // TILE, -(-stop // TILE)
+        t = read_rows(self.base, a, b, device)
+        if self.role == "codes":  # (tiles, K/64, 32 quads, 4 rows x 32 bytes) -> (rows, K/2)
+            t = t.view(b - a, t.shape[1], TILE // 4, 4, GROUP // 2).permute(0, 2, 3, 1, 4)
+        else:  # (tiles, R, 128) -> (rows, R)
+            t = t.permute(0, 2, 1)
+        t = t.reshape((b - a) * TILE, -1)
+        return t[start - a * TILE: stop - a * TILE]
+
+
+def tile_pack_up(up: torch.Tensor) -> torch.Tensor:
+    """A natural proj_up (N, R) in the tile-packed layout (N/128, R, 128): the inverse of `TilePacked`'s view."""
+    return up.reshape(up.shape[0] // TILE, TILE, up.shape[1]).permute(0, 2, 1).contiguous()
 
 
 class SvdQuantWeight(Wrapper):
@@ -112,34 +153,45 @@ def decode_layer(ctx: DecodeContext, layer: str, conf: dict, wkey: str, w: Tenso
     def bad(key, problem):
         return refuse(ctx, key, f"comfy_quant layer {layer!r} ({NAME}): {problem}")
 
-    if len(w.shape) == 4:
-        raise bad(wkey, f"{wkey!r} {list(w.shape)} is comfy-kitchen's tile-packed layout, which ckpt does not "
-                        "decode (the natural [out, in / 2] one it does)")
-    if w.dtype not in (torch.int8, torch.uint8) or len(w.shape) != 2:
+    tiled = len(w.shape) == 4
+    if tiled and (w.dtype not in (torch.int8, torch.uint8) or tuple(w.shape[2:]) != (TILE // 4, 4 * GROUP // 2)
+                  or 0 in w.shape):
+        raise bad(wkey, f"{wkey!r} is {st_name(w.dtype)} {list(w.shape)}; expected comfy-kitchen's tile-packed I8 "
+                        f"[out / {TILE}, in / {GROUP}, {TILE // 4}, {4 * GROUP // 2}]")
+    if not tiled and (w.dtype not in (torch.int8, torch.uint8) or len(w.shape) != 2):
         raise bad(wkey, f"{wkey!r} is {st_name(w.dtype)} {list(w.shape)}; expected I8 [out, in / 2] (two int4 "
-                        "codes per byte)")
+                        "codes per byte) or the tile-packed [out / 128, in / 64, 32, 128]")
     group = _flag(conf, "group_size", GROUP)
     if group != GROUP:
         raise bad(wkey, f"group_size {str(group)[:20]} is not comfy-kitchen's {GROUP}")
     unsigned = _flag(conf, "act_unsigned", False)
     if not isinstance(unsigned, bool):
         raise bad(wkey, f"act_unsigned is {str(unsigned)[:20]!r}, not true or false")
-    n, k = w.shape[0], w.shape[1] * 2
+    n, k = (w.shape[0] * TILE, w.shape[1] * GROUP) if tiled else (w.shape[0], w.shape[1] * 2)
     if k % GROUP:
         raise bad(wkey, f"{wkey!r} holds {k} inputs, which the group size {GROUP} does not divide")
     keys = {role: f"{layer}.weight_{role}" for role in ("scale", "smooth_factor", "proj_down", "proj_up")}
+    # each of codes, scales and proj_up natural or tile-packed on its own, as comfy-kitchen's kernel reads them
+    st = ctx.remaining.get(keys["scale"])
+    scale_tiled = st is not None and len(st.shape) == 3 and n % TILE == 0
     scale = companion(ctx, keys["scale"], f"{NAME} group scales of {wkey!r}", dtypes=float_scale,
-                      shape=(k // GROUP, n))
+                      shape=(n // TILE, k // GROUP, TILE) if scale_tiled else (k // GROUP, n))
     smooth = companion(ctx, keys["smooth_factor"], f"{NAME} smoothing of {wkey!r}", dtypes=float_scale, shape=(k,))
     down = companion(ctx, keys["proj_down"], f"{NAME} low-rank down projection of {wkey!r}", dtypes=float_scale)
     up = companion(ctx, keys["proj_up"], f"{NAME} low-rank up projection of {wkey!r}", dtypes=float_scale)
     if len(down.shape) != 2 or down.shape[0] != k:
         raise bad(keys["proj_down"], f"{keys['proj_down']!r} is {list(down.shape)}; expected [{k}, rank]")
-    if len(up.shape) != 2 or up.shape[0] != n:
+    up_tiled = len(up.shape) == 3 and n % TILE == 0
+    if up_tiled and (up.shape[0] != n // TILE or up.shape[2] != TILE):
+        raise bad(keys["proj_up"], f"{keys['proj_up']!r} is {list(up.shape)}; expected the tile-packed "
+                                   f"[{n // TILE}, rank, {TILE}]")
+    if not up_tiled and (len(up.shape) != 2 or up.shape[0] != n):
         raise bad(keys["proj_up"], f"{keys['proj_up']!r} is {list(up.shape)}; expected [{n}, rank]")
-    if up.shape[1] != down.shape[1]:
-        raise bad(keys["proj_up"], f"rank mismatch: proj_down has rank {down.shape[1]}, proj_up {up.shape[1]}")
-    t = SvdQuantWeight(wkey, w, scale, smooth, down, up, unsigned)
+    rank_up = up.shape[1]
+    if rank_up != down.shape[1]:
+        raise bad(keys["proj_up"], f"rank mismatch: proj_down has rank {down.shape[1]}, proj_up {rank_up}")
+    t = SvdQuantWeight(wkey, TilePacked(w, "codes") if tiled else w, TilePacked(scale, "scale") if scale_tiled
+                       else scale, smooth, down, TilePacked(up, "up") if up_tiled else up, unsigned)
     t.encoding = LoraBakeEncoding(t)
     consumed.update({keys["scale"]: f"group scales of {wkey}", keys["smooth_factor"]: f"input smoothing of {wkey}",
                      keys["proj_down"]: f"low-rank branch of {wkey} (added into it)",
@@ -221,19 +273,24 @@ class LoraBakeEncoding(Encoding):
                 for a in range(0, w.shape[0], step):
                     b = min(w.shape[0], a + step)
                     meter.add(value.read(a, b, cpu), w.main(a, b, cpu) + w.low_rank(a, b, cpu, made["down"], made["up"]))
+                if tiled:  # written as stored: the new columns appended along the tile-packed rank axis
+                    made["up"] = tile_pack_up(made["up"])
             return made
 
+        tiled = isinstance(w.up, TilePacked)
+        up_shape = (w.shape[0] // TILE, r_new, TILE) if tiled else (w.shape[0], r_new)
         out = []
-        for key, role, rows, dtype in ((self.keys[0], "down", w.shape[1], w.down.dtype),
-                                       (self.keys[1], "up", w.shape[0], w.up.dtype)):
-            src = ComputedTensor(key, lambda role=role: both()[role], dtype, (rows, r_new), home=w.home)
-            out.append(OutTensor(key, dtype, (rows, r_new), src))
+        for key, role, shape, dtype in ((self.keys[0], "down", (w.shape[1], r_new), w.down.dtype),
+                                        (self.keys[1], "up", up_shape, w.up.dtype)):
+            src = ComputedTensor(key, lambda role=role: both()[role], dtype, shape, home=w.home)
+            out.append(OutTensor(key, dtype, shape, src))
         return out
 
 
 def inspect_settings(t, config) -> dict:
     """What `ckpt inspect` says of an SVDQuant layer: W4A4, group 64, its low-rank branch's rank."""
     s = {"format": "SVDQuant", "type": "W4A4", "bits": 4, "group_size": GROUP, "rank": t.rank}
+    s |= {"layout": "tile-packed"} if isinstance(t.base, TilePacked) else {}
     return s | ({"act_unsigned": True} if t.act_unsigned else {})
 
 
