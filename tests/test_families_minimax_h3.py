@@ -1,0 +1,259 @@
+"""MiniMax-H3 (ckpt/families/minimax_h3.py) against diffusers 0.42's MiniMaxH3Transformer3DModel.
+
+- correspondence: diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers` (stacked qkv, the
+  published single files' order) applied to the original state dict made from the family's pairs gives the
+  tiny model's state dict bit for bit, and so do the pairs themselves; `rope.inv_freq` has no diffusers tensor;
+- detection of both layouts, kohya-flattened LoRA names, a pruned file, the config class; LTX-2 (which has
+  `audio_proj_in` too) and Wan/Cosmos (`blocks.N.`) stay themselves;
+- `convert --layout diffusers` loaded strictly by `from_pretrained`, `--layout original` back to the same bytes;
+- merge-lora of diffusers/PEFT, musubi-tuner (kohya) and ai-toolkit (`diffusion_model.`) LoRAs onto both layouts
+  against the LoRA loader's own conversion, `load_lora_adapter` and `fuse_lora`;
+- `convert --to int8`: the family's high-precision layers stay as they are;
+- refusals: a pruned checkpoint to the diffusers layout (diffusers refuses it too), a fused tensor that does not
+  split, a head too small for the releases' rope.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
+from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
+from helpers.refusals import assert_refused
+from ckpt import families
+from ckpt.families import DIFFUSERS, ORIGINAL
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+from helpers.merge_compare import compare, diffusers_fused, peft_lora_file  # noqa: E402
+
+from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin as H3  # noqa: E402
+
+
+def tiny(head: int = 16):
+    """Two blocks, one refiner block; head 128 (rope over 96 of its channels, as released) for --layout."""
+    big = head == 128
+    return diffusers.MiniMaxH3Transformer3DModel(
+        num_attention_heads=1 if big else 2, attention_head_dim=head, hidden_size=128 if big else 32, num_layers=2,
+        num_refiner_layers=1, ffn_dim=48, in_channels=4, audio_in_channels=6, text_dim=12, freq_dim=8,
+        time_embed_hidden_dim=24, time_embed_dim=20, rope_freq_dim=16 if big else 2)
+
+
+def convert(model):
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers as fn
+
+    return lambda sd: fn(sd, config=dict(model.config))
+
+
+def inv_freq(n: int):
+    return 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+def test_correspondence_is_diffusers_converter_bit_for_bit():
+    model = tiny()
+    sd = unique_values(state_dict(model))
+    fam = families.get("minimax_h3")
+    original = {**original_from_pairs(fam, sd), "rope.inv_freq": inv_freq(2)}
+    assert "blocks.1.attn.qkv_proj.weight" in original and "token_refiner.blocks.0.mlp.fc1.weight" in original
+    assert len(original) == len(sd) - 3 * 2 + 1  # q/k/v fused in 3 blocks, plus the rope buffer
+    back = convert(model)({k: v.clone() for k, v in original.items()})
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    ours = diffusers_from_pairs(fam, original)
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+    # the gated FF's halves really swap, and the fused qkv is the stacked order
+    w = sd["transformer_blocks.0.ff.net.0.proj.weight"]
+    assert torch.equal(original["blocks.0.mlp.fc1.weight"], torch.cat([w[48:], w[:48]]))
+    assert torch.equal(original["blocks.0.attn.qkv_proj.weight"][32:64], sd["transformer_blocks.0.attn.to_k.weight"])
+
+
+def test_both_layouts_kohya_names_pruned_and_config_class():
+    fam = families.get("minimax_h3")
+    sd = shapes(state_dict(tiny()))
+    original = shapes(original_from_pairs(fam, unique_values(state_dict(tiny()))))
+    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, sd)):
+        m = families.detect(keys, keys)
+        assert (m.family_id, m.layout) == ("minimax_h3", layout), m
+        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight") and len(keys[k]) == 2]
+        m2 = families.detect(flat)
+        assert (m2.family_id, m2.layout) == ("minimax_h3", layout), m2
+    pruned = {k: v for k, v in original.items() if not k.startswith("time_embedder.")} | {"adaln_t_table": (1025, 20)}
+    m = families.detect(pruned, pruned)
+    assert (m.family_id, m.layout) == ("minimax_h3", ORIGINAL) and "pruned" in m.label
+    # a musubi LoRA on the attention of the blocks only
+    lora = [f"blocks_{i}_attn_{p}" for i in range(2) for p in ("qkv_proj", "out_proj")]
+    assert families.detect(lora).family_id == "minimax_h3"
+    assert families.from_config({"_class_name": "MiniMaxH3Transformer3DModel"}) is fam
+
+
+def test_look_alikes_stay_themselves():
+    from families_util import tiny_ltx2, tiny_wan
+
+    for make, fid in ((tiny_ltx2, "ltx2"), (tiny_wan, "wan")):
+        sd = shapes(state_dict(make()))
+        assert families.detect(sd, sd).family_id == fid
+        orig = shapes(original_from_pairs(families.get(fid), unique_values(state_dict(make()))))
+        assert families.detect(orig, orig).family_id == fid
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.manual_seed(0)
+    model = tiny(head=128)
+    sd = state_dict(model)
+    original = original_from_pairs(families.get("minimax_h3"), sd)
+    back = convert(model)({k: v.clone() for k, v in original.items()})
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    return model, sd, original, convert(model)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_original_file_to_diffusers_folder(tmp_path, run_ckpt, case, prefix):
+    original_file_to_diffusers_folder(tmp_path, run_ckpt, case, prefix)
+
+
+def test_diffusers_folder_to_original_and_round_trip(tmp_path, run_ckpt, case):
+    diffusers_folder_to_original_and_round_trip(tmp_path, run_ckpt, case)
+
+
+def test_rope_buffer_is_dropped_with_a_note(tmp_path, run_ckpt, case):
+    model, sd, original, conv = case
+    save_file({**original, "rope.inv_freq": inv_freq(16)}, tmp_path / "o.safetensors")
+    code, out, err = run_ckpt("convert", tmp_path / "o.safetensors", "--layout", "diffusers", "-o", tmp_path / "d")
+    assert code == 0, err
+    assert "1 tensor exists in the original layout only and is not written: rope.inv_freq" in out + err
+    got = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+def test_pruned_checkpoint_has_no_diffusers_layout(tmp_path, run_ckpt, case):
+    _, _, original, conv = case
+    pruned = {k: v for k, v in original.items() if not k.startswith("time_embedder.")}
+    pruned["adaln_t_table"] = torch.zeros(1025, 20)
+    with pytest.raises(ValueError, match="pruned MiniMax-H3 checkpoint"):
+        conv(dict(pruned))
+    save_file(pruned, tmp_path / "pruned.safetensors")
+    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "pruned.safetensors", "--layout", "diffusers", "-o",
+                                        tmp_path / "d"], "1 tensor has no counterpart", "MiniMax-H3: adaln_t_table")
+
+
+@pytest.mark.parametrize("key,rows,problem", [("blocks.0.attn.qkv_proj.weight", 385, "rows 0:128, 128:256, 256:384"),
+                                              ("blocks.1.mlp.fc1.weight", 95, "95 rows cannot be split in two")])
+def test_fused_tensor_that_does_not_split_is_refused(tmp_path, run_ckpt, case, key, rows, problem):
+    _, _, original, _ = case
+    bad = dict(original)
+    bad[key] = torch.zeros(rows, original[key].shape[1])
+    save_file(bad, tmp_path / "bad.safetensors")
+    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "bad.safetensors", "--layout", "diffusers", "-o",
+                                        tmp_path / "d"], key, problem)
+
+
+def test_head_too_small_for_the_release_rope_needs_config(tmp_path, run_ckpt):
+    model = tiny()
+    save_file(original_from_pairs(families.get("minimax_h3"), state_dict(model)), tmp_path / "o.safetensors")
+    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "o.safetensors", "--layout", "diffusers", "-o",
+                                        tmp_path / "d"], str(tmp_path / "o.safetensors"),
+                   "rope rotates 96 channels of a head; this head has 16); pass --config REF")
+    model.save_config(tmp_path / "ref")
+    code, _, err = run_ckpt("convert", tmp_path / "o.safetensors", "--layout", "diffusers", "--config",
+                            tmp_path / "ref", "-o", tmp_path / "d", "-q")
+    assert code == 0, err
+    loaded, info = type(model).from_pretrained(tmp_path / "d", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+# ------------------------------------------------------------------------------------------ merge-lora
+
+def _original_lora(original: dict, kohya: bool, r: int = 4, alpha: float | None = 2.0, seed: int = 5) -> dict:
+    """A LoRA in the original module names: musubi-tuner's `lora_unet_<flat>` lora_down/up with alpha, or
+    ai-toolkit's `diffusion_model.<dotted>` lora_A/B without (alpha = rank)."""
+    g = torch.Generator().manual_seed(seed)
+    mods = ["video_patch_proj", "condition_proj", "final_layer.video_out", "final_layer.adaln_proj.linear",
+            "token_refiner.blocks.0.attn.qkv_proj", "token_refiner.blocks.0.mlp.fc1"]
+    mods += [f"blocks.{i}.{m}" for i in range(2)
+             for m in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")]
+    lora = {}
+    for mod in mods:
+        rows, cols = original[f"{mod}.weight"].shape
+        down, up = torch.randn(r, cols, generator=g) * 0.1, torch.randn(rows, r, generator=g) * 0.1
+        if kohya:
+            name = "lora_unet_" + mod.replace(".", "_")
+            lora |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+                     f"{name}.alpha": torch.tensor(alpha)}
+        else:
+            lora |= {f"diffusion_model.{mod}.lora_A.weight": down, f"diffusion_model.{mod}.lora_B.weight": up}
+    return lora
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("h3")
+    torch.manual_seed(1)
+    model = tiny()
+    sd = state_dict(model)
+    model.save_pretrained(tmp / "folder")
+    original = original_from_pairs(families.get("minimax_h3"), sd)
+    save_file({"model.diffusion_model." + k: v for k, v in {**original, "rope.inv_freq": inv_freq(2)}.items()},
+              tmp / "orig.safetensors")
+    return model, sd, original, tmp
+
+
+def _merge_both(tmp_path, run_ckpt, bases, lora_file, want, changed):
+    model, sd, _, tmp = bases
+    code, _, err = run_ckpt("merge-lora", tmp / "folder", lora_file, "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
+    code, _, err = run_ckpt("merge-lora", tmp / "orig.safetensors", lora_file, "-o", tmp_path / "m.safetensors", "-q")
+    assert code == 0, err
+    got = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(tmp_path / "m.safetensors").items()}
+    assert torch.equal(got.pop("rope.inv_freq"), inv_freq(2))
+    assert compare(convert(model)(got), want, sd) == changed
+
+
+@pytest.mark.parametrize("kohya", [True, False], ids=["musubi-kohya", "ai-toolkit"])
+def test_original_named_lora_onto_both_layouts(tmp_path, run_ckpt, bases, kohya):
+    _, sd, original, _ = bases
+    save_file(_original_lora(original, kohya), tmp_path / "l.safetensors")
+    want = diffusers_fused(tiny, sd, tmp_path / "l.safetensors", H3, 1.0)
+    # 4 top-level projections; the refiner's q, k, v and fc1; each block's q, k, v, out_proj, fc1, fc2, adaln
+    _merge_both(tmp_path, run_ckpt, bases, tmp_path / "l.safetensors", want, 4 + 4 + 2 * 7)
+
+
+def test_diffusers_peft_lora_onto_both_layouts(tmp_path, run_ckpt, bases):
+    _, sd, _, _ = bases
+    targets = ["to_q", "to_v", "to_out.0", "ff.net.0.proj", "adaln_proj.linear", "proj_in", "context_embedder"]
+    lora_file = peft_lora_file(tiny(), targets, tmp_path / "peft", H3)
+    want = diffusers_fused(tiny, sd, lora_file, H3, 0.7)
+    code, _, err = run_ckpt("merge-lora", bases[3] / "folder", lora_file, "--ratio", 0.7, "-o", tmp_path / "out",
+                            "-q")
+    assert code == 0, err
+    got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
+    # to_q, to_v, to_out.0, ff.net.0.proj in 3 blocks; adaln_proj.linear in 2; proj_in, context_embedder
+    assert compare(got, want, sd) == 3 * 4 + 2 + 2
+    code, _, err = run_ckpt("merge-lora", bases[3] / "orig.safetensors", lora_file, "--ratio", 0.7, "-o",
+                            tmp_path / "m.safetensors", "-q")
+    assert code == 0, err
+    got = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(tmp_path / "m.safetensors").items()}
+    got.pop("rope.inv_freq")
+    assert compare(convert(bases[0])(got), want, sd) == 3 * 4 + 2 + 2
+
+
+# --------------------------------------------------------------------------------- high precision
+
+def test_int8_keeps_the_family_high_precision_layers(tmp_path, run_ckpt, bases):
+    _, _, _, tmp = bases
+    code, _, err = run_ckpt("convert", tmp / "orig.safetensors", "--to", "int8", "-o", tmp_path / "q.safetensors")
+    assert code == 0, err
+    assert "MiniMax-H3, original names: the family's high-precision layers kept" in err
+    q = load_file(tmp_path / "q.safetensors")
+    plain = load_file(tmp / "orig.safetensors")
+    quantized = {k[: -len(".comfy_quant")] for k in q if k.endswith(".comfy_quant")}
+    pre = "model.diffusion_model."
+    assert quantized == {k[: -len(".weight")] for k, v in plain.items() if v.dim() == 2 and k.endswith(".weight")
+                         and k.startswith((pre + "blocks.", pre + "token_refiner.blocks."))}
+    for k in ("video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder.proj_in",
+              "final_layer.adaln_proj.linear", "final_layer.video_out", "final_layer.audio_out"):
+        assert torch.equal(q[f"{pre}{k}.weight"], plain[f"{pre}{k}.weight"]), k
