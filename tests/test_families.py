@@ -197,7 +197,7 @@ def test_new_families_config_classes():
                            ("qwen_image", "QwenImageTransformer2DModel")):
         assert families.from_config({"_class_name": cls}) is families.get(family_id), family_id
     # Qwen-Image 2.1 is another architecture (gated MLP, no img_mod): not read as Qwen-Image
-    assert families.from_config({"_class_name": "QwenImage21Transformer2DModel"}) is None
+    assert families.from_config({"_class_name": "QwenImage21Transformer2DModel"}) is families.get("qwen_image21")
     q21 = ["transformer_blocks_0_attn_to_q", "transformer_blocks_0_img_mlp_proj", "transformer_blocks_0_img_mlp_out"]
     m = families.detect(q21)
     assert m is None or m.family_id != "qwen_image", m
