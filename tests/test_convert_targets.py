@@ -37,6 +37,9 @@ EXPECTED = {
     "gguf-f32": ("F32", ".gguf"),
     # llama-quantize's aliases: the _M mixes, named as such in files
     "gguf-q5_k": ("Q5_K_M", ".gguf"), "gguf-q4_k": ("Q4_K_M", ".gguf"), "gguf-q3_k": ("Q3_K_M", ".gguf"),
+    # MLX folders (mlx_lm.convert -q's affine bit widths)
+    "mlx-q2": ("mlx-q2", None), "mlx-q3": ("mlx-q3", None), "mlx-q4": ("mlx-q4", None), "mlx-q5": ("mlx-q5", None),
+    "mlx-q6": ("mlx-q6", None), "mlx-q8": ("mlx-q8", None),
 }
 
 

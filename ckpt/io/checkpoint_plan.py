@@ -141,6 +141,7 @@ def _config_edit(dequantized: bool, dtype: torch.dtype | None):
         if dequantized:
             cfg.pop("quantization_config", None)
             cfg.pop("_pre_quantization_dtype", None)
+            cfg.pop("quantization", None)  # MLX's block (mlx-lm copies it to quantization_config)
         if dtype is not None:
             name = CONFIG_NAMES.get(dtype)
             if name is None:

@@ -452,6 +452,17 @@ def torchao_int4(folder: Path) -> Case:
                 to_casts_oracle=True, bands=("model.layers.0.mlp.up_proj.weight",))
 
 
+def mlx_affine(folder: Path) -> Case:
+    """An MLX folder as mlx_lm.convert -q writes it (4-bit group 32, down_proj 8-bit by a per-layer entry); the oracle
+    is mx.dequantize as helpers/mlx_ref.py restates it (held to mlx itself by tests/serve/test_mlx.py)."""
+    from helpers import mlx_ref
+
+    down = "model.layers.0.mlp.down_proj"
+    oracle = mlx_ref.build(folder, 4, 32, overrides={down: {"bits": 8, "group_size": 32}})
+    return Case(folder, oracle, drop=f"{L}.biases", refusal=f"MLX biases '{L}.biases' of uint32 codes", llm=True,
+                to_casts_oracle=True, bands=(f"{L}.weight", f"{down}.weight"))
+
+
 # Builders that take more than a few seconds (torchao runs in a subprocess): their cases are marked slow.
 SLOW = {torchao_int4}
 
@@ -470,4 +481,5 @@ CASES: dict[str, list[Callable[[Path], Case]]] = {
     "mxfp4": [mxfp4_gptoss],
     "hqq": [hqq_4bit],
     "convrot": [convrot_int8, convrot_w4a4, convrot_w4a8],
+    "mlx": [mlx_affine],
 }
