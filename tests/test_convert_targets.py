@@ -22,6 +22,9 @@ EXPECTED = {
     "nvfp4": ("nvfp4", None), "mxfp8": ("mxfp8", None), "int8": ("int8", None), "int8_rowwise": ("int8_rowwise", None),
     "int8_convrot": ("int8_convrot", None), "convrot_w4a4": ("convrot_w4a4", None),
     "asym_w4a8_int8": ("asym_w4a8_int8", None),
+    # compressed-tensors checkpoints (llm-compressor's data-free presets)
+    "ct-fp8-dynamic": ("ct-fp8-dynamic", None), "ct-fp8-block": ("ct-fp8-block", None),
+    "ct-w4a16": ("ct-w4a16", None), "ct-w8a16": ("ct-w8a16", None), "ct-nvfp4a16": ("ct-nvfp4a16", None),
     "gguf-q8_0": ("Q8_0", ".gguf"), "gguf-q6_k": ("Q6_K", ".gguf"), "gguf-q5_k_m": ("Q5_K_M", ".gguf"),
     "gguf-q5_k_s": ("Q5_K_S", ".gguf"), "gguf-q4_k_m": ("Q4_K_M", ".gguf"), "gguf-q4_k_s": ("Q4_K_S", ".gguf"),
     "gguf-q3_k_l": ("Q3_K_L", ".gguf"), "gguf-q3_k_m": ("Q3_K_M", ".gguf"), "gguf-q3_k_s": ("Q3_K_S", ".gguf"),

@@ -97,10 +97,13 @@ class Nvfp4Encoding(Encoding):
     """A changed NVFP4 weight stored as its base stores it (module docstring): `stored` the three stored
     tensors (packed codes, block scales, per-tensor scale) whose keys, dtypes and shapes are written again.
     `dtype`: what the library quantizes the merged weight in (compressed-tensors: the decoded weight's natural
-    dtype, the model's; ModelOpt: float32)."""
+    dtype, the model's; ModelOpt: float32). `amax`: where the per-tensor scale is shared with other weights (what
+    llm-compressor does for the q/k/v and gate/up weights that vLLM fuses), a callable giving their common finite
+    amax (the default is this value's own, one streamed pass)."""
 
-    def __init__(self, flavor: str, weight: Tensor, packed: Tensor, scale: Tensor, per_tensor: Tensor):
+    def __init__(self, flavor: str, weight: Tensor, packed: Tensor, scale: Tensor, per_tensor: Tensor, amax=None):
         self.flavor, self.w, self.packed, self.scale, self.per_tensor = flavor, weight, packed, scale, per_tensor
+        self.amax = amax
         self.dtype = weight.natural_dtype if flavor == CT else torch.float32
         self.keys = (packed.name, scale.name, per_tensor.name)
         self.label = f"{'compressed-tensors' if flavor == CT else 'ModelOpt'} nvfp4"
@@ -113,7 +116,8 @@ class Nvfp4Encoding(Encoding):
 
         flavor, name, dtype = self.flavor, self.w.name, self.dtype
         # the amax of the rounded values is the rounded amax (rounding to nearest is monotonic)
-        gs = Lazy(lambda: global_scale(flavor, finite_amax(value).to(dtype)))
+        amax = self.amax or (lambda: finite_amax(value))
+        gs = Lazy(lambda: global_scale(flavor, amax().to(dtype)))
 
         def band(x: torch.Tensor, with_codes: bool):
             x = x.to(torch.float32)
