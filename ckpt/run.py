@@ -168,9 +168,10 @@ def output_path(out: str | Path | None, derived: Path, plan: Plan) -> Path:
 
 
 def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, desc: str, device: torch.device,
-          overwrite: bool, dry_run: bool, quiet: bool) -> Path:
+          overwrite: bool, dry_run: bool, quiet: bool, shares=None) -> Path:
     """Report the plan's notes, check the target (never an input, free space, --overwrite), then either
-    say what a dry run would write or write it atomically with a progress bar."""
+    say what a dry run would write or write it atomically with a progress bar (`shares`: the tensors written by
+    other processes, `ckpt.io.output.execute`)."""
     for n in plan.notes:
         report.note(n)
     parts = published_paths(plan, out_path)
@@ -201,7 +202,7 @@ def write(plan: Plan, out_path: Path, *, inputs: list[Path], report: Report, des
         return parts[0]
     since = len(CLEANED)
     with progress_bar(plan.nbytes, desc, quiet) as bar:
-        execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar)
+        execute(plan, out_path, inputs=inputs, overwrite=overwrite, device=device, progress=bar, shares=shares)
     for n in cleanup_notes(since):  # what stopped runs left that this one removed
         report.note(n)
     return parts[0]  # a split GGUF: its first part, the file llama.cpp loads

@@ -48,7 +48,7 @@ def ggml_lib():
 
 # Modules whose tests start subprocesses, Ray, benches or whole-README walks (seconds each): `slow`, so
 # `pytest -m "not slow"` is a developer's inner loop of well under two minutes; CI (`make test`) runs all.
-SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test_io_publish", "test_merge_bench",
+SLOW_MODULES = {"test_scripts", "test_scripts_examples", "test_batch_ray", "test_convert_ray", "test_io_publish", "test_merge_bench",
                 "test_bench_gguf", "test_lora_bench", "test_batch_joblist", "test_batch_hardening",
                 "test_readme_quickstart", "test_startup", "test_lora_convert_families", "test_batch",
                 "test_merge_unet", "test_interrupts", "test_merge_models_bench", "test_gguf_llm_export",

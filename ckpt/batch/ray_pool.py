@@ -187,6 +187,11 @@ def _why(e: BaseException) -> str:
     return f"Ray task failed: {type(cause).__name__}" + (f": {first}" if first else "")
 
 
+def task_error(e: BaseException) -> str:
+    """One line for a Ray task that raised Ray's own error (a dead worker or node, a lost cluster)."""
+    return _why(e)
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
@@ -210,6 +215,21 @@ class RayPool:
         self.local = started_here(ray)
         self._check_fits(jobs)
         self.remote = ray.remote(run_task)
+
+    @classmethod
+    def connection(cls, address: str | None, log=None) -> "RayPool":
+        """Connected as a batch's pool is (the same address rules, timeouts and one-line refusals), but with no
+        jobs: for a caller that submits its own tasks (`ckpt convert --executor ray`, `ckpt.convert.ray_shares`).
+        `close()` disconnects."""
+        self = cls.__new__(cls)
+        self.ray = require()
+        self.op, self.limit, self.spec_of = None, None, None
+        self.log = log or (lambda line: None)
+        self.refs, self.connected, self.scratch = {}, False, None
+        if not self.ray.is_initialized():
+            self._connect(address)
+        self.local = started_here(self.ray)
+        return self
 
     def _connect(self, address):
         import logging

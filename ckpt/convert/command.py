@@ -22,6 +22,9 @@ class ConvertOptions(WriteOptions):
     `mmproj`: a VLM folder's vision projector instead of its text model (`ckpt.targets.planners.gguf_mmproj_out`)."""
 
     mmproj: bool = False
+    # --executor ray: the tensors written by a Ray cluster's workers (`ckpt.convert.ray_shares`), same bytes
+    executor: str = "local"
+    ray_address: str | None = None
 
 
 def convert_operation(opts: ConvertOptions) -> str:
@@ -75,19 +78,36 @@ def plan_convert(ckpt, opts: ConvertOptions, report: Report, file_format: str = 
     return targets.plan_output(target, ckpt, views, opts, report, file_format, convert_operation(opts)), views
 
 
+def check_executor(opts, fmt: str) -> None:
+    """--executor and --ray-address, refused before the input is opened (one line each)."""
+    executor = getattr(opts, "executor", "local")
+    if executor not in ("local", "ray"):
+        raise CkptError(f"--executor {str(executor)[:40]}: not local or ray")
+    if getattr(opts, "ray_address", None) and executor != "ray":
+        raise CkptError("--ray-address: only with --executor ray")
+    if executor == "ray" and fmt == "torch":
+        raise CkptError("--executor ray: a torch file (--format torch) is written in order by one process (its "
+                        "running CRC32); write safetensors or GGUF, or use --executor local")
+
+
 def _output_format(opts: ConvertOptions, out) -> str:
     """safetensors / torch from --format and -o; a format of the target's own (GGUF) only from --to, never
     from a suffix alone. Decided before the input is opened (an unknown --to is refused here, in one line)."""
     return _target(opts).output_format(opts, out)
 
 
-def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None) -> tuple[Path, Report]:
-    """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written)."""
+def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Report | None = None,
+            cluster=None) -> tuple[Path, Report]:
+    """Convert SRC; returns (output path, report). Raises CkptError on bad input (nothing written). `cluster`, with
+    `opts.executor` "ray": what writes the tensors instead of this process, called as
+    `cluster(src, opts, fmt, plan, out_path, report)` once the output is planned (`ckpt.batch.ray_shares.RayShares`;
+    injected by the CLI: a command never imports batch or Ray)."""
     report = report or Report()
     # refuses --device cuda without one before reading; the CPU is None until a tensor is computed (a plan of
     # byte copies never imports torch)
     device = resolve_device(opts.device, heavy=False) if opts.device.startswith("cuda") else None
     fmt = _output_format(opts, out)
+    check_executor(opts, fmt)
     with open_checkpoint(src) as ckpt:
         plan, views = plan_convert(ckpt, opts, report, fmt)
         target = _target(opts)
@@ -96,6 +116,16 @@ def convert(src: str, out: str | Path | None, opts: ConvertOptions, report: Repo
         suffix = "-".join(x for x in (opts.layout, "mmproj" if opts.mmproj else None, target.suffix) if x)
         derived = default_output(src, ckpt.path, suffix, folder=not plan.single_file, ext=target.ext or file_ext(fmt))
         desc = "convert -> " + " ".join(x for x in (opts.layout, "mmproj" if opts.mmproj else None, target.label) if x)
-        out_path = write(plan, output_path(out, derived, plan), inputs=ckpt.inputs, report=report, desc=desc, device=device,
-                         overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
+        out_path = output_path(out, derived, plan)
+        shares = None
+        if opts.executor == "ray" and not opts.dry_run:  # connected before anything is written
+            if cluster is None:
+                raise CkptError("--executor ray: pass convert(cluster=ckpt.batch.ray_shares.RayShares), as the CLI does")
+            shares = cluster(src, opts, fmt, plan, out_path, report)
+        try:
+            out_path = write(plan, out_path, inputs=ckpt.inputs, report=report, desc=desc, device=device,
+                             overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet, shares=shares)
+        finally:
+            if shares is not None:
+                shares.close()
     return out_path, report

@@ -15,12 +15,14 @@ import errno
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
 from ckpt.io.gguf_split import check_partial_sets
-from ckpt.io.plan import OutTensor, Plan, name_single_file
+from ckpt.io.fds import close_fd
+from ckpt.io.plan import COPY_FORMATS, OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set, temp_name
 from ckpt.io.side_files import check_not_input, unwritable
@@ -205,28 +207,35 @@ def bands(t: Tensor, band_elems: int | None = None):
 
 
 def execute(plan: Plan, out: Path, *, inputs: list[Path], overwrite: bool = False,
-            device: torch.device | None = None, progress=None) -> None:
+            device: torch.device | None = None, progress=None, shares=None) -> None:
     """Write `plan` to `out` atomically. `device` None is the CPU (named only where a tensor is computed: a
-    plan of byte copies never imports torch)."""
+    plan of byte copies never imports torch). `shares`: the tensors are written by other processes
+    (`ckpt.io.shares`): each file is only created at its full size with its header (`stage_file`), then
+    `shares(staged, progress)` (staged: a `StagedFile` per file, in plan order) must fill every tensor region or raise;
+    publishing, and removing the temp output on any failure or interrupt, stay here."""
     out = Path(out)
     preflight(plan, out, inputs=inputs, overwrite=overwrite)
     replaced = check_partial_sets(plan, out, overwrite) if overwrite else []  # removed once OUT is published
+    staged = None if shares is None else []
     if hasattr(plan, "part_paths"):
-        _execute_parts(plan, out, overwrite, device, progress)
+        _execute_parts(plan, out, overwrite, device, progress, shares)
         return _remove_partial_sets(replaced, plan, out)
     stage = Staging(out, plan.single_file)
     try:
         stage.open()
         if plan.single_file:
-            _write_file(stage.tmp, plan.files[0], device, progress, stage.file(), plan.busy_stage)
+            _write_or_stage(stage.tmp, plan.files[0], device, progress, stage.file(), plan.busy_stage, staged)
         else:
             for f in plan.files:
-                _write_file(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath), plan.busy_stage)
+                _write_or_stage(stage.tmp / f.relpath, f, device, progress, stage.create(f.relpath), plan.busy_stage,
+                                staged)
             for rel, index in {**plan.indexes, **plan.generated}.items():
                 text = index if isinstance(index, str) else json.dumps(index, indent=2, sort_keys=True) + "\n"
                 stage.write_bytes(rel, text.encode())
             for src, rel in plan.copies:
                 _copy_sidecar(Path(src), rel, plan.json_edits.get(rel), stage)
+        if shares is not None:
+            shares(staged, progress)
         stage.publish(overwrite)
     except OSError as e:
         if e.errno == errno.ENOENT and stage.lock_fd >= 0:  # a folder of the temp output vanished
@@ -242,14 +251,17 @@ def _remove_partial_sets(replaced: list, plan: Plan, out: Path) -> None:
         s.remove(keep=published_paths(plan, out))
 
 
-def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress) -> None:
+def _execute_parts(plan: Plan, out: Path, overwrite: bool, device, progress, shares=None) -> None:
     """A split GGUF: each part written to a temp file beside its name, then all published as a set
     (`ckpt.io.publish.publish_set`); on any failure or interrupt every temp file is removed."""
     stages = [Staging(p, True) for p in plan.part_paths(out)]
+    staged = None if shares is None else []
     try:
         for stage, f in zip(stages, plan.files):
             stage.open()
-            _write_file(stage.tmp, f, device, progress, stage.file(), plan.busy_stage)
+            _write_or_stage(stage.tmp, f, device, progress, stage.file(), plan.busy_stage, staged)
+        if shares is not None:
+            shares(staged, progress)
         publish_set(stages, overwrite)
     except OSError as e:
         if e.errno == errno.ENOENT and any(s.lock_fd >= 0 for s in stages):
@@ -320,13 +332,63 @@ def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:
     return block_padding(same, layout(entries, metadata)[1])
 
 
-def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None = None) -> None:
+@dataclass(frozen=True)
+class StagedFile:
+    """A temp output file created at its full size with its header (`stage_file`), its tensor regions still to be
+    written by the shares (`ckpt.io.shares`): the plan's file `index`, its temp `path`, the header `pad` it was
+    laid out with."""
+
+    index: int
+    path: Path
+    pad: int = 0
+
+
+def _write_or_stage(path: Path, f, device, progress, fd: int, busy_stage, staged: list | None) -> None:
+    if staged is None:
+        _write_file(path, f, device, progress, fd, busy_stage)
+    else:
+        staged.append(StagedFile(len(staged), Path(path), stage_file(path, f, fd)))
+
+
+def stage_file(path: Path, f, fd: int) -> int:
+    """Create `f`'s file at `path` (`fd`, already created by the staging; closed here) as its writer would, header
+    written and size set (sparse), but no tensor: other processes write the regions (`ckpt.io.shares`). Returns
+    the header padding chosen (`_block_padding`), which they must lay the file out with. Never O_DIRECT: several
+    writers share the file, and direct I/O rewrites whole blocks."""
+    if f.format not in COPY_FORMATS:
+        close_fd(fd)
+        raise CkptError(f"{f.relpath or path.name}: a {f.format} file is written in order by one process "
+                        "(its running CRC); it cannot be split into shares")
     copies = f.byte_copies() if BYTE_COPY else {}
-    w = _open_writer(path, f, fd, copies)
+    entries = [t.entry for t in f.tensors]
+    if f.format == "gguf":
+        from ckpt.io.gguf_writer import GGUFFileWriter
+
+        close_fd(fd)
+        _durable_header(GGUFFileWriter(path, entries, f.fields))
+        return 0
+    pad = _block_padding(path, entries, f.metadata, copies)
+    _durable_header(SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=pad))
+    return pad
+
+
+def _durable_header(w) -> None:
+    """The header a writer wrote on creation, fsynced (each share fsyncs its own regions); then closed."""
+    try:
+        os.fsync(w.fd)
+    finally:
+        w.abort()
+
+
+def write_tensors(w, tensors: list[OutTensor], copies: dict, device, progress=None,
+                  busy_stage: str | None = None) -> None:
+    """Write `tensors` through the opened writer `w` (every one of them: `copies` holds those the kernel copies),
+    in file-offset order, then close it (its regions checked full, fsynced); on any failure `w` is aborted. What
+    `_write_file` does for a whole file, and a share (`ckpt.io.shares`) for its part of one."""
     pipe = None
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
-        order = sorted(f.tensors, key=lambda t: w.regions[t.name][0])
+        order = sorted(tensors, key=lambda t: w.regions[t.name][0])
         if len(copies) == len(order):  # nothing is computed: no stages, no torch
             for t in order:
                 for chunk in copy_chunks(copies[t.name]):
@@ -351,6 +413,11 @@ def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None
             pipe.abort()
         w.abort()
         raise
+
+
+def _write_file(path: Path, f, device, progress, fd: int, busy_stage: str | None = None) -> None:
+    copies = f.byte_copies() if BYTE_COPY else {}
+    write_tensors(_open_writer(path, f, fd, copies), f.tensors, copies, device, progress, busy_stage)
 
 
 def copy_chunks(ranges):
