@@ -18,29 +18,13 @@ from safetensors.torch import load_file, save_file
 
 from families_util import original_from_pairs, shapes, state_dict, unique_values
 from helpers.refusals import assert_refused
+from helpers.tiny_anima import TEXT, tiny_conditioner, tiny_cosmos
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 from helpers.merge_compare import compare, peft_lora_file  # noqa: E402
-
-TEXT = 24  # the adapter's output width = the DiT's cross-attention width
-
-
-def tiny_cosmos():
-    torch.manual_seed(0)
-    return diffusers.CosmosTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, mlp_ratio=2.0,
-        text_embed_dim=TEXT, adaln_lora_dim=8, max_size=(128, 240, 240), patch_size=(1, 2, 2),
-        rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None)
-
-
-def tiny_conditioner():
-    torch.manual_seed(1)
-    return diffusers.AnimaTextConditioner(source_dim=20, target_dim=TEXT, model_dim=16, num_layers=2,
-                                          num_attention_heads=2, target_vocab_size=50)
-
 
 def anima_original(dit_sd: dict, adapter_sd: dict) -> dict:
     """The Anima single file: the DiT's original names (the family's pairs, checked against diffusers' converter

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from families_util import shapes, state_dict, tiny_z_image
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
+from helpers.tiny_ernie_image import tiny_ernie_image as tiny
 from ckpt import families
 from ckpt.families import DIFFUSERS
 
@@ -32,13 +33,6 @@ from diffusers.loaders.lora_pipeline import ErnieImageLoraLoaderMixin as ERNIE  
 from helpers.merge_compare import compare, diffusers_fused, peft_lora_file  # noqa: E402
 
 PRE = "model.diffusion_model."
-
-
-def tiny(head: int = 16, hidden: int = 32):
-    """Two layers, patch 2, a text projection; head 128 (the releases' rope axes 32+48+48) for --layout."""
-    return diffusers.ErnieImageTransformer2DModel(
-        hidden_size=hidden, num_attention_heads=hidden // head, num_layers=2, ffn_hidden_size=48, in_channels=4,
-        out_channels=4, patch_size=2, text_in_dim=12, rope_axes_dim=(32, 48, 48) if head == 128 else (4, 6, 6))
 
 
 def convert(sd):

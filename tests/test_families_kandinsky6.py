@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
+from helpers.tiny_kandinsky6 import tiny_kandinsky6
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
@@ -48,16 +49,6 @@ def comfy_name(key: str) -> str:
     for source, target in COMFY_INNER:
         key = key.replace(source, target)
     return key
-
-
-def tiny_kandinsky6(token_types: int = 2, cross_gates: bool = True):
-    """Heads of 128 (video) and 64 (audio), the Pro and Lite sizes whose rope axes the config is derived for."""
-    return diffusers.Kandinsky6Transformer3DModel(
-        in_visual_dim=4, out_visual_dim=4, in_text_dim=12, in_text_dim2=8, time_dim=32, patch_size=(1, 2, 2),
-        model_dim=128, ff_dim=64, num_text_blocks=1, num_visual_blocks=2, axes_dims=(32, 48, 48), visual_cond=True,
-        in_audio_dim=6, out_audio_dim=6, model_dim_a=64, time_dim_a=32, ff_dim_a=32, axes_dims_a=(16, 24, 24),
-        audio_freqs_scaling=0.144, scale_factor=(1.0, 2.0, 2.0), text_token_padding=True, ca_rope=True,
-        cross_gates=cross_gates, fix_modulation=True, visual_token_type_num_embeddings=token_types)
 
 
 def comfy_to_diffusers(model_keys):

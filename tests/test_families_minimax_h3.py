@@ -2,15 +2,19 @@
 
 - correspondence: diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers` (stacked qkv, the
   published single files' order) applied to the original state dict made from the family's pairs gives the
-  tiny model's state dict bit for bit, and so do the pairs themselves; `rope.inv_freq` has no diffusers tensor;
+  tiny model's state dict bit for bit, and so do the pairs themselves; `rope.inv_freq` has no diffusers tensor:
+  `--layout original` writes it from config.json, equal bit for bit to the buffer diffusers' model computes
+  (ComfyUI, which reads it from the file, is not installed here), float32 [rope_freq_dim] as ComfyUI registers it;
 - detection of both layouts, kohya-flattened LoRA names, a pruned file, the config class; LTX-2 (which has
   `audio_proj_in` too) and Wan/Cosmos (`blocks.N.`) stay themselves;
 - `convert --layout diffusers` loaded strictly by `from_pretrained`, `--layout original` back to the same bytes;
 - merge-lora of diffusers/PEFT, musubi-tuner (kohya) and ai-toolkit (`diffusion_model.`) LoRAs onto both layouts
-  against the LoRA loader's own conversion, `load_lora_adapter` and `fuse_lora`;
+  against the LoRA loader's own conversion, `load_lora_adapter` and `fuse_lora`; DiffSynth-Studio LoRAs
+  (`.default.` keys, per-head interleaved qkv) on a two-head model with the releases' 128-wide heads likewise;
 - `convert --to int8`: the family's high-precision layers stay as they are;
 - refusals: a pruned checkpoint to the diffusers layout (diffusers refuses it too), a fused tensor that does not
-  split, a head too small for the releases' rope.
+  split, a head too small for the releases' rope, a config.json whose rope cannot be computed, a DiffSynth LoRA
+  whose qkv rows are no whole number of 128-wide heads (diffusers refuses it too).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
+from helpers.tiny_minimax_h3 import tiny_minimax_h3 as tiny
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
@@ -30,15 +35,6 @@ pytest.importorskip("peft")
 from helpers.merge_compare import compare, diffusers_fused, peft_lora_file  # noqa: E402
 
 from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin as H3  # noqa: E402
-
-
-def tiny(head: int = 16):
-    """Two blocks, one refiner block; head 128 (rope over 96 of its channels, as released) for --layout."""
-    big = head == 128
-    return diffusers.MiniMaxH3Transformer3DModel(
-        num_attention_heads=1 if big else 2, attention_head_dim=head, hidden_size=128 if big else 32, num_layers=2,
-        num_refiner_layers=1, ffn_dim=48, in_channels=4, audio_in_channels=6, text_dim=12, freq_dim=8,
-        time_embed_hidden_dim=24, time_embed_dim=20, rope_freq_dim=16 if big else 2)
 
 
 def convert(model):
@@ -102,7 +98,8 @@ def case():
     torch.manual_seed(0)
     model = tiny(head=128)
     sd = state_dict(model)
-    original = original_from_pairs(families.get("minimax_h3"), sd)
+    # the reference's buffer, as the published files hold it; diffusers' model computes the same (non-persistent)
+    original = {**original_from_pairs(families.get("minimax_h3"), sd), "rope.inv_freq": model.rope.inv_freq.clone()}
     back = convert(model)({k: v.clone() for k, v in original.items()})
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
     return model, sd, original, convert(model)
@@ -119,12 +116,45 @@ def test_diffusers_folder_to_original_and_round_trip(tmp_path, run_ckpt, case):
 
 def test_rope_buffer_is_dropped_with_a_note(tmp_path, run_ckpt, case):
     model, sd, original, conv = case
-    save_file({**original, "rope.inv_freq": inv_freq(16)}, tmp_path / "o.safetensors")
+    assert torch.equal(original["rope.inv_freq"], inv_freq(16))
+    save_file(original, tmp_path / "o.safetensors")
     code, out, err = run_ckpt("convert", tmp_path / "o.safetensors", "--layout", "diffusers", "-o", tmp_path / "d")
     assert code == 0, err
     assert "1 tensor exists in the original layout only and is not written: rope.inv_freq" in out + err
     got = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
     assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500.0])
+def test_rope_buffer_is_computed_from_config_for_the_original_layout(tmp_path, run_ckpt, theta):
+    """ComfyUI's MiniMaxH3Model registers `rope.inv_freq` as a float32 [rope_inv_freq_len] buffer and reads it from
+    the file: the original file holds it, as diffusers' model computes it from the folder's config.json."""
+    torch.manual_seed(2)
+    model = diffusers.MiniMaxH3Transformer3DModel(
+        num_attention_heads=1, attention_head_dim=128, hidden_size=128, num_layers=1, num_refiner_layers=1, ffn_dim=48,
+        in_channels=4, audio_in_channels=6, text_dim=12, freq_dim=8, time_embed_hidden_dim=24, time_embed_dim=20,
+        rope_freq_dim=16, rope_theta=theta)
+    model.save_pretrained(tmp_path / "dif")
+    code, out, err = run_ckpt("convert", tmp_path / "dif", "--layout", "original", "-o", tmp_path / "o.safetensors")
+    assert code == 0, err
+    assert ("1 tensor the diffusers model computes, written from its config.json: rope.inv_freq (rope_freq_dim, "
+            "rope_theta)") in out + err
+    got = load_file(tmp_path / "o.safetensors")["rope.inv_freq"]
+    want = model.rope.inv_freq
+    assert got.dtype == torch.float32 and got.shape == (16,) and torch.equal(got, want)
+    assert torch.equal(got, inv_freq(16)) == (theta == 10000.0)  # the config's theta, not the default
+
+
+@pytest.mark.parametrize("field,value", [("rope_freq_dim", 10 ** 12), ("rope_theta", "big")])
+def test_rope_that_cannot_be_computed_is_refused(tmp_path, run_ckpt, field, value):
+    import json
+
+    tiny().save_pretrained(tmp_path / "dif")
+    cfg = json.loads((tmp_path / "dif" / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "dif" / "config.json").write_text(json.dumps(cfg))
+    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "dif", "--layout", "original", "-o",
+                                        tmp_path / "o.safetensors"], "config.json", "cannot make rope.inv_freq")
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -137,7 +167,7 @@ def test_pruned_checkpoint_has_no_diffusers_layout(tmp_path, run_ckpt, case):
         conv(dict(pruned))
     save_file(pruned, tmp_path / "pruned.safetensors")
     assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "pruned.safetensors", "--layout", "diffusers", "-o",
-                                        tmp_path / "d"], "1 tensor has no counterpart", "MiniMax-H3: adaln_t_table")
+                                        tmp_path / "d"], "adaln_t_table", "a pruned MiniMax-H3 checkpoint")
 
 
 @pytest.mark.parametrize("key,rows,problem", [("blocks.0.attn.qkv_proj.weight", 385, "rows 0:128, 128:256, 256:384"),
@@ -239,6 +269,86 @@ def test_diffusers_peft_lora_onto_both_layouts(tmp_path, run_ckpt, bases):
     got = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(tmp_path / "m.safetensors").items()}
     got.pop("rope.inv_freq")
     assert compare(convert(bases[0])(got), want, sd) == 3 * 4 + 2 + 2
+
+
+def _diffsynth_lora(base: dict, mods, r: int = 4, seed: int = 7, default: bool = True) -> dict:
+    """A DiffSynth-Studio LoRA: bare original names, peft's `.default.` infix, alpha-less (alpha = rank)."""
+    g = torch.Generator().manual_seed(seed)
+    infix = ".default" if default else ""
+    lora = {}
+    for mod in mods:
+        rows, cols = base[f"{mod}.weight"].shape
+        lora[f"{mod}.lora_A{infix}.weight"] = torch.randn(r, cols, generator=g) * 0.1
+        lora[f"{mod}.lora_B{infix}.weight"] = torch.randn(rows, r, generator=g) * 0.1
+    return lora
+
+
+def tiny_two_heads():
+    """Two heads of the releases' 128 channels: what makes per-head interleaved and stacked qkv differ."""
+    return diffusers.MiniMaxH3Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=128, hidden_size=256, num_layers=2, num_refiner_layers=1, ffn_dim=48,
+        in_channels=4, audio_in_channels=6, text_dim=12, freq_dim=8, time_embed_hidden_dim=24, time_embed_dim=20,
+        rope_freq_dim=16)
+
+
+def test_diffsynth_lora_interleaved_qkv_onto_both_layouts(tmp_path, run_ckpt):
+    torch.manual_seed(4)
+    model = tiny_two_heads()
+    sd = state_dict(model)
+    model.save_pretrained(tmp_path / "folder")
+    original = original_from_pairs(families.get("minimax_h3"), sd)
+    save_file({**original, "rope.inv_freq": model.rope.inv_freq.clone()}, tmp_path / "orig.safetensors")
+    mods = ["token_refiner.blocks.0.attn.qkv_proj", "blocks.0.attn.qkv_proj", "blocks.1.attn.qkv_proj",
+            "blocks.1.attn.out_proj", "blocks.0.mlp.fc1"]
+    lora = _diffsynth_lora(original, mods)
+    save_file(lora, tmp_path / "ds.safetensors")
+    want = diffusers_fused(tiny_two_heads, sd, tmp_path / "ds.safetensors", H3, 1.0)
+    changed = 3 * 3 + 1 + 1  # q, k, v of three blocks; to_out.0; ff.net.0.proj
+    code, _, err = run_ckpt("merge-lora", tmp_path / "folder", tmp_path / "ds.safetensors", "-o", tmp_path / "out",
+                            "-q")
+    assert code == 0, err
+    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
+    code, _, err = run_ckpt("merge-lora", tmp_path / "orig.safetensors", tmp_path / "ds.safetensors", "-o",
+                            tmp_path / "m.safetensors", "-q")
+    assert code == 0, err
+    got = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(got.pop("rope.inv_freq"), model.rope.inv_freq)
+    assert compare(convert(model)(got), want, sd) == changed
+    # the same factors without the infix are a stacked LoRA: diffusers and ckpt agree on it too, and it differs
+    save_file(_diffsynth_lora(original, mods, default=False), tmp_path / "stacked.safetensors")
+    stacked = diffusers_fused(tiny_two_heads, sd, tmp_path / "stacked.safetensors", H3, 1.0)
+    assert not torch.allclose(stacked["transformer_blocks.0.attn.to_k.weight"],
+                              want["transformer_blocks.0.attn.to_k.weight"])
+    code, _, err = run_ckpt("merge-lora", tmp_path / "folder", tmp_path / "stacked.safetensors", "-o",
+                            tmp_path / "out2", "-q")
+    assert code == 0, err
+    assert compare(load_file(tmp_path / "out2" / "diffusion_pytorch_model.safetensors"), stacked, sd) == changed
+
+
+def test_diffsynth_lora_converted_to_diffusers_naming_is_diffusers_reading(tmp_path, run_ckpt):
+    """`ckpt lora convert` reads the same de-interleaved rows: each to_q/to_k/to_v delta is diffusers' own."""
+    base = {"blocks.0.attn.qkv_proj.weight": torch.zeros(768, 256),
+            "blocks.0.attn.out_proj.weight": torch.zeros(256, 256)}
+    save_file(_diffsynth_lora(base, [m[:-len(".weight")] for m in base], seed=9), tmp_path / "ds.safetensors")
+    code, _, err = run_ckpt("lora", "convert", tmp_path / "ds.safetensors", "--format", "diffusers", "-o",
+                            tmp_path / "d.safetensors", "-q")
+    assert code == 0, err
+    got, want = load_file(tmp_path / "d.safetensors"), H3.lora_state_dict(str(tmp_path / "ds.safetensors"))
+    for p in ("to_q", "to_k", "to_v", "to_out.0"):
+        b = f"transformer.transformer_blocks.0.attn.{p}.lora_B.weight"
+        a = b.replace("lora_B", "lora_A")
+        torch.testing.assert_close(got[b] @ got[a], want[b] @ want[a], rtol=1e-5, atol=1e-6)
+
+
+def test_diffsynth_lora_whose_qkv_is_no_whole_head_is_refused(tmp_path, run_ckpt, bases):
+    _, _, original, tmp = bases  # 16-wide heads: a qkv_proj of 96 rows
+    save_file(_diffsynth_lora(original, ["blocks.0.attn.qkv_proj", "blocks.0.mlp.fc2"]), tmp_path / "ds.safetensors")
+    with pytest.raises(ValueError, match="not a multiple of"):
+        H3.lora_state_dict(str(tmp_path / "ds.safetensors"))
+    for base in (tmp / "folder", tmp / "orig.safetensors"):
+        assert_refused(run_ckpt, tmp_path, ["merge-lora", base, tmp_path / "ds.safetensors", "-o",
+                                            tmp_path / "out.safetensors"], tmp_path / "ds.safetensors",
+                       "module 'blocks.0.attn.qkv_proj' has 96 up rows, no whole number of 128-wide heads")
 
 
 # --------------------------------------------------------------------------------- high precision

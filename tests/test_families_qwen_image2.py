@@ -25,18 +25,11 @@ from safetensors.torch import load_file, save_file
 from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, tiny_qwen_image, unique_values
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
+from helpers.tiny_qwen_image21 import tiny_qwen_image21
 from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def tiny_qwen_image21(head: int = 128, layers: int = 2):
-    """Heads of 128 (the size whose rope axes the config is derived for), one head, SwiGLU ratio 3."""
-    return diffusers.QwenImage21Transformer2DModel(
-        patch_size=1, in_channels=8, out_channels=8, num_layers=layers, attention_head_dim=head,
-        num_attention_heads=1, context_in_dim=16, mlp_ratio=3,
-        axes_dims_rope=(16, 56, 56) if head == 128 else (2, 3, 3))
 
 
 def convert():

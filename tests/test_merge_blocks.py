@@ -21,6 +21,13 @@ from safetensors.torch import load_file, save_file
 from families_util import (comfy_hunyuan_video, original_from_pairs, state_dict, tiny_chroma, tiny_flux1, tiny_flux2,
                            tiny_hidream, tiny_hunyuan_video, tiny_hunyuan_video15, tiny_ltx2, tiny_ltx_video,
                            tiny_lumina2, tiny_qwen_image, tiny_sd3, tiny_unet, tiny_wan, tiny_z_image)
+from helpers.tiny_anima import tiny_conditioner, tiny_cosmos
+from helpers.tiny_ernie_image import tiny_ernie_image
+from helpers.tiny_ideogram4 import tiny_ideogram4
+from helpers.tiny_kandinsky6 import tiny_kandinsky6
+from helpers.tiny_krea2 import tiny_krea2
+from helpers.tiny_minimax_h3 import tiny_minimax_h3
+from helpers.tiny_qwen_image21 import tiny_qwen_image21
 from ckpt import families
 from ckpt.merge import blocks
 
@@ -64,6 +71,12 @@ def _diffusers(make):
     return keys
 
 
+def _anima_keys():
+    """Anima's single file: the Cosmos DiT's original names and the LLM adapter under `llm_adapter.` (ComfyUI's
+    LLMAdapter names are the conditioner's own), whose `llm_adapter.blocks.N` are no DiT blocks."""
+    return _original("anima", tiny_cosmos)() + ["llm_adapter." + k for k in state_dict(tiny_conditioner())]
+
+
 _hyvid = _original("hunyuan_video", tiny_hunyuan_video)
 
 # case: (family id, the tiny model's keys, its blocks in depth order as (head, count); count None: one block)
@@ -86,11 +99,19 @@ CASES = {
     "ltx_video": ("ltx_video", _original("ltx_video", tiny_ltx_video), (("transformer_blocks", 2),)),
     "ltx2": ("ltx2", _original("ltx2", tiny_ltx2), (("transformer_blocks", 2),)),
     "qwen_image": ("qwen_image", _diffusers(tiny_qwen_image), (("transformer_blocks", 2),)),
+    "qwen_image21": ("qwen_image21", _original("qwen_image21", tiny_qwen_image21), (("transformer_blocks", 2),)),
     "hidream": ("hidream", _diffusers(tiny_hidream), (("double_stream_blocks", 1), ("single_stream_blocks", 1))),
     "lumina2": ("lumina2", _original("lumina2", tiny_lumina2), (("layers", 2),)),
     "z_image": ("z_image", _original("z_image", tiny_z_image), (("layers", 2),)),
+    "ernie_image": ("ernie_image", _diffusers(tiny_ernie_image), (("layers", 2),)),  # one naming: diffusers'
+    "krea2": ("krea2", _original("krea2", tiny_krea2), (("blocks", 2),)),  # txtfusion blocks: beside
+    "ideogram4": ("ideogram4", _original("ideogram4", tiny_ideogram4), (("layers", 2),)),
+    "minimax_h3": ("minimax_h3", _original("minimax_h3", tiny_minimax_h3), (("blocks", 2),)),  # token_refiner: beside
+    "kandinsky6": ("kandinsky6", _original("kandinsky6", tiny_kandinsky6),
+                   (("visual_blocks", 2),)),  # video_/audio_text_transformer_blocks: beside
     "auraflow": ("auraflow", _aura_keys, (("double_layers", 4), ("single_layers", 3))),
     "cosmos": ("cosmos", _cosmos_keys, (("blocks", 3),)),
+    "anima": ("anima", _anima_keys, (("blocks", 2),)),  # llm_adapter.blocks: beside
 }
 
 

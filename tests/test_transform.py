@@ -16,7 +16,10 @@ CASES = {
     Transform.TRANSPOSE: (torch.randn(4, 7), lambda x: x.T),
     Transform.SQUEEZE: (torch.randn(5, 3, 1, 1), lambda x: x[:, :, 0, 0]),
     Transform.UNSQUEEZE: (torch.randn(5, 3), lambda x: x[:, :, None, None]),
+    Transform.SIX_ROWS: (torch.randn(18), lambda x: x.reshape(6, 3)),
+    Transform.FLATTEN: (torch.randn(6, 3), lambda x: x.reshape(-1)),
 }
+REGROUPING = {Transform.SIX_ROWS, Transform.FLATTEN}  # 1-D modulation tables: no rows kept, no LoRA factors
 
 
 @pytest.fixture(autouse=True)
@@ -72,10 +75,16 @@ def test_row_local_ones_apply_band_by_band(tr):
 
 def test_which_are_row_local():
     assert {t for t in Transform if t.row_local} == {Transform.SQUEEZE, Transform.UNSQUEEZE}
-    assert {t for t in Transform if not t.keeps_rows} == {Transform.TRANSPOSE}
+    assert {t for t in Transform if not t.keeps_rows} == {Transform.TRANSPOSE} | REGROUPING
 
 
-@pytest.mark.parametrize("tr", list(Transform))
+@pytest.mark.parametrize("tr", sorted(REGROUPING))
+def test_regrouping_ones_have_no_factors(tr):
+    with pytest.raises(ValueError, match="no LoRA factors"):
+        tr.factors(torch.zeros(6, 1), torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("tr", [t for t in Transform if t not in REGROUPING])
 def test_factors_carry_the_product(tr):
     """lora convert moves factors across a transform without forming the delta; lora extract cuts the
     delta's row view (`on_rows`): the two must agree."""
@@ -100,7 +109,8 @@ def test_bias_stays_where_rows_do_not_move(tr):
 
 @pytest.mark.parametrize("tr, shape", [(Transform.SWAP_HALVES, (5, 4)), (Transform.SWAP_HALVES, ()),
                                        (Transform.TRANSPOSE, (2, 3, 4)), (Transform.TRANSPOSE, (3,)),
-                                       (Transform.SQUEEZE, (4, 3, 3, 3)), (Transform.UNSQUEEZE, (4, 3, 1, 1))])
+                                       (Transform.SQUEEZE, (4, 3, 3, 3)), (Transform.UNSQUEEZE, (4, 3, 1, 1)),
+                                       (Transform.SIX_ROWS, (20,)), (Transform.SIX_ROWS, (6, 3))])
 def test_shapes_it_cannot_take(tr, shape):
     with pytest.raises(ValueError):
         tr.shape(shape)

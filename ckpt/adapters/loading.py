@@ -21,7 +21,7 @@ from pathlib import Path
 from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.hub import check_lora
-from ckpt.io.tensors import Tensor
+from ckpt.io.tensors import RowConcat, RowSlice, Tensor
 from ckpt.adapters import litgpt
 from ckpt.adapters.files import LoraFile, LoraModule
 from ckpt.adapters.xlabs import xlabs_part
@@ -130,10 +130,43 @@ def load_lora(spec: str, base_hint: Path | None = None) -> LoraFile:
         modules, unknown = group_modules(comp.tensors, spec, settings_by_prefix, peft_folder)
         if not modules:
             raise file_error(weights, f"no LoRA/LyCORIS module found (keys such as {unknown[0]!r})")
+        reorder_rows(modules, list(comp.tensors), spec)
         return LoraFile(spec, weights, modules, unknown, ckpt)
     except BaseException:
         ckpt.close()
         raise
+
+
+def reorder_rows(modules: dict[str, LoraModule], keys: list[str], source: str) -> None:
+    """Modules whose trainer stores the output rows in another order than the layout's, as the family of the
+    LoRA's names says (`Family.lora_rows`: MiniMax-H3 DiffSynth-Studio LoRAs' per-head interleaved qkv): their
+    up factor, its bias and a DoRA magnitude are reordered here, lazily (row slices), so merging, converting and
+    resizing all read the layout's order, as diffusers' loader gives it."""
+    from ckpt import families
+    from ckpt.families.lora_namings import lora_target
+
+    lora = {m.name: m for m in modules.values() if m.kind == "lora" and "up" in m.parts}
+    rows = {name: m.parts["up"].rows for name, m in lora.items()}
+    for fam in families.all_families():
+        if fam.lora_rows is None:
+            continue
+        try:
+            spans, why = fam.lora_rows(keys, rows), None
+        except ValueError as e:
+            spans, why = None, str(e)
+        if spans == {}:
+            continue
+        match = lora_target(list(lora))[1]
+        if match is None or match.family is not fam:
+            continue
+        if why is not None:
+            raise CkptError(f"{source}: {why}; nothing was written")
+        for name, order in spans.items():
+            m = lora[name]
+            for role in ("up", "up_bias", "magnitude"):
+                t = m.parts.get(role)
+                if t is not None and t.shape and t.rows == rows[name]:
+                    m.parts[role] = RowConcat(t.name, [RowSlice(t, a, b) for a, b in order], t.home)
 
 
 def _peft_folder(path: Path) -> tuple[Path, PeftSettings | None]:

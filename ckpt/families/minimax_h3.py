@@ -10,8 +10,9 @@ video_out/audio_out` -> `norm_out.norm/norm_out.linear/proj_out/audio_proj_out`.
 - the fused `attn.qkv_proj` of every block and refiner block is diffusers' `to_q`/`to_k`/`to_v`, equal thirds;
 - the gated `mlp.fc1` is `[gate; value]`, diffusers' SwiGLU `ff.net.0.proj` reads `[value; gate]`: halves swapped;
 - `rope.inv_freq` (a buffer of the reference model) has no diffusers tensor: diffusers computes it from its
-  config. `--layout diffusers` drops it with a note; `--layout original` from a diffusers folder cannot bring
-  it back (ComfyUI's model reads it from the file).
+  config. `--layout diffusers` drops it with a note; `--layout original` from a diffusers folder writes it
+  back, computed from config.json's `rope_freq_dim`/`rope_theta` as the reference computes it, float32 as the
+  published files store it (`Family.computed`): ComfyUI's model reads it from the file.
 Reference: diffusers `convert_minimax_h3_transformer_checkpoint_to_diffusers` (no reverse converter).
 
 What the weights cannot tell: the row order of `qkv_proj`. Published single files (Comfy-Org/MiniMax-H3 and
@@ -20,20 +21,27 @@ the rows per head (`[head0: q k v, head1: ...]`), with the same keys and shapes.
 order (diffusers' converter default `qkv_layout="stacked"`): a file merged by hand from the MiniMaxAI shards
 would convert with q, k and v mixed, and is not supported. Pruned checkpoints (ComfyUI's `*_pruned_*`: a
 tabulated `adaln_t_table` instead of `time_embedder`) are recognised and merge like any other, but have no
-diffusers model: `--layout diffusers` refuses them (diffusers' converter refuses them too).
+diffusers model: `--layout diffusers` refuses them, saying the file is pruned (diffusers' converter refuses them
+too).
 
 LoRAs: musubi-tuner (`lora_unet_blocks_0_attn_qkv_proj`, kohya flattened original names), ai-toolkit
 (`diffusion_model.` + original names), the reference/ComfyUI naming (bare original names), diffusers/PEFT
 (`transformer.transformer_blocks.0.attn.to_q`); the Turbo/distill LoRAs (lightx2v, larryvrh) are alpha-less
 kohya/PEFT files (alpha = rank). A `qkv_proj` LoRA lands on thirds of the diffusers pieces, an `mlp.fc1` LoRA
-with its up rows' halves swapped. DiffSynth-Studio LoRAs (bare names, `.lora_A.default.weight`) are trained on
-the per-head interleaved `qkv_proj` of MiniMaxAI's shards; diffusers de-interleaves them, this table does not.
+with its up rows' halves swapped. DiffSynth-Studio LoRAs (bare names, `.lora_A.default.weight`: the `.default.`
+infix is what tells them, as diffusers' loader tells them) are trained on the per-head interleaved `qkv_proj` of
+MiniMaxAI's shards: `lora_rows` has the loader de-interleave their `qkv_proj` up rows per 128-wide head (every
+release's head; diffusers assumes it too), so they merge as stacked LoRAs do; up rows that are no whole number
+of such heads are refused.
 """
 
 from __future__ import annotations
 
-from ckpt.families.spec import (DIFFUSERS, ORIGINAL, ConventionError, Family, Pair, Shapes, Signature, block_indices,
-                                blocks_count, has, present, renames, start, thirds)
+import math
+import re
+
+from ckpt.families.spec import (DIFFUSERS, ORIGINAL, Computed, ConventionError, Family, Pair, Shapes, Signature,
+                                block_indices, blocks_count, has, present, renames, start, thirds)
 
 REFINER_O, REFINER_D = "token_refiner.blocks", "token_refiner.refiner_blocks"
 TOP = (("video_patch_proj", "proj_in"), ("audio_patch_proj", "audio_proj_in"), ("condition_proj", "context_embedder"),
@@ -148,6 +156,48 @@ def diffusers_config(s: Shapes) -> dict:
     }
 
 
+def rope_inv_freq(config: dict):
+    """The reference's `rope.inv_freq` (diffusers' `MiniMaxH3RotaryPosEmbed` computes the same): `rope_freq_dim`
+    frequencies theta ** (-2i / (2 * rope_freq_dim)), float32; the model class's defaults where config.json
+    has no value. ValueError: values no model has (checked before anything is allocated)."""
+    from ckpt.lazy import torch
+
+    n = config.get("rope_freq_dim", CONVENTIONS["rope_freq_dim"])
+    theta = config.get("rope_theta", CONVENTIONS["rope_theta"])
+    head = config.get("attention_head_dim")
+    if type(n) is not int or n < 1 or 6 * n > (head if type(head) is int else 6 * 4096):
+        raise ValueError(f"rope_freq_dim {str(n)[:20]} is no positive count of frequencies that fits the "
+                         f"attention_head_dim {str(head)[:20]}")
+    if type(theta) not in (int, float) or not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_theta {str(theta)[:20]} is no positive number")
+    return 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+# DiffSynth-Studio LoRAs: peft's `.default.` infix over the original names (diffusers' loader tells them by it)
+# and the per-head interleaved qkv of MiniMaxAI's shards, `[head0: q k v, head1: q k v, ...]`
+DIFFSYNTH_KEYS = (".lora_A.default.weight", ".lora_B.default.weight")
+QKV_MODULE = re.compile(r"^(diffusion_model\.|lora_unet_)?(token_refiner[._])?blocks[._]\d+[._]attn[._]qkv_proj$")
+HEAD = 128  # every released MiniMax-H3's head width, by which diffusers de-interleaves too
+
+
+def lora_rows(keys: list[str], rows: dict[str, int]) -> dict[str, list[tuple[int, int]]]:
+    """A DiffSynth-Studio LoRA's `qkv_proj` up rows, per-head interleaved, as the stacked `[q; k; v]` of this
+    table: for q, k, v in turn, that piece of every head."""
+    if not any(k.endswith(DIFFSYNTH_KEYS) for k in keys):
+        return {}
+    out = {}
+    for name, n in rows.items():
+        if not QKV_MODULE.match(name):
+            continue
+        if n % (3 * HEAD) or not n:
+            raise ValueError(f"module {name!r} has {n} up rows, no whole number of {HEAD}-wide heads of q, k and v: "
+                             "not the per-head interleaved qkv_proj of a DiffSynth-Studio MiniMax-H3 LoRA "
+                             "(its `.default.` keys), which cannot be reordered")
+        heads = n // (3 * HEAD)
+        out[name] = [(3 * HEAD * h + HEAD * j, 3 * HEAD * h + HEAD * (j + 1)) for j in range(3) for h in range(heads)]
+    return out
+
+
 FAMILY = Family(
     family_id="minimax_h3",
     label="MiniMax-H3",
@@ -172,4 +222,8 @@ FAMILY = Family(
         DIFFUSERS: (r"^(proj_in|audio_proj_in|context_embedder|time_embedder|norm_out|proj_out|audio_proj_out)\.",),
     },
     blocks=(r"^blocks\.(\d+)\.",),
+    computed=(Computed("rope.inv_freq", rope_inv_freq, "rope_freq_dim, rope_theta"),),
+    lora_rows=lora_rows,
+    unconvertible=((r"^adaln_t_table$", "a pruned MiniMax-H3 checkpoint (a tabulated adaln_t_table instead of "
+                    "time_embedder), no diffusers MiniMaxH3Transformer3DModel can hold"),),
 )

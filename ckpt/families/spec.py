@@ -47,6 +47,10 @@ class Transform(StrEnum):
     - SQUEEZE: a 1x1 conv kernel [o, i, 1, 1...] as a linear weight [o, i] (VAE attention); UNSQUEEZE,
       its inverse, gives [o, i, 1, 1] back. Row-local: row r of the result is row r of the input, so it
       applies band by band.
+    - SIX_ROWS: a 1-D vector of six modulation vectors [6 * w] as diffusers' [6, w] `scale_shift_table`
+      (Krea 2 stores each block's table flattened); FLATTEN, its inverse, gives the 1-D vector back. The
+      same elements in the same order, regrouped into other rows: neither row-local nor row-keeping, so
+      such a tensor (a few kilobytes) is read whole.
 
     Torch is imported only where a tensor is handed in; nothing here reads tensors by itself.
     """
@@ -55,17 +59,20 @@ class Transform(StrEnum):
     TRANSPOSE = "transpose"
     SQUEEZE = "squeeze"
     UNSQUEEZE = "unsqueeze"
+    SIX_ROWS = "six_rows"
+    FLATTEN = "flatten"
 
     @property
     def inverse(self) -> Transform:
         """The transform that undoes this one (the diffusers -> original direction of a family's)."""
-        return {Transform.SQUEEZE: Transform.UNSQUEEZE, Transform.UNSQUEEZE: Transform.SQUEEZE}.get(self, self)
+        return {Transform.SQUEEZE: Transform.UNSQUEEZE, Transform.UNSQUEEZE: Transform.SQUEEZE,
+                Transform.SIX_ROWS: Transform.FLATTEN, Transform.FLATTEN: Transform.SIX_ROWS}.get(self, self)
 
     @property
     def keeps_rows(self) -> bool:
-        """Every row of the result is one row of the input (False for TRANSPOSE): a conv weight's input
-        dims and a bias's entries stay attached to their row."""
-        return self is not Transform.TRANSPOSE
+        """Every row of the result is one row of the input (False for TRANSPOSE, SIX_ROWS, FLATTEN): a conv
+        weight's input dims and a bias's entries stay attached to their row."""
+        return self not in (Transform.TRANSPOSE, Transform.SIX_ROWS, Transform.FLATTEN)
 
     @property
     def row_local(self) -> bool:
@@ -89,14 +96,21 @@ class Transform(StrEnum):
             if len(shape) < 2 or math.prod(shape[2:]) != 1:
                 raise ValueError(f"cannot view {list(shape)} as a 2-D weight")
             return shape[:2]
+        if self is Transform.SIX_ROWS:
+            if len(shape) != 1 or shape[0] % 6:
+                raise ValueError(f"cannot view {list(shape)} as six rows")
+            return 6, shape[0] // 6
+        if self is Transform.FLATTEN:
+            return (math.prod(shape),)
         if len(shape) != 2:
             raise ValueError(f"cannot view {list(shape)} as a 1x1 kernel")
         return shape + (1, 1)
 
     def row_spans(self, rows: int) -> list[tuple[int, int]] | None:
         """The [start, stop) input rows that, stacked in this order, are the result's rows; None where the
-        result's rows are not input rows (TRANSPOSE). ValueError: an odd row count for SWAP_HALVES."""
-        if self is Transform.TRANSPOSE:
+        result's rows are not input rows (TRANSPOSE; SIX_ROWS and FLATTEN, which regroup the elements).
+        ValueError: an odd row count for SWAP_HALVES."""
+        if not self.keeps_rows:
             return None
         if self is Transform.SWAP_HALVES:
             if rows % 2:
@@ -125,7 +139,10 @@ class Transform(StrEnum):
 
     def factors(self, up, down):
         """(up', down') with up' @ down' == on_rows(up @ down): a LoRA's factors carried across the
-        transform without forming the product (rows permuted in up; transposed: the factors swap)."""
+        transform without forming the product (rows permuted in up; transposed: the factors swap).
+        ValueError for SIX_ROWS and FLATTEN: they regroup a 1-D parameter, which no LoRA factors."""
+        if self in (Transform.SIX_ROWS, Transform.FLATTEN):
+            raise ValueError(f"a {self} tensor (a 1-D modulation table) has no LoRA factors")
         if self is Transform.TRANSPOSE:
             return down.mT, up.mT
         if self is Transform.SWAP_HALVES:
@@ -229,6 +246,18 @@ class GGUFStorage:
 
 
 @dataclass(frozen=True)
+class Computed:
+    """An original-layout tensor that the diffusers model class computes from its config instead of storing it
+    (a rotary `inv_freq` buffer the reference model saves and ComfyUI reads from the file). `value(config)`
+    makes it from a diffusers config.json (a dict; {} where the input has none: the model class's defaults
+    apply), as the reference computes it and in the dtype the published files store."""
+
+    key: str
+    value: Callable[[dict], object]  # config.json -> torch tensor
+    source: str = ""  # the config fields it is made from, for the run's note
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: recognition, correspondence between its layouts, and the facts the commands
     that read it need. Declared as `FAMILY = Family(...)` in one module of `ckpt.families`.
@@ -253,6 +282,14 @@ class Family:
     - `diffusers_config(shapes)`: the diffusers config.json (with `_class_name`) of a model whose
       diffusers-layout shapes are given; what shapes do not determine comes from the family's
       `CONVENTIONS`; raises `ConventionError` where they do not apply (then `--config REF` is needed).
+    - `computed`: original-layout tensors the diffusers model computes from its config rather than stores
+      (`Computed`: a rotary `inv_freq` buffer): their Pair has no diffusers side, so `--layout diffusers`
+      drops them, and `--layout original` writes them back from the config, whole for the code that reads them.
+    - `lora_rows(stored_keys, rows)`: for a LoRA whose trainer stores some modules' output rows in another order
+      than the layout's (said by its stored key names, all of them given; `rows`: module name -> the up factor's
+      rows), {module name: the [start, stop) stored rows that, stacked, are the layout's rows}; the loader
+      reorders the up factor (and its bias) lazily, so every command reads the layout's order. ValueError: rows
+      that cannot be reordered (the loader refuses the LoRA with its text).
     """
 
     family_id: str
@@ -273,6 +310,11 @@ class Family:
     priority: int = 0  # breaks ties between families whose signatures score the same (higher wins)
     kind: str = "diffusion"  # "diffusion" | "text_encoder" | "language_model" | "vae": which file prefixes apply
     blocks: tuple[str, ...] = ()  # depth order of the blocks (ckpt merge's gradients); () = `layers.N.`
+    computed: tuple[Computed, ...] = ()  # original tensors made from the diffusers config (`--layout original`)
+    lora_rows: Callable[[list[str], dict[str, int]], dict[str, list[tuple[int, int]]]] | None = None
+    # (regex on a key, why a file holding it has no counterpart in the other layout): what `--layout` says
+    # instead of "no counterpart" (MiniMax-H3's pruned `adaln_t_table`)
+    unconvertible: tuple[tuple[str, str], ...] = ()
 
     @property
     def all_ids(self) -> tuple[str, ...]:

@@ -378,14 +378,19 @@ class RowConcat(Tensor):
 
 class Reshaped(Tensor):
     """Another tensor with the same rows in another shape (a 1x1 conv kernel [o, i, 1, 1] as a linear
-    weight [o, i] and back)."""
+    weight [o, i] and back), or the same elements regrouped into other rows (Krea 2's flattened six
+    modulation vectors [6 * w] as a [6, w] table and back): such a tensor is read whole (`row_align`
+    None), its bytes still those of the base in order."""
 
     def __init__(self, base: Tensor, shape, name: str | None = None):
         shape = tuple(shape)
-        if math.prod(shape) != base.numel or (shape and base.shape and shape[0] != base.shape[0]):
+        if math.prod(shape) != base.numel:
             raise ValueError(f"{base.name}: cannot view {list(base.shape)} as {list(shape)}")
         self.base, self.name, self.shape = base, name or base.name, shape
         self.home, self.row_align = base.home, base.row_align
+        self.regrouped = (shape[:1] or (1,)) != (base.shape[:1] or (1,))
+        if self.regrouped:
+            self.row_align = None
 
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
     dtype_name = property(lambda self: self.base.dtype_name)
@@ -398,6 +403,13 @@ class Reshaped(Tensor):
         return self.base.byte_ranges()
 
     def read(self, start, stop, device, scratch=None):
+        if self.regrouped:  # the base rows holding elements [start, stop) x row_numel, cut to those elements
+            per, base_per = self.row_numel, self.base.row_numel
+            a, b = start * per, stop * per
+            first = a // base_per if base_per else 0
+            last = -(-b // base_per) if base_per else self.base.rows
+            flat = self.base.read(first, last, device, scratch).reshape(-1)
+            return flat[a - first * base_per:b - first * base_per].reshape((stop - start, *self.shape[1:]))
         return self.base.read(start, stop, device, scratch).reshape((stop - start, *self.shape[1:]))
 
 

@@ -25,6 +25,7 @@ path. A LoRA is not a model: it is refused with the command that converts LoRAs.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ckpt import families
@@ -34,7 +35,7 @@ from ckpt.families.prefixes import model_prefix
 from ckpt.families.spec import ConventionError
 from ckpt.io.checkpoint_plan import provenance
 from ckpt.io.plan import Plan, plan_files
-from ckpt.io.tensors import Reshaped, RowConcat, RowSlice, Tensor, Transposed
+from ckpt.io.tensors import ComputedTensor, Reshaped, RowConcat, RowSlice, Tensor, Transposed
 from ckpt.io.wrapper import Renamed
 from ckpt.report import listed, plural
 
@@ -88,8 +89,8 @@ def _pieces(t: Tensor, rows, transform: Transform | None, to_original: bool) -> 
     except ValueError as e:
         raise CkptError(f"{t.name}: {e}") from None
     spans = tr.row_spans(part.rows)
-    if spans is None:
-        return [Transposed(part)]
+    if spans is None:  # rows not kept: transposed, or the same elements regrouped into other rows (read whole)
+        return [Transposed(part) if tr is Transform.TRANSPOSE else Reshaped(part, shape)]
     if shape != tuple(part.shape):
         return [Reshaped(part, shape)]
     return [RowSlice(part, a, b) for a, b in spans]
@@ -126,10 +127,13 @@ def correspondence(family: Family, shapes, src: str, dst: str) -> list[Pair]:
     return [Pair(k, k) for k in shapes if k in known]
 
 
-def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> tuple[dict[str, Tensor], list[str]]:
+def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str,
+             config: dict | None = None) -> tuple[dict[str, Tensor], list[str]]:
     """The tensors of layout `dst` made from `tensors` (keys in layout `src`, file prefix stripped), and
     the keys dropped because they exist in `src` only. Raises CkptError before anything is read when a
-    tensor has no counterpart or a fused tensor is incomplete."""
+    tensor has no counterpart or a fused tensor is incomplete. Towards the original layout, the tensors the
+    diffusers model computes (`Family.computed`) are made from `config` (the diffusers config.json; None: the
+    model class's defaults), so the file is whole."""
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     pairs = correspondence(family, shapes, src, dst)
     covered: set[str] = set()
@@ -163,12 +167,31 @@ def relayout(tensors: dict[str, Tensor], family: Family, src: str, dst: str) -> 
                 at = b
             pieces = [x for p in group for x in _pieces(tensors[p.diffusers], None, p.transform, True)]
             out[key] = _one(key, pieces)
+        if src == DIFFUSERS and dst == ORIGINAL:
+            out.update(computed_tensors(family, config, out))
     unmatched = [k for k in tensors if k not in covered]
+    for pattern, why in family.unconvertible:
+        hit = next((k for k in unmatched if re.search(pattern, k)), None)
+        if hit is not None:
+            raise CkptError(f"{hit}: {why}; nothing was written")
     if unmatched:
         raise CkptError(f"{plural(len(unmatched), 'tensor')} {'has' if len(unmatched) == 1 else 'have'} no "
                         f"counterpart in the {dst} layout of {family.label}: "
                         f"{_listed(unmatched)}; nothing was written")
     return out, dropped
+
+
+def computed_tensors(family: Family, config: dict | None, have) -> dict[str, Tensor]:
+    """The family's computed original tensors (`Family.computed`) that `have` lacks, made now (a few floats)."""
+    out: dict[str, Tensor] = {}
+    for c in family.computed:
+        if c.key not in have:
+            try:
+                value = c.value(config if isinstance(config, dict) else {})
+            except (TypeError, ValueError) as e:
+                raise CkptError(f"config.json: cannot make {c.key} from it ({e}); nothing was written") from None
+            out[c.key] = ComputedTensor(c.key, lambda v=value: v, value.dtype, tuple(value.shape))
+    return out
 
 
 def strip_prefix(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], str]:
@@ -268,7 +291,8 @@ def plan_model_layout(ckpt, views, make, *, layout: str, operation: str, config_
         raise CkptError(f"{where}: already in the {layout} layout ({m.label}, {held}); nothing to convert")
     if layout == DIFFUSERS and file_format != "safetensors":
         raise CkptError("--layout diffusers writes safetensors (diffusers model folders hold no torch pickles)")
-    out, dropped = relayout(tensors, m.family, src, layout)
+    config_in = comp.config if src == DIFFUSERS and isinstance(comp.config, dict) else None
+    out, dropped = relayout(tensors, m.family, src, layout, config_in)
     metadata = {k: v for f in comp.files for k, v in f.metadata.items() if k not in view.drop_metadata}
     metadata.setdefault("format", "pt")
     metadata.update(provenance(operation))
@@ -281,6 +305,11 @@ def plan_model_layout(ckpt, views, make, *, layout: str, operation: str, config_
         one = len(dropped) == 1
         notes.append(f"{plural(len(dropped), 'tensor')} {'exists' if one else 'exist'} in the {src} layout only "
                      f"and {'is' if one else 'are'} not written: {_listed(dropped)}")
+    made = [c for c in m.family.computed if src == DIFFUSERS and layout == ORIGINAL and c.key not in tensors]
+    if made:
+        notes.append(f"{plural(len(made), 'tensor')} the diffusers model computes, written from "
+                     + ("its config.json" if config_in is not None else "the model class's defaults (no config.json)")
+                     + ": " + ", ".join(f"{c.key} ({c.source})" if c.source else c.key for c in made))
     if layout == ORIGINAL:  # one file, or transformers-named shards when --max-shard-size asks
         files, indexes = plan_files(outs, "" if max_shard_size is None else "model", file_format, max_shard_size,
                                     metadata)
