@@ -73,7 +73,10 @@ SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               # tests/test_docs.py: every example of the README and docs/ run on tiny inputs built once (~20 s)
               "test_example_runs_as_written", "test_targets_table_says_which_command_takes_which_target",
               # tests/test_convrot.py: a W4A8 weight of more than 2**22 values, quantized twice (~5 s)
-              "test_w4a8_encode_in_comfy_kitchens_row_chunks"}
+              "test_w4a8_encode_in_comfy_kitchens_row_chunks",
+              # tests/serve/test_mlx_lora.py: each runs `mlx_lm fuse` in a subprocess (~10 s)
+              "test_keep_format_is_mlx_lm_fuse", "test_to_bf16_is_mlx_lm_fuse_dequantize",
+              "test_plain_base_is_mlx_lm_fuse_of_it"}
 
 
 def pytest_collection_modifyitems(config, items):

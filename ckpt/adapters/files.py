@@ -29,6 +29,10 @@ class LoraModule:
     # (start, stop, total): the module changes rows [start, stop) of a fused base weight of `total` rows
     # (one of LitGPT's q/k/v pieces of `attn.qkv`); None: the whole target.
     rows: tuple[int, int, int] | None = None
+    scale: float | None = None  # the multiplier itself, when the trainer gives one instead of an alpha (mlx-lm)
+    # the trainer's own merge rounds the scaled delta to the weight's dtype before adding it (mlx_lm fuse), which
+    # a merge must do too to give its bytes
+    delta_in_weight_dtype: bool = False
 
     def alpha(self) -> float | None:
         if "alpha" in self.parts and self.parts["alpha"].numel:
@@ -45,10 +49,11 @@ class LoraFile:
     ckpt: Checkpoint
     litgpt: object | None = None  # ckpt.adapters.litgpt.LitSettings for a LitGPT LoRA
     dtype: torch.dtype | None = None  # the dtype its own merge tool writes (LitGPT: the LoRA's)
+    side_files: tuple[Path, ...] = ()  # settings files read beside the weights (mlx-lm's adapter_config.json)
 
     @property
     def inputs(self) -> list[Path]:
-        return self.ckpt.inputs + (list(self.litgpt.files) if self.litgpt is not None else [])
+        return self.ckpt.inputs + (list(self.litgpt.files) if self.litgpt is not None else []) + list(self.side_files)
 
     def close(self):
         self.ckpt.close()

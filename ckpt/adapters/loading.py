@@ -22,7 +22,7 @@ from ckpt.errors import CkptError, file_error
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.hub import check_lora
 from ckpt.io.tensors import RowConcat, RowSlice, Tensor
-from ckpt.adapters import litgpt
+from ckpt.adapters import litgpt, mlx_lm
 from ckpt.adapters.files import LoraFile, LoraModule
 from ckpt.adapters.xlabs import xlabs_part
 
@@ -111,6 +111,8 @@ def load_lora(spec: str, base_hint: Path | None = None) -> LoraFile:
     path = Path(spec).expanduser()
     if litgpt.is_lora(path):
         return litgpt.load(spec, base_hint)
+    if mlx_lm.is_adapter(path):
+        return mlx_lm.load(spec)
     settings_by_prefix: dict[str, PeftSettings] = {}
     peft_folder = False
     if path.is_dir():

@@ -63,7 +63,7 @@ class MergedTensor(Wrapper):
             if lo >= hi:
                 continue
             seg = w[lo - start: hi - start]
-            p.adapter.device = device
+            p.adapter.device, p.adapter.weight_dtype = device, self.base.dtype
             a, b = lo - r0 + p.offset, hi - r0 + p.offset
             if p.transform is None:
                 if p.bias:

@@ -34,6 +34,7 @@ LORA_KINDS: list[tuple[str, re.Pattern]] = [
     ("kohya LoRA/LoCon", re.compile(r"^(.*?)[._]lora_(down|up|mid)\.weight$")),
     ("PEFT/diffusers LoRA", re.compile(r"^(.*?)\.lora_(A|B)(\.[\w-]+)?\.(weight|bias)$")),
     ("LitGPT LoRA", re.compile(r"^(.*?)\.lora_(A|B)$")),  # lit_model.pth.lora
+    ("mlx-lm LoRA", re.compile(r"^(.*?)\.lora_(a|b)$")),  # adapters.safetensors: lora_a [in, r], lora_b [r, out]
     ("LyCORIS LoHa", re.compile(r"^(.*?)\.hada_(w1_a|w1_b|w2_a|w2_b|t1|t2)$")),
     ("LyCORIS LoKr", re.compile(r"^(.*?)\.lokr_(w1|w1_a|w1_b|w2|w2_a|w2_b|t2)$")),
     ("DoRA", re.compile(r"^(.*?)\.(dora_scale|lora_magnitude_vector(\.[\w-]+)?)(\.weight)?$")),
@@ -115,6 +116,12 @@ def lora_modules(names, shapes: dict) -> tuple[dict[str, set[str]], dict[str, tu
                 ranks.add(down[0])
             if down and up and len(down) >= 2:
                 base_shapes[mod] = (up[0], down[1], *down[2:])
+    for mod in kinds.get("mlx-lm LoRA", ()):  # transposed against PEFT's: the rank is lora_a's second axis
+        a, b = shapes.get(mod + ".lora_a"), shapes.get(mod + ".lora_b")
+        if a and len(a) == 2:
+            ranks.add(a[1])
+            if b and len(b) == 2:
+                base_shapes[mod] = (b[1], a[0])
     for kind, factors in (("LyCORIS LoHa", (".hada_w1_b", ".hada_w2_b")),  # rank: rows of the b factors
                           ("LyCORIS LoKr", (".lokr_w1_b", ".lokr_w2_b"))):  # decomposed factors only
         for mod in kinds.get(kind, ()):

@@ -22,7 +22,8 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
         "parts": [{"prefix": key prefix ("" = none), "role": what the prefix means, "tensors": n,
                    "family": label | null, "family_id": id | null, "layout": layout | null}],
         "lora": null | {"types": [...], "modules": n, "ranks": [...], "alpha_keys": n, "targets": [...],
-                        "adapter_config": {"r", "lora_alpha", "use_rslora", "use_dora"} | null,
+                        "adapter_config": {"r", "lora_alpha", "use_rslora", "use_dora"} (mlx-lm: {"fine_tune_type",
+                                          "rank", "scale", "num_layers"}) | null,
                         "base_model": ss_base_model_version / modelspec.architecture | null,
                         "network_module": ss_network_module | null},
         "encodings": ["plain"] | ["fp8_e4m3fn (plain, no scales)", "optimum-quanto qint8", ...],
@@ -377,6 +378,10 @@ def _lora_parts(kinds, base_shapes, ranks, alphas, adapter_config, metadata):
     cfg = None
     if isinstance(adapter_config, dict):
         cfg = {k: adapter_config.get(k) for k in ("r", "lora_alpha", "use_rslora", "use_dora")}
+        if isinstance(adapter_config.get("lora_parameters"), dict) and "mlx-lm LoRA" in kinds:  # mlx-lm's fields
+            lp = adapter_config["lora_parameters"]
+            cfg = {"fine_tune_type": adapter_config.get("fine_tune_type", "lora"), "rank": lp.get("rank"),
+                   "scale": lp.get("scale"), "num_layers": adapter_config.get("num_layers")}
     lora = {
         "types": sorted(kinds),
         "modules": len(modules),

@@ -30,6 +30,7 @@ class Adapter:
         self.module = module  # ckpt.adapters.loading.LoraModule
         self._cache: dict[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
+        self.weight_dtype = None  # the base weight's dtype, set by the merge (`LoraModule.delta_in_weight_dtype`)
 
     # -- shape contract -------------------------------------------------------------------------
     _rows: int | None = None  # set by each kind's __init__ from its stored shapes

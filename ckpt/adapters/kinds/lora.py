@@ -48,7 +48,7 @@ class LoRA(LowRankFamily):
         if self.transposed and (len(down) != 2 or len(up) != 2):
             raise self.error("transposed (fan_in_fan_out / embedding) LoRA factors must be 2-D")
         self._rows, self._cols = (in_flat, out) if self.transposed else (out, in_flat)
-        self.scale = alpha_scale(module.alpha(), self.rank, module.rslora)
+        self.scale = module.scale if module.scale is not None else alpha_scale(module.alpha(), self.rank, module.rslora)
         super().__init__(module)
 
     @property
@@ -89,7 +89,12 @@ class LoRA(LowRankFamily):
             w.addmm_(A[:, a:b].t(), B.t(), alpha=factor)
         else:
             up = self.part(self.up_role).reshape(self.part(self.up_role).shape[0], -1)
-            w.addmm_(up[a:b], self._down2d(), alpha=factor)
+            if self.module.delta_in_weight_dtype and self.weight_dtype is not None:
+                from ckpt.adapters.mlx_lm import fused_delta
+
+                w.add_(fused_delta(up[a:b] * factor, self._down2d()).to(self.weight_dtype))
+            else:
+                w.addmm_(up[a:b], self._down2d(), alpha=factor)
 
     def apply_bias(self, bias, a, b, ratio):
         bias.add_(self.part("up_bias")[a:b], alpha=ratio * self.scale)
