@@ -34,6 +34,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 CASES = [  # bits, group, desc_act, sym
     (4, 32, False, False), (4, 32, True, False), (4, -1, False, True), (2, 32, False, False), (3, 32, False, False),
     (3, 16, True, True), (8, 32, False, False), (8, -1, True, False), (2, -1, True, True),
+    (4, 48, True, False),  # act-order over groups of unequal length (the last one short: 64 = 48 + 16)
 ]
 
 
@@ -159,6 +160,24 @@ def test_sequential_groups_without_g_idx(tmp_path, run_ckpt):
     out = load_file(tmp_path / "plain" / "model.safetensors")
     for name, want in expected.items():
         assert bits_equal(out[name], want), name
+
+
+def test_groups_of_unequal_length_in_order(tmp_path, run_ckpt):
+    """A group size that does not divide the inputs (64 = 48 + 16), inputs in order: the short last group is
+    repeated per input, not viewed as whole groups. AutoGPTQ's in-order dequantizer reshapes into whole groups and
+    cannot load it, so the oracle is GPTQModel's converter on the same file."""
+    build(tmp_path / "q", 4, 48, True, False)
+    sd = load_file(tmp_path / "q" / "model.safetensors")
+    edit_saved(tmp_path / "q", tensors={k: (torch.arange(v.numel()) // 48).to(torch.int32)
+                                        for k, v in sd.items() if k.endswith(".g_idx")}, qc={"desc_act": False})
+    code, _, err = run_ckpt("dequant", tmp_path / "q", "-o", tmp_path / "plain", "-q")
+    assert code == 0, err
+    out = load_file(tmp_path / "plain" / "model.safetensors")
+    convert, which = gptq_ref.gptqmodel_convert()
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    theirs = convert(tmp_path / "q" / "model.safetensors", torch.float16, qc, "cpu")
+    names = [k[: -len(".qweight")] + ".weight" for k in sd if k.endswith(".qweight")]
+    assert names and all(bits_equal(out[n], theirs[n]) for n in names), which
 
 
 # --- bad input: one line, exit 2, nothing written -----------------------------------------------------

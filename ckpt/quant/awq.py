@@ -38,6 +38,7 @@ from ckpt.io.tensors import Tensor
 from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import DecodeContext, Decoded, companion, method_config, read_columns, refuse
 from ckpt.quant.formats import Format
+from ckpt.quant.int_pack_decode import CACHE_BAND, InputGroups, compute_dtype, unpack_codes
 
 SIDE_CONFIG = "quant_config.json"  # AutoAWQ < 0.1.7 saved its config beside the weights
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i holds output order[i] of its word
@@ -54,14 +55,20 @@ def zeros_width(k: int, group: int) -> int:
     return -(-base // mult) * mult
 
 
-def _nibbles(words: torch.Tensor, order=None) -> torch.Tensor:
-    """int32 words [R, C] -> their eight 4-bit fields [R, 8 C] (int32), field i of word c at 8 c + i, or at
-    the logical position `order` gives (GEMM's interleave undone)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    f = (words.unsqueeze(-1) >> shifts) & 15  # [R, C, 8], field i in [..., i]
-    if order is not None:
-        f = f[..., list(order)]
-    return f.reshape(words.shape[0], -1)
+def _gemm_codes(words: torch.Tensor) -> torch.Tensor:
+    """GEMM words [R, C] (eight outputs per word, interleaved) -> the codes of its 8 C outputs, [8 C, R] uint8:
+    output 8 c + j is field REVERSE[j] of word column c. The words are transposed first (a quarter of the bytes
+    of the codes), each field shifted out straight into uint8."""
+    wt = words.T.contiguous()
+    out = torch.empty((wt.shape[0], 8, wt.shape[1]), dtype=torch.uint8, device=words.device)
+    for j, field in enumerate(REVERSE):
+        torch.bitwise_right_shift(wt, 4 * field, out=out[:, j])  # the low byte: masked below
+    return out.bitwise_and_(15).reshape(-1, wt.shape[1])
+
+
+def _gemv_codes(words: torch.Tensor, n: int) -> torch.Tensor:
+    """GEMV words [R, C] (eight inputs per word, in order) -> the first n codes of each row, uint8 [R, n]."""
+    return unpack_codes(words, 4, n)
 
 
 class AwqGemmWeight(Wrapper):
@@ -73,6 +80,7 @@ class AwqGemmWeight(Wrapper):
         self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
         self.shape, self.home = (qweight.shape[1] * 8, qweight.shape[0]), qweight.home
         self.dtype = self.natural = scales.dtype
+        self.band_elems, self.groups = CACHE_BAND, InputGroups.in_order(self.shape[1], group)
 
     @property
     def encoding(self):
@@ -87,19 +95,19 @@ class AwqGemmWeight(Wrapper):
     def grid(self, start, stop, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale fp32, zero int32), each [n, K], of outputs [start, stop): the stored grid `encoding` keeps."""
         w0, w1 = start // 8, -(-stop // 8)
-        z = _nibbles(read_columns(self.qzeros, w0, w1, device), REVERSE)[:, start - 8 * w0: stop - 8 * w0]
+        z = _gemm_codes(read_columns(self.qzeros, w0, w1, device))[start - 8 * w0: stop - 8 * w0].to(torch.int32)
         g = torch.arange(self.shape[1], device=device) // self.group
-        return read_columns(self.scales, start, stop, device).to(torch.float32)[g].T, z[g].T
+        return read_columns(self.scales, start, stop, device).to(torch.float32).T[:, g], z[:, g]
 
     def read(self, start, stop, device, scratch=None):
+        """Codes [n, K] from the band's word columns transposed, then (q - z) * s per group
+        (`ckpt.quant.int_pack_decode`)."""
         w0, w1 = start // 8, -(-stop // 8)
         a, b = start - 8 * w0, stop - 8 * w0
-        q = _nibbles(read_columns(self.base, w0, w1, device), REVERSE)[:, a:b]  # [K, n]
-        z = _nibbles(read_columns(self.qzeros, w0, w1, device), REVERSE)[:, a:b]  # [G, n]
-        g = torch.arange(self.shape[1], device=device) // self.group
-        w = (q - z[g]).to(torch.float32)
-        w.mul_(read_columns(self.scales, start, stop, device)[g])  # exact: one rounding below
-        return w.to(self.dtype).T.contiguous()
+        q = _gemm_codes(read_columns(self.base, w0, w1, device))[a:b]  # [n, K]
+        z = _gemm_codes(read_columns(self.qzeros, w0, w1, device))[a:b]  # [n, G]
+        s = read_columns(self.scales, start, stop, device).T  # [n, G]
+        return self.groups.dequantize(q, z, s, compute_dtype(s.dtype)).to(self.dtype)
 
 
 class AwqGemvWeight(Wrapper):
@@ -111,6 +119,7 @@ class AwqGemvWeight(Wrapper):
         self.name, self.base, self.qzeros, self.scales, self.group = name, qweight, qzeros, scales, group
         self.shape, self.home = (qweight.shape[0], qweight.shape[1] * 8), qweight.home
         self.dtype = self.natural = scales.dtype
+        self.band_elems, self.groups = CACHE_BAND, InputGroups.in_order(self.shape[1], group)
 
     @property
     def encoding(self):
@@ -122,18 +131,18 @@ class AwqGemvWeight(Wrapper):
         """(scale fp32, zero int32), each [n, K], of outputs [start, stop) (the padding columns read past)."""
         groups = self.shape[1] // self.group
         g = torch.arange(self.shape[1], device=device) // self.group
-        z = _nibbles(self.qzeros.read(start, stop, device))[:, :groups]
+        z = _gemv_codes(self.qzeros.read(start, stop, device), groups).to(torch.int32)
         return self.scales.read(start, stop, device)[:, :groups].to(torch.float32)[:, g], z[:, g]
 
     def read(self, start, stop, device, scratch=None):
+        """Codes [n, K] unpacked along the rows, then (q - z) * s per group (`ckpt.quant.int_pack_decode`); the
+        zero points' and scales' padding columns are read past."""
         k = self.shape[1]
         groups = k // self.group
-        q = _nibbles(self.base.read(start, stop, device, scratch))  # [n, K]
-        z = _nibbles(self.qzeros.read(start, stop, device))[:, :groups]
-        g = torch.arange(k, device=device) // self.group
-        w = (q - z[:, g]).to(torch.float32)
-        w.mul_(self.scales.read(start, stop, device)[:, :groups][:, g])
-        return w.to(self.dtype)
+        q = _gemv_codes(self.base.read(start, stop, device, scratch), k)  # [n, K]
+        z = _gemv_codes(self.qzeros.read(start, stop, device), groups)  # [n, G]
+        s = self.scales.read(start, stop, device)[:, :groups]
+        return self.groups.dequantize(q, z, s, compute_dtype(s.dtype)).to(self.dtype)
 
 
 def awq_config(ctx: DecodeContext) -> tuple[dict, str] | None:

@@ -26,7 +26,8 @@ Stored layouts (a Linear of N outputs, K inputs), decoded as the package's compr
   reciprocal of ModelOpt's `weight_scale_2`; it is divided by, never inverted here). Value, as
   `NVFP4PackedCompressor.decompress` computes it: s = bf16(weight_scale) / weight_global_scale (torch's
   type promotion: fp32 for a [1] global scale), W = bf16(e2m1 * s).
-- `float-quantized` (FP8 `X.weight` + `X.weight_scale`) is left to `ckpt.quant.fp8`, which decodes it.
+- `float-quantized` (FP8 `X.weight` + `X.weight_scale`) is left to `ckpt.quant.fp8`, which decodes it (what
+  inspect says of its scheme is `float_settings` here, which reads the config groups).
 - `dense` (a model saved before compression, `quantization_status` frozen): `X.weight` is already the float
   weight the package would load; its `weight_scale` / `weight_zero_point` are consumed and listed.
 - `X.input_scale`, `X.input_global_scale`, `X.input_zero_point` (static activation quantization) only
@@ -68,6 +69,7 @@ from ckpt.quant import microscaling as mx
 from ckpt.quant.common import (ACTIVATION_SCALES, DecodeContext, Decoded, companion, float_scale, nvfp4_parts,
                                quant_config, refuse, st_name)
 from ckpt.quant.formats import Format
+from ckpt.quant.int_pack_decode import CACHE_BAND, InputGroups, unpack_codes
 
 METHOD = "compressed-tensors"
 PACK, NAIVE, INT, NVFP4, FLOAT = ("pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
@@ -86,23 +88,6 @@ ACTIVATION_ONLY = ACTIVATION_SCALES | {"input_global_scale", "input_zero_point",
 
 # ---------------------------------------------------------------------------------------------------
 # unpacking
-
-
-def unpack_dense(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """int32 words [R, W] -> the first n codes of each row as int32, unsigned (0 .. 2^bits - 1): code i
-    at bit i * bits of the row's little-endian bit stream (compressed-tensors 0.20 `unpack_from_int32`
-    before its offset is taken off). A code that straddles two words takes its high bits from the next."""
-    R = words.shape[0]
-    if bits in (1, 2, 4, 8):  # whole codes per byte: split the bytes (the little-endian byte order of int32)
-        b = words.contiguous().view(torch.uint8).reshape(R, -1).to(torch.int32)
-        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=words.device)
-        return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(R, -1)[:, :n]
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    w = torch.cat((w, torch.zeros((R, 1), dtype=torch.int64, device=w.device)), dim=1)
-    start = torch.arange(n, dtype=torch.int64, device=w.device) * bits
-    word, off = start // 32, start % 32
-    x = w[:, word] | ((w[:, word + 1] & 0xFF) << 32)
-    return ((x >> off) & ((1 << bits) - 1)).to(torch.int32)
 
 
 def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -128,6 +113,8 @@ class CtIntWeight(Wrapper):
         self.zero, self.zero_packed = zero, zero_packed
         self.dtype, self.natural = torch.float32, scale.dtype
         self._zeros = None
+        self.band_elems = CACHE_BAND
+        self._groups = InputGroups.in_order(self.shape[1], group if strategy == "group" else self.shape[1])
 
     @property
     def encoding(self):
@@ -166,32 +153,26 @@ class CtIntWeight(Wrapper):
             return self.zero.read(start, stop, device).to(torch.int32)
         if self._zeros is None:  # [ceil(N * bits / 32), G] words along dim 0: small, unpacked once
             z = self.zero.read_all(torch.device("cpu"))
-            z = unpack_dense(z.T.contiguous(), self.bits, self.shape[0]).T.contiguous()
+            z = unpack_codes(z.T, self.bits, self.shape[0]).T.to(torch.int32)
             self._zeros = z - (1 << (self.bits - 1))
         return self._zeros[start:stop].to(device)
 
     def read(self, start, stop, device, scratch=None):
+        """(q - z) * s per group (`ckpt.quant.int_pack_decode`), in float32: packed codes are unpacked unsigned
+        (q + 2^(bits-1)), so the offset joins the zero point. Zero points stored as int32 (naive) are taken off
+        the codes in int32 first, as before: one past +-2^24 would not be exact in float32."""
         n, k = stop - start, self.shape[1]
         codes = self.base.read(start, stop, device, scratch)
-        if self.packed:
-            q = unpack_dense(codes, self.bits, k) - (1 << (self.bits - 1))
-        else:
-            q = codes.to(torch.int32)
+        q = unpack_codes(codes, self.bits, k) if self.packed else codes
         z = self._zero_rows(start, stop, device)
+        half = (1 << (self.bits - 1)) if self.packed else 0
+        if z is not None and not self.zero_packed and self.zero.dtype == torch.int32:
+            q, z = self._groups.dequantize(q, z, None, torch.int32), None
         if self.strategy == "tensor":
             s = self.scale.read_all(torch.device("cpu")).to(device=device, dtype=torch.float32).reshape(1, 1)
         else:
             s = self.scale.read(start, stop, device).to(torch.float32).reshape(n, -1)
-        if self.strategy == "group":
-            q = q.reshape(n, -1, self.group)
-            if z is not None:
-                q = q - z.unsqueeze(-1)
-            w = q.to(torch.float32).mul_(s.unsqueeze(-1)).reshape(n, k)
-        else:
-            if z is not None:
-                q = q - z
-            w = q.to(torch.float32).mul_(s)
-        return w
+        return self._groups.dequantize(q, half if z is None else z + half, s, torch.float32)
 
 
 class CtNvfp4Weight(Wrapper):
@@ -699,14 +680,76 @@ def unclaimed(ctx: DecodeContext) -> None:
     return None
 
 
+def _ct_quantization_config(config) -> dict | None:
+    """config.json's compressed-tensors `quantization_config`, None when it names another method or none."""
+    qc = (config or {}).get("quantization_config") if isinstance(config, dict) else None
+    return qc if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == METHOD else None
+
+
+def _module_scheme(config, weight: str) -> tuple[Scheme, dict] | None:
+    """(scheme, its config group) compressed-tensors applies to the module of the decoded weight `weight`
+    (`Groups.scheme_for`, ignore entries included); None outside a compressed-tensors config or any group.
+    The decoder already built these groups from the same config, so nothing here can be refused anew."""
+    qc = _ct_quantization_config(config)
+    if qc is None or not weight.endswith(".weight"):
+        return None
+    s, _ = Groups(qc, "config.json quantization_config").scheme_for(weight[: -len(".weight")])
+    return None if s is None or s.weights is None else (s, qc["config_groups"][s.name])
+
+
+def _activations(group: dict) -> dict | None:
+    """The group's `input_activations` as inspect names them (type, dynamic or static, strategy, group size):
+    no decoded tensor carries them (their scales only configure inference kernels), so they come from the
+    config, as compressed-tensors and vLLM read them; None for a weight-only scheme (W4A16, NVFP4A16, ...)."""
+    a = group.get("input_activations")
+    if not isinstance(a, dict):
+        return None
+    typ = str(a.get("type", "int")).lower()
+    bits = a.get("num_bits", 8)
+    out = {"type": f"{'fp' if typ == 'float' else typ}{bits}", "dynamic": a.get("dynamic", False),
+           "strategy": str(a.get("strategy") or "tensor").lower()}
+    return out | ({"group_size": a["group_size"]} if out["strategy"] in ("group", "tensor_group")
+                  and a.get("group_size") else {})
+
+
+def _with_activations(s: dict, config, weight: str) -> dict:
+    """`s` and, when the weight's scheme quantizes activations, its `activations` settings."""
+    found = _module_scheme(config, weight)
+    act = _activations(found[1]) if found is not None else None
+    return s | ({"activations": act} if act else {})
+
+
 def inspect_settings(t, config) -> dict:
-    """What `ckpt inspect` says of a decoded compressed-tensors weight: type, packing, strategy and group."""
+    """What `ckpt inspect` says of a decoded compressed-tensors weight: type, packing, strategy and group (the
+    decoded weight's), and the activation scheme its config group gives (a W8A8 / W4A8 scheme's)."""
     if isinstance(t, CtNvfp4Weight):
-        return {"format": "compressed-tensors", "type": "nvfp4", "bits": 4, "group_size": 16,
-                "packing": "nvfp4-pack-quantized"}
+        return _with_activations({"format": "compressed-tensors", "type": "nvfp4", "bits": 4, "group_size": 16,
+                                  "packing": "nvfp4-pack-quantized"}, config, t.name)
     s = {"format": "compressed-tensors", "type": f"int{t.bits}", "bits": t.bits,
          "packing": "pack-quantized" if t.packed else "naive-quantized", "strategy": t.strategy, "sym": t.zero is None}
-    return s | ({"group_size": t.group} if t.strategy == "group" else {})
+    return _with_activations(s | ({"group_size": t.group} if t.strategy == "group" else {}), config, t.name)
+
+
+def float_settings(t, config) -> dict | None:
+    """What `ckpt inspect` says of an FP8 weight of a compressed-tensors scheme (`float-quantized`, as the
+    FP8_DYNAMIC / FP8_BLOCK / FP8 presets write it), which `ckpt.quant.fp8` decodes: the scheme's weight
+    strategy (channel, tensor, group, or block with its block structure), sym, and its activation scheme;
+    None outside a compressed-tensors config (the other FP8 layouts)."""
+    if _ct_quantization_config(config) is None:
+        return None
+    out = {"format": "compressed-tensors", "type": "fp8", "bits": 8}
+    found = _module_scheme(config, t.name)
+    if found is None or found[0].type != "float" or found[0].bits != 8:
+        return out  # an FP8 layer outside the config groups (ckpt.quant.fp8 decodes it alone): no scheme to name
+    s, group = found
+    act = _activations(group)
+    out |= {"packing": s.format, "strategy": s.strategy}
+    if s.strategy in ("group", "tensor_group"):
+        out["group_size"] = s.group
+    block = s.weights.get("block_structure")
+    if s.strategy == "block" and isinstance(block, list):
+        out["block"] = block
+    return out | {"sym": s.symmetric} | ({"activations": act} if act else {})
 
 FORMAT = Format("compressed-tensors", "compressed-tensors", 50, (decode,), weights=(CtIntWeight, CtNvfp4Weight),
                 settings=inspect_settings, llm=True, last=(unclaimed,))

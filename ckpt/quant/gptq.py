@@ -51,6 +51,7 @@ from ckpt.io.wrapper import Wrapper
 from ckpt.quant.common import (DecodeContext, Decoded, companion, float_scale, method_config, read_columns, refuse,
                                st_name)
 from ckpt.quant.formats import Contradiction, Format
+from ckpt.quant.int_pack_decode import CACHE_BAND, InputGroups, compute_dtype, unpack_codes
 
 SIDE_CONFIG = "quantize_config.json"  # AutoGPTQ / GPTQModel's own config beside the weights
 BITS = (2, 3, 4, 8)
@@ -63,28 +64,6 @@ REPACKED = {"marlin": "Marlin-repacked", "bitblas": "BitBLAS-repacked", "gptq_p"
 
 # ---------------------------------------------------------------------------------------------------
 # unpacking
-
-
-def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The codes packed in the int32 `words` along `dim` (0: qweight, 1: qzeros), as int32, `dim` grown
-    by 32 / bits (3 bits: each 3 words hold 32 codes, lowest bits first, codes 10 and 21 crossing words).
-    int32 throughout: an arithmetic shift drags the sign bit down, and the mask takes it off again."""
-    w = words if dim == 0 else words.T  # packed along dim 0 from here on: [R, C]
-    R, C = w.shape
-    if bits == 3:
-        w = w.reshape(R // 3, 3, C)
-        w0, w1, w2 = w[:, 0], w[:, 1], w[:, 2]
-        parts = [(w0 >> (3 * i)) & 7 for i in range(10)]
-        parts.append(((w0 >> 30) & 3) | ((w1 << 2) & 4))
-        parts += [(w1 >> (1 + 3 * i)) & 7 for i in range(10)]
-        parts.append(((w1 >> 31) & 1) | ((w2 << 1) & 6))
-        parts += [(w2 >> (2 + 3 * i)) & 7 for i in range(10)]
-        q = torch.stack(parts, dim=1).reshape(R // 3 * 32, C)
-    else:
-        per = 32 // bits
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device).view(1, per, 1)
-        q = ((w.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(R * per, C)
-    return q if dim == 0 else q.T
 
 
 def words_for(n: int, bits: int) -> int:
@@ -118,6 +97,7 @@ class GptqWeight(Wrapper):
         self.in_features = qweight.shape[0] * 32 // bits
         self.shape, self.home = (qweight.shape[1], self.in_features), qweight.home
         self.dtype = self.natural = scales.dtype
+        self.band_elems, self._groups = CACHE_BAND, None
 
     @property
     def source_bytes(self):
@@ -127,6 +107,14 @@ class GptqWeight(Wrapper):
         if self.g_idx is None:
             return torch.arange(self.in_features, device=device) // self.group_size
         return self.g_idx.read_all(torch.device("cpu")).to(device=device, dtype=torch.int64)
+
+    def input_groups(self) -> InputGroups:
+        """The inputs' groups prepared for decoding (`ckpt.quant.int_pack_decode`), made on the first band."""
+        if self._groups is None:
+            n_groups = self.scales.shape[0]
+            self._groups = (InputGroups.in_order(self.in_features, self.group_size) if self.g_idx is None
+                            else InputGroups(self.groups(torch.device("cpu")), n_groups))
+        return self._groups
 
     @property
     def encoding(self):
@@ -140,8 +128,8 @@ class GptqWeight(Wrapper):
         """The zero points [G, n] of outputs [start, stop) as integers (v1's stored z - 1 undone per field)."""
         bits, blk = self.bits, code_block(self.bits)
         c0, c1 = start // blk * blk, min(self.shape[0], -(-stop // blk) * blk)  # outputs whose words we read
-        z = unpack_words(read_columns(self.qzeros, words_for(c0, bits), words_for(c1, bits), device), bits, 1)
-        z = z[:, start - c0: stop - c0]
+        words = read_columns(self.qzeros, words_for(c0, bits), words_for(c1, bits), device)
+        z = unpack_codes(words, bits, c1 - c0)[:, start - c0: stop - c0].to(torch.int32)
         if self.v1:
             z = (z + 1) & ((1 << bits) - 1)
         return z
@@ -153,14 +141,12 @@ class GptqWeight(Wrapper):
         return s, self.zeros(start, stop, device)[g].T
 
     def read(self, start, stop, device, scratch=None):
-        q = unpack_words(read_columns(self.base, start, stop, device), self.bits, 0)  # [K, n]
-        z = self.zeros(start, stop, device)
-        g = self.groups(device)
-        q.sub_(z[g])  # q - z, [K, n]: in place, a band holds about four copies of itself at most
-        w = q.to(torch.float32)
-        del q
-        w.mul_(read_columns(self.scales, start, stop, device)[g])  # exact in float32: one rounding below
-        return w.to(self.dtype).T.contiguous()
+        """Codes unpacked along the inputs from the band's words transposed ([n, K * bits / 32]), then
+        (q - z) * s per group (`ckpt.quant.int_pack_decode`)."""
+        q = unpack_codes(read_columns(self.base, start, stop, device).T, self.bits, self.in_features)  # [n, K]
+        s = read_columns(self.scales, start, stop, device).T  # [n, G]
+        w = self.input_groups().dequantize(q, self.zeros(start, stop, device).T, s, compute_dtype(s.dtype))
+        return w.to(self.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
