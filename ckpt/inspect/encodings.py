@@ -105,13 +105,16 @@ def _quanto(tensors: dict, enc: Encodings, qmap) -> None:
 
 def quantized_layers(view, config) -> dict | None:
     """What the decoders of the formats with inspect `settings` (the LLM quantizations of `ckpt.quant.formats`:
-    GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss MXFP4, HQQ, torchao) decoded, per setting, and which
-    tensors stay plain; None when none of them decoded anything.
+    GPTQ, AWQ, compressed-tensors (its FP8 schemes too, decoded by the scaled-FP8 decoder), ModelOpt NVFP4,
+    gpt-oss MXFP4, HQQ, torchao) decoded, per setting, and which tensors stay plain; None when none of them decoded
+    anything.
 
     The settings are asked of the decoded tensors (`ckpt.quant.*` weights keep the bits, group size, zero
     points, strategy they decode with), so inspect names what `dequant` would do. GPTQ's sym flag is the one
     setting no decoded tensor carries (its zero points are stored either way): it comes from config.json's
-    quantization_config when that says, else it is left out.
+    quantization_config when that says, else it is left out. Likewise a compressed-tensors scheme's activation
+    quantization (`activations`: FP8_DYNAMIC's dynamic per-token fp8) and an FP8 scheme's strategy and block
+    structure come from its config group, the only place they are written down.
 
         {"layers": [{"label": "GPTQ 4-bit, group 32, asym, act-order, v1 zero points", "tensors": n,
                      "settings": {"format": "GPTQ", "bits": 4, "group_size": 32, ...}}, ...],
@@ -169,5 +172,14 @@ def _label(s: dict) -> str:
         parts.append("act-order (g_idx)")
     if "zero_points" in s:
         parts.append(f"{s['zero_points']} zero points")
+    if "activations" in s:  # a compressed-tensors scheme that quantizes activations too (FP8_DYNAMIC, W8A8 ...)
+        parts.append(_activations_label(s["activations"]))
     return ", ".join(parts)
+
+
+def _activations_label(a: dict) -> str:
+    """"activations fp8 dynamic per token", "activations fp8 static per tensor", "... per group 128"."""
+    when = {True: "dynamic", False: "static"}.get(a["dynamic"], f"dynamic ({a['dynamic']})")
+    per = a["strategy"].replace("_", " ") + (f" {a['group_size']}" if "group_size" in a else "")
+    return f"activations {a['type']} {when} per {per}"
 

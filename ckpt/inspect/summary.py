@@ -31,8 +31,9 @@ JSON layout (keys are stable; absent facts are null or empty, never missing):
                                              points", "tensors": n, "settings": {"format", "bits", "group_size",
                                              ... as the decoder reads them}}],
                                 "unquantized": {"tensors": n, "matrices": [plain tensors of 2+ dims]}}
-                        (the formats with inspect settings: GPTQ, AWQ, compressed-tensors, ModelOpt NVFP4, gpt-oss
-                         MXFP4, HQQ, torchao; encodings.quantized_layers),
+                        (the formats with inspect settings: GPTQ, AWQ, compressed-tensors int / NVFP4 / FP8 (with
+                         "activations" {"type", "dynamic", "strategy", "group_size"} where the scheme quantizes
+                         them), ModelOpt NVFP4, gpt-oss MXFP4, HQQ, torchao; encodings.quantized_layers),
         "tensors": n (stored tensors),
         "parameters": n (the plain model's: decoded shapes of quantized weights, their scales and other
                       companions 0; stored elements where ckpt cannot decode the layout),

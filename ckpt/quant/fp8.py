@@ -231,5 +231,14 @@ def unpaired_scales(ctx: DecodeContext) -> None:
     return None
 
 
+def inspect_settings(t, config) -> dict | None:
+    """What `ckpt inspect` says of a decoded FP8 weight: the compressed-tensors scheme that holds it (its config
+    group is the one place the strategy and activation scheme are written down: `compressed_tensors.float_settings`);
+    None for the other FP8 layouts, which the storage line names."""
+    from ckpt.quant.compressed_tensors import float_settings
+
+    return float_settings(t, config)
+
+
 FORMAT = Format("fp8", "scaled FP8", 70, (comfy_legacy, kohya_scaled, hf_block_fp8, weight_scale, activation_scales,
-                                        unpaired_scales), weights=(ScaledTensor,))
+                                        unpaired_scales), weights=(ScaledTensor,), settings=inspect_settings)
