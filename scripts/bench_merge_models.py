@@ -6,11 +6,15 @@ two fine-tunes (base + N(0, 0.001) noise per element), as transformers writes th
 `--shard-gb` (default 5, transformers' `max_shard_size`) with model.safetensors.index.json. They are written
 tensor by tensor in row chunks (the generator holds a few MB), with no ckpt code.
 
-Two recipes, each the YAML a mergekit user runs, with `dtype: float32` (every tool computes in fp32) and
-`out_dtype: bfloat16` (a bf16 model in, a bf16 model out):
+Recipes, each the YAML a mergekit user runs, with `dtype: float32` (every tool computes in fp32) and
+`out_dtype: bfloat16` (a bf16 model in, a bf16 model out); `--methods` picks them (default linear, ties):
 - linear: the three models, weight 1 each (normalized: their mean);
 - ties:   base + the two fine-tunes, density 0.5 and weight 0.5 each (normalize: the mean of the deltas
-          that agree with the elected sign).
+          that agree with the elected sign);
+- dare_ties, della: the ties recipe with that merge_method (their defaults otherwise: `rescale`, DELLA's
+          epsilon 0.15; ckpt's `--seed` 0). Their masks are random (ckpt's counter-based hash, mergekit's torch
+          generator), so their outputs are timed, not compared; with ties in the same run each prints its time as a
+          ratio to ties' (issue 37: DARE and DELLA within 1.2x of TIES). sd-mecha has no driver for them.
 Commands, each timed as a subprocess with its peak RSS (`os.wait4`, see benchlib.py), in this order:
 - ckpt:             `ckpt merge RECIPE.yaml -o OUT -q` (fsyncs its output);
 - mergekit-yaml:    `mergekit-yaml RECIPE.yaml OUT` (mergekit 0.1.5, default options), then `sync`;
@@ -58,7 +62,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-METHODS = ("linear", "ties")
+METHODS = ("linear", "ties", "dare_ties", "della")
+DEFAULT_METHODS = ("linear", "ties")
+RANDOMIZED = ("dare_ties", "della")  # masks drawn at random: timed against ties, outputs not compared
 INPUTS = 3  # base + two fine-tunes, in both recipes
 BANDS_PER_INPUT = 4  # "a few bands per input" of the RSS bound
 NOISE = 0.001  # fine-tune delta std (weights ~ N(0, 0.02))
@@ -196,7 +202,7 @@ def recipe(method: str, base: str, ft1: str, ft2: str) -> str:
                 f"  - model: {ft1}\n    parameters:\n      weight: 1.0\n"
                 f"  - model: {ft2}\n    parameters:\n      weight: 1.0\n")
     else:
-        body = (f"merge_method: ties\nbase_model: {base}\nmodels:\n"
+        body = (f"merge_method: {method}\nbase_model: {base}\nmodels:\n"
                 f"  - model: {ft1}\n    parameters:\n      density: {DENSITY}\n      weight: 0.5\n"
                 f"  - model: {ft2}\n    parameters:\n      density: {DENSITY}\n      weight: 0.5\n"
                 "parameters:\n  normalize: true\n")
@@ -360,7 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size-gb", type=float, default=4.0, help="size of each model in bf16, GB (1e9 bytes); default 4")
     ap.add_argument("--shard-gb", type=float, default=5.0,
                     help="largest shard, GB (default 5, as transformers); one file per model when it fits")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma list of linear, ties (default both)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma list of {', '.join(METHODS)} (default linear,ties)")
     bl.add_run_args(ap)  # --device of `ckpt merge`, --workdir (on the disk measured; default: the system temp dir,
     # /var/tmp if that is a tmpfs)
     ap.add_argument("--keep", action="store_true", help="keep the inputs and outputs (default: deleted at the end)")
@@ -422,7 +429,7 @@ def main(argv=None) -> int:
             ties_inputs = [str(base), str(ft1), str(ft2), str(DENSITY)] if method == "ties" else []
 
             def check(name: str, other: Path) -> None:
-                if args.no_verify:
+                if args.no_verify or method in RANDOMIZED:
                     return
                 log(f"  comparing ckpt with {name} ...")
                 r = bl.run_py(__file__, "--compare", out, other, *ties_inputs, check=False)
@@ -453,7 +460,7 @@ def main(argv=None) -> int:
                     remove(pt_out)
                 if not args.keep:
                     remove(mk_out)
-            if use_mecha and single:
+            if use_mecha and single and method not in RANDOMIZED:
                 me_out = work / f"out-sd-mecha-{method}.safetensors"
                 log(f"{method}: sd-mecha ...")
                 runs["sd-mecha"] = bl.measure(synced([sys.executable, __file__, "--mecha", method, me_out,
@@ -474,6 +481,10 @@ def main(argv=None) -> int:
                 "vs_cp": ck.seconds / runs["cp + sync"].seconds,
                 "runs": {k: {"seconds": v.seconds, "peak_rss": v.peak_rss, "vs_ckpt": v.seconds / ck.seconds}
                          for k, v in runs.items()}}
+        ties = results["methods"].get("ties")
+        for method, r in results["methods"].items():
+            if ties is not None and method != "ties":
+                r["vs_ties"] = r["runs"]["ckpt"]["seconds"] / ties["runs"]["ckpt"]["seconds"]
         results["skipped"] = skipped
         print_report(results, baseline, parent, bound)
         if args.json:
@@ -509,6 +520,8 @@ def print_report(results: dict, baseline, parent: Path, bound: int) -> None:
         print(f"ckpt: {ck['seconds']:.1f} s = {r['vs_cp']:.2f}x cp + sync of its output; peak RSS "
               f"{bl.fmt_mb(ck['peak_rss'])} MB <= {bl.fmt_mb(r['rss_bound'])} MB: "
               f"{'met' if r['rss_ok'] else 'NOT met'}")
+        if "vs_ties" in r:
+            print(f"ckpt {method} / ckpt ties (same run): {r['vs_ties']:.2f}x")
         for name, v in r["verify"].items():
             if v.get("elements") is None:
                 print(f"ckpt vs {name}: FAILED ({v.get('problem')})")

@@ -30,6 +30,8 @@ Determinism: the drop mask of a (seed, model, tensor) is `ckpt.merge.rng.uniform
 config, tensor name, element)` < keep probability: a function of those alone, the same whatever the band size,
 the order bands are read in, the device, or the other models in the config (mergekit draws from torch's global
 generator, so its masks depend on everything merged before; they differ from ckpt's, their statistics agree).
+On the CPU the masks come from compiled kernels (`ckpt.merge.masks_cpu`: the hash and DELLA's row ranks in one pass,
+the same bits as the torch ops, which run on CUDA and where numba is missing).
 Ties at a magnitude threshold keep the first elements in flat (row-major) order (`ckpt.merge.select`; mergekit's
 argsort leaves them unspecified); DELLA's ranks break ties the same way.
 
@@ -131,10 +133,22 @@ def _uniform(job, i, d, band):
     return uniform(job.seed, job.keys[i], job.names[0], band.offset, d.numel(), d.device).reshape(d.shape)
 
 
+def _rank_probs(n: int, density: float, epsilon: float, device):
+    """DELLA's keep probability of each rank 0 .. n - 1 of a row of n >= 2 elements, fp32: density - epsilon +
+    2 epsilon * rank / (n - 1). One table serves every row (a probability depends on the rank alone)."""
+    ranks = torch.arange(n, dtype=torch.float32, device=device)
+    return (density - epsilon) + (ranks / (n - 1)) * 2 * epsilon
+
+
+def _rows(d):
+    """`d` with its rows along dim 1, as DELLA ranks them: a tensor of fewer than 2 dims is one row."""
+    return d.reshape(1, -1) if d.dim() < 2 else d
+
+
 def _della_probs(d, density: float, epsilon: float):
-    """Keep probability per element: density - epsilon + 2 epsilon * (rank in its row along dim 1) / (len - 1),
-    ranks ascending by |d|, equal magnitudes ranked in flat order; a row of one element: `density`."""
-    m = d.reshape(1, -1) if d.dim() < 2 else d
+    """Keep probability per element: `_rank_probs` of its rank in its row along dim 1, ranks ascending by |d|,
+    equal magnitudes ranked in flat order; a row of one element: `density`."""
+    m = _rows(d)
     mag = m.abs().to(torch.float32)
     n = mag.shape[1]
     if n < 2:
@@ -142,20 +156,44 @@ def _della_probs(d, density: float, epsilon: float):
     order = torch.argsort(mag, dim=1, stable=True)
     shape = [1] * mag.dim()
     shape[1] = n
-    ranks = torch.empty_like(mag).scatter_(1, order, torch.arange(n, dtype=torch.float32, device=d.device)
-                                           .reshape(shape).expand_as(mag).contiguous())
-    rank_norm = ranks / (n - 1)
-    return ((density - epsilon) + rank_norm * 2 * epsilon).reshape(d.shape)
+    table = _rank_probs(n, density, epsilon, d.device).reshape(shape).expand_as(mag).contiguous()
+    return torch.empty_like(mag).scatter_(1, order, table).reshape(d.shape)
 
 
-def _keep(c: Config, job, i, d, band: Band, select):
-    """Bool mask of the kept elements of model i's delta band `d`."""
+def _compiled_masks(d) -> bool:
+    """Whether the compiled CPU kernels make this band's random masks (`ckpt.merge.masks_cpu`: the same bits as the
+    torch formulation, several times faster); elsewhere (CUDA, no numba) the torch ops do."""
+    from ckpt.merge import masks_cpu
+
+    return d.device.type == "cpu" and masks_cpu.available()
+
+
+def _random_keep(c: Config, job, i, d, band: Band, mag=None):
+    """DARE's or DELLA's mask of model i's delta band `d`: rng.uniform(element) < keep probability (`mag`: |d|
+    where the caller has it)."""
+    density = _density(job, i)
+    if not _compiled_masks(d):
+        if c.sparsify == "random":
+            return _uniform(job, i, d, band) < density
+        return _uniform(job, i, d, band) < _della_probs(d, density, job.per_input[i]["epsilon"])
+    from ckpt.merge import masks_cpu
+    from ckpt.merge.rng import keys
+
+    k0, k1 = keys(job.seed, job.keys[i], job.names[0])
+    n = _rows(d).shape[1]
+    if c.sparsify == "random" or n < 2:  # a DELLA row of one element keeps with probability `density`
+        return masks_cpu.dare_keep(k0, k1, band.offset, d.shape, density)
+    mag = _rows(d.abs() if mag is None else mag).to(torch.float32)
+    probs = _rank_probs(n, density, job.per_input[i]["epsilon"], d.device)
+    return masks_cpu.della_keep(k0, k1, band.offset, mag, probs).reshape(d.shape)
+
+
+def _keep(c: Config, job, i, d, band: Band, select, mag=None):
+    """Bool mask of the kept elements of model i's delta band `d` (`mag`: |d| where the caller has it)."""
     if c.sparsify in ("magnitude", "magnitude_outliers"):
-        return select[i](d.abs(), band.offset)
-    if c.sparsify == "random":
-        return _uniform(job, i, d, band) < _density(job, i)
-    if c.sparsify == "della_magprune":
-        return _uniform(job, i, d, band) < _della_probs(d, _density(job, i), job.per_input[i]["epsilon"])
+        return select[i](d.abs() if mag is None else mag, band.offset)
+    if c.sparsify in ("random", "della_magprune"):
+        return _random_keep(c, job, i, d, band, mag)
     raise AssertionError(c.sparsify)
 
 
@@ -214,9 +252,10 @@ def _stats(c: Config, job, passes) -> dict:
         for band, xs in passes():
             for i in sparse:
                 d = xs[i] - xs[job.base]
-                keep = _keep(c, job, i, d, band, select)
-                before[i] += float(d.abs().sum(dtype=torch.float64))
-                after[i] += float(d.abs().mul_(keep).sum(dtype=torch.float64))
+                a = d.abs()
+                keep = _keep(c, job, i, d, band, select, a)
+                before[i] += float(a.sum(dtype=torch.float64))
+                after[i] += float(a.mul_(keep).sum(dtype=torch.float64))
         for i in sparse:
             if before[i] >= RESCALE_EPS and after[i] >= RESCALE_EPS:
                 ratio[i] = before[i] / after[i]
@@ -237,9 +276,9 @@ def _merge(c: Config, job, xs, band, state):
     for i in others:
         d = xs[i] - base
         if i in sparse:
-            d = d * _keep(c, job, i, d, band, state["select"]).to(d.dtype)
+            d.mul_(_keep(c, job, i, d, band, state["select"]))  # d is this band's own: x1 or x0, as d * mask
             if i in state["ratio"]:
-                d = d * torch.tensor(state["ratio"][i], dtype=d.dtype, device=d.device)
+                d.mul_(torch.tensor(state["ratio"][i], dtype=d.dtype, device=d.device))
         deltas.append(d)
     deltas = torch.stack(deltas)
     weights = torch.tensor([job.per_input[i]["weight"] for i in others], dtype=deltas.dtype, device=deltas.device)
