@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import targets
+from helpers.refusals import assert_refused
 
 # Every target, its default-name suffix and the file suffix it writes (None: safetensors, or torch by
 # --format / -o). These names are users' file names: a change here is a change users see.
@@ -145,3 +146,34 @@ def test_a_new_target_is_a_new_module(tmp_path, fake_target):
 
     verdict, _, err = _run(fake_target, "convert", src, "--to", "fake17")  # still a choice, refused by click
     assert verdict["code"] == 2 and "fake16" in err, err
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["--to", "bf16"], "does not apply to --to bf16"),  # a cast has no group
+    (["--to", "fp8_e4m3fn", "--scaled"], "does not apply to --to fp8_e4m3fn"),
+    (["--to", "gguf-q4_k_m"], "does not apply to --to gguf-q4_k_m"),  # GGUF block sizes are the type's
+    (["--to", "int8_convrot", "--group-size", "32"], "--to int8_convrot takes 16, 64, 256"),
+])
+def test_group_size_is_refused_where_the_target_has_no_such_group(run_ckpt, tmp_path, args, problem):
+    """--group-size N (`Target.group_sizes`): refused in one line, before anything is read, by a target that
+    quantizes in no groups or whose groups do not include N (the last --group-size given wins)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"blocks.0.attn.weight": torch.randn(8, 256)}, tmp_path / "m.safetensors")
+    assert_refused(run_ckpt, tmp_path, ["convert", str(tmp_path / "m.safetensors"), "--group-size", "64", *args],
+                   "--group-size", problem)
+
+
+def test_group_size_is_refused_with_keep_format(run_ckpt, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.randn(4, 4)}, tmp_path / "p.safetensors")
+    code, _, err = run_ckpt("convert", str(tmp_path / "p.safetensors"), "--to", "fp8_e4m3fn", "--scaled", "-o",
+                            str(tmp_path / "b.safetensors"), "-q")  # a base with an encoding to keep
+    assert code == 0, err
+    save_file({"lora_unet_a.lora_down.weight": torch.randn(2, 4), "lora_unet_a.lora_up.weight": torch.randn(4, 2)},
+              tmp_path / "l.safetensors")
+    assert_refused(run_ckpt, tmp_path, ["merge-lora", str(tmp_path / "b.safetensors"), str(tmp_path / "l.safetensors"),
+                                        "--keep-format", "--group-size", "64"], "--group-size", "--keep-format")
