@@ -26,36 +26,6 @@ import benchlib as bl  # noqa: E402
 
 MB = 1 << 20
 
-GENERATE = r"""
-import json, sys, torch
-from pathlib import Path
-from safetensors.torch import save_file
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import PreTrainedTokenizerFast
-
-out, layers = Path(sys.argv[1]), int(sys.argv[2])
-cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
-with torch.device("meta"):
-    model = transformers.LlamaForCausalLM(cfg)
-g = torch.Generator().manual_seed(0)
-sd = {}
-for name, p in model.state_dict().items():
-    sd[name] = (torch.randn(p.shape, generator=g) * (0.02 if p.dim() == 2 else 1)).to(torch.bfloat16)
-out.mkdir(parents=True)
-save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
-d = cfg.to_dict() | {"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}
-(out / "config.json").write_text(json.dumps(d, indent=2))
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
-                        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                            show_progress=False))
-PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="dog").save_pretrained(out)
-"""
-
 COMPARE = r"""
 import sys, torch
 from safetensors.torch import load_file
@@ -75,15 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--check-targets", action="store_true")
     args = ap.parse_args(argv)
-    per_layer = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
-    fixed = 2 * 2 * 32000 * 1024
-    layers = max(1, round((args.size_mb * MB - fixed) / per_layer))
     root = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench-mlx-"))
     try:
         src = root / "hf"
-        bl.run_py("-c", GENERATE, src, layers)
-        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        bl.warm(src / "model.safetensors")
+        layers, size = bl.llama_folder(src, args.size_mb, tokenizer=True)
         base = bl.run_py("-c", "import torch")
         ours = bl.measure(bl.ckpt_argv("convert", src, "--to", f"mlx-q{args.bits}", "--group-size", args.group_size,
                                        "-o", root / "ours", "-q"))

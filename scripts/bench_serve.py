@@ -28,26 +28,6 @@ MB = 1 << 20
 SCHEMES = {"ct-fp8-dynamic": "FP8_DYNAMIC", "ct-fp8-block": "FP8_BLOCK", "ct-w4a16": "W4A16", "ct-w8a16": "W8A16",
            "ct-nvfp4a16": "NVFP4A16"}
 
-GENERATE = r"""
-import json, sys, torch
-from pathlib import Path
-from safetensors.torch import save_file
-import transformers
-
-out, layers = Path(sys.argv[1]), int(sys.argv[2])
-cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
-with torch.device("meta"):
-    model = transformers.LlamaForCausalLM(cfg)
-g = torch.Generator().manual_seed(0)
-sd = {n: (torch.randn(p.shape, generator=g) * (0.02 if p.dim() == 2 else 1)).to(torch.bfloat16)
-      for n, p in model.state_dict().items()}
-out.mkdir(parents=True)
-save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
-(out / "config.json").write_text(json.dumps(cfg.to_dict() | {"architectures": ["LlamaForCausalLM"],
-                                                             "dtype": "bfloat16"}, indent=2))
-"""
-
 REFERENCE = r"""
 import sys
 from llmcompressor import model_free_ptq
@@ -76,15 +56,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--check-targets", action="store_true")
     args = ap.parse_args(argv)
-    per_layer = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
-    fixed = 2 * 2 * 32000 * 1024
-    layers = max(1, round((args.size_mb * MB - fixed) / per_layer))
     root = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench-serve-"))
     try:
         src = root / "hf"
-        bl.run_py("-c", GENERATE, src, layers)
-        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        bl.warm(src / "model.safetensors")
+        layers, size = bl.llama_folder(src, args.size_mb, tokenizer=False)
         base = bl.run_py("-c", "import torch")
         ours = bl.measure(bl.ckpt_argv("convert", src, "--to", args.to, "-o", root / "ours", "-q"))
         ref = bl.measure([sys.executable, "-c", REFERENCE, src, root / "ref", SCHEMES[args.to]])

@@ -26,6 +26,7 @@ Public API (stdlib-only; safe to import in a benchmark's parent process):
     where(path)                             "tmpfs" / "disk (ext4)": what --workdir measures
     cp_baseline(src, dst)                   `cp` + `sync` of the output's bytes (the speed yardstick)
     import_baseline(device)                 `python -c "import torch"` (+ a CUDA context on cuda)
+    llama_folder(path, size_mb, tokenizer)  a bf16 Llama HF folder of about size_mb MiB (subprocess), read once
     rss_bound(...) / verdict_lines(...)     the issue's RSS bound and the ratio lines every bench prints
     fmt_gb / fmt_mb / gbps                  number formatting
 
@@ -470,6 +471,52 @@ def import_baseline(device: str = "cpu") -> Measurement:
     if m.returncode != 0:
         raise SystemExit(f"error: --device {device}: torch cannot use it here ({(m.stderr.strip().splitlines() or ['?'])[-1]})")
     return m
+
+
+LLAMA_SCRIPT = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+import transformers
+
+out, layers, tokenizer = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "tokenizer"
+cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(cfg)
+g = torch.Generator().manual_seed(0)
+sd = {n: (torch.randn(p.shape, generator=g) * (0.02 if p.dim() == 2 else 1)).to(torch.bfloat16)
+      for n, p in model.state_dict().items()}
+out.mkdir(parents=True)
+save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+(out / "config.json").write_text(json.dumps(cfg.to_dict() | {"architectures": ["LlamaForCausalLM"],
+                                                             "dtype": "bfloat16"}, indent=2))
+if tokenizer:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="dog").save_pretrained(out)
+"""
+
+
+def llama_folder(path, size_mb: int, tokenizer: bool = False) -> tuple[int, int]:
+    """A synthetic bf16 Llama HF folder at `path` (hidden 1024, GQA, vocab 32000, untied lm_head) with as many
+    layers as make about `size_mb` MiB, written in a subprocess (torch and transformers stay out of this one:
+    see the module docstring) and read once (`warm`); `tokenizer`: with a tiny byte-level BPE tokenizer (tools
+    that convert a whole folder need one; its size does not matter). Returns (layers, bytes of safetensors).
+    The serving benches (bench_mlx.py, bench_serve.py) compare ckpt with another tool on it."""
+    per_layer = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
+    fixed = 2 * 2 * 32000 * 1024
+    layers = max(1, round((size_mb * (1 << 20) - fixed) / per_layer))
+    run_py("-c", LLAMA_SCRIPT, path, layers, "tokenizer" if tokenizer else "-")
+    warm(Path(path) / "model.safetensors")
+    return layers, sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
 
 
 def pipeline_bytes(in_itemsize: int, out_itemsize: int) -> int:

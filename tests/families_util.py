@@ -8,12 +8,18 @@ tests/test_families.py and tests/test_merge_families.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import types
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from ckpt import families
 from ckpt.families import DIFFUSERS, ORIGINAL, Family, Transform
+
+PREFIX = "model.diffusion_model."  # ComfyUI's prefix of a single-file diffusion model, as releases ship it
 
 logging.getLogger("diffusers").setLevel(logging.ERROR)
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -68,6 +74,80 @@ def diffusers_from_pairs(family: Family, original_sd: dict) -> dict:
             t = t[p.rows[0]:p.rows[1]]
         out[p.diffusers] = _transform(t, p.transform).contiguous()
     return out
+
+
+# --------------------------------------------------------------------- what every family test runs
+
+def assert_detected_both_layouts(family_id: str, original: dict, diffusers: dict, matrices_only: bool = False):
+    """Both layouts' shapes (`shapes(...)`) are told to be `family_id` in that layout, and so are their module
+    names flattened as kohya/musubi LoRAs flatten them (`matrices_only`: only the 2-D weights' modules, for a
+    family whose 1-D `.weight`s would read as another family's)."""
+    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, diffusers)):
+        m = families.detect(keys, keys)
+        assert (m.family_id, m.layout) == (family_id, layout), m
+        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys
+                if k.endswith(".weight") and (not matrices_only or len(keys[k]) == 2)]
+        m = families.detect(flat)
+        assert (m.family_id, m.layout) == (family_id, layout), m
+
+
+def convert_both_ways(run_ckpt, tmp_path, model_cls, sd: dict, original: dict) -> dict:
+    """`convert --layout diffusers` of `original` saved as a single file under PREFIX: loaded strictly by
+    `model_cls.from_pretrained`, equal to `sd`; then `--layout original` of that folder: `original` again,
+    tensor for tensor. Returns the folder's config.json for the family's own checks of it."""
+    save_file({PREFIX + k: v for k, v in original.items()}, tmp_path / "single.safetensors")
+    code, _, err = run_ckpt("convert", tmp_path / "single.safetensors", "--layout", "diffusers", "-o",
+                            tmp_path / "d", "-q")
+    assert code == 0, err
+    loaded, info = model_cls.from_pretrained(tmp_path / "d", output_loading_info=True)
+    assert not any(info.values()), info
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+    code, _, err = run_ckpt("convert", tmp_path / "d", "--layout", "original", "-o", tmp_path / "back.safetensors",
+                            "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "back.safetensors")
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    return json.loads((tmp_path / "d" / "config.json").read_text())
+
+
+def merge_onto(run_ckpt, tmp_path, model, original_sd: dict | None, base_layout: str, lora_file, to_diffusers,
+               *options, prefix: str = PREFIX, keys_kept: bool = False) -> dict:
+    """`ckpt merge-lora BASE lora_file -o OUT -q *options` (`"--ratio", 0.7`), the base `model` saved in
+    `base_layout`: a diffusers folder (`save_pretrained`), or the original single file `original_sd` with its
+    keys under `prefix`. Returns the merged weights in the diffusers layout, the original file's through
+    `to_diffusers` (the family's converter, on the keys with `prefix` stripped): what each family test
+    compares with diffusers' own fused weights. `keys_kept`: the original output holds exactly the input's
+    keys. Files are named by layout and LoRA, so several merges can share one tmp_path."""
+    tag = f"{base_layout}-{Path(lora_file).stem}"
+    if base_layout == DIFFUSERS:
+        base, out = tmp_path / f"base-{base_layout}", tmp_path / f"merged-{tag}"
+        model.save_pretrained(base)
+    else:
+        base, out = tmp_path / f"base-{base_layout}.safetensors", tmp_path / f"merged-{tag}.safetensors"
+        save_file({prefix + k: v for k, v in original_sd.items()}, base)
+    code, _, err = run_ckpt("merge-lora", base, lora_file, *options, "-o", out, "-q")
+    assert code == 0, err
+    if base_layout == DIFFUSERS:
+        return load_file(out / "diffusion_pytorch_model.safetensors")
+    got = load_file(out)
+    if keys_kept:
+        assert set(got) == {prefix + k for k in original_sd}
+    return to_diffusers({k.removeprefix(prefix): v for k, v in got.items()})
+
+
+def assert_needs_config(run_ckpt, tmp_path, model, single_file, problem: str):
+    """A single file whose config.json the weights cannot say (a head size no release's rope has) is refused
+    with `problem`, and converts with `--config` pointing at the model's own config: strict `from_pretrained`."""
+    from helpers.refusals import assert_refused
+
+    assert_refused(run_ckpt, tmp_path, ["convert", single_file, "--layout", "diffusers", "-o", tmp_path / "d"],
+                   str(single_file), problem)
+    model.save_config(tmp_path / "ref")
+    code, _, err = run_ckpt("convert", single_file, "--layout", "diffusers", "--config", tmp_path / "ref", "-o",
+                            tmp_path / "d", "-q")
+    assert code == 0, err
+    _, info = type(model).from_pretrained(tmp_path / "d", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 # ------------------------------------------------------------------------------------- tiny models

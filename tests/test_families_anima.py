@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import original_from_pairs, shapes, state_dict, unique_values
+from families_util import assert_detected_both_layouts, merge_onto, original_from_pairs, shapes, state_dict, unique_values
 from helpers.refusals import assert_refused
 from helpers.tiny_anima import TEXT, tiny_conditioner, tiny_cosmos
 from ckpt import families
@@ -64,12 +64,7 @@ def test_correspondence_is_diffusers_converter(models):
 
 def test_detection_both_layouts_lora_names_and_look_alikes(models):
     dit_sd, _, original = models
-    for layout, keys in ((ORIGINAL, shapes(original)), (DIFFUSERS, shapes(dit_sd))):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("anima", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
-        m2 = families.detect(flat)
-        assert (m2.family_id, m2.layout) == ("anima", layout), m2
+    assert_detected_both_layouts("anima", shapes(original), shapes(dit_sd))
     assert "LLM adapter" in families.detect(shapes(original), shapes(original)).label
     # the same DiT without the adapter is Cosmos-Predict2 (ComfyUI: `llm_adapter.blocks.0.cross_attn` decides)
     plain = {k: v for k, v in shapes(original).items() if not k.startswith("llm_adapter.")}
@@ -154,11 +149,7 @@ def test_comfy_lora_onto_original_and_diffusers(models, tmp_path, run_ckpt):
     save_file(dit_lora, tmp_path / "dit_lora.safetensors")
     model = tiny_cosmos()
     model.load_state_dict(dit_sd)
-    model.save_pretrained(tmp_path / "dif")
-    code, out, err = run_ckpt("merge-lora", tmp_path / "dif", tmp_path / "dit_lora.safetensors", "-o",
-                              tmp_path / "m2", "-q")
-    assert code == 0, err
-    got = load_file(tmp_path / "m2" / "diffusion_pytorch_model.safetensors")
+    got = merge_onto(run_ckpt, tmp_path, model, None, DIFFUSERS, tmp_path / "dit_lora.safetensors", None)
     assert compare(got, want["transformer"], dit_sd) == 5
 
 

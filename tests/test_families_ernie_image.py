@@ -19,12 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import shapes, state_dict, tiny_z_image
+from families_util import assert_needs_config, merge_onto, shapes, state_dict, tiny_z_image
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
-from helpers.refusals import assert_refused
 from helpers.tiny_ernie_image import tiny_ernie_image as tiny
 from ckpt import families
-from ckpt.families import DIFFUSERS
+from ckpt.families import DIFFUSERS, ORIGINAL
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -94,15 +93,8 @@ def test_diffusers_folder_to_single_file_and_round_trip(tmp_path, run_ckpt, case
 def test_head_size_without_release_rope_needs_config(tmp_path, run_ckpt):
     model = tiny()
     save_file({PRE + k: v for k, v in state_dict(model).items()}, tmp_path / "e.safetensors")
-    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "e.safetensors", "--layout", "diffusers", "-o",
-                                        tmp_path / "d"], str(tmp_path / "e.safetensors"),
-                   "rope axes are known for an attention head size of 128, not 16); pass --config REF")
-    model.save_config(tmp_path / "ref")
-    code, _, err = run_ckpt("convert", tmp_path / "e.safetensors", "--layout", "diffusers", "--config",
-                            tmp_path / "ref", "-o", tmp_path / "d", "-q")
-    assert code == 0, err
-    _, info = type(model).from_pretrained(tmp_path / "d", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_needs_config(run_ckpt, tmp_path, model, tmp_path / "e.safetensors",
+                        "rope axes are known for an attention head size of 128, not 16); pass --config REF")
 
 
 # ------------------------------------------------------------------------------------------ merge-lora
@@ -112,21 +104,16 @@ def bases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ernie")
     model = _randomized(tiny())
     sd = state_dict(model)
-    model.save_pretrained(tmp / "folder")
     save_file({PRE + k: v for k, v in sd.items()}, tmp / "single.safetensors")
-    return sd, tmp
+    return model, sd, tmp
 
 
 def _merge_both(tmp_path, run_ckpt, bases, lora_file, ratio, changed):
-    sd, tmp = bases
+    model, sd, _ = bases
     want = diffusers_fused(tiny, sd, lora_file, ERNIE, ratio)
-    code, _, err = run_ckpt("merge-lora", tmp / "folder", lora_file, "--ratio", ratio, "-o", tmp_path / "out", "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
-    code, _, err = run_ckpt("merge-lora", tmp / "single.safetensors", lora_file, "--ratio", ratio, "-o",
-                            tmp_path / "m.safetensors", "-q")
-    assert code == 0, err
-    assert compare(convert(load_file(tmp_path / "m.safetensors")), want, sd) == changed
+    for layout in (DIFFUSERS, ORIGINAL):  # the single file holds the diffusers names under PRE
+        got = merge_onto(run_ckpt, tmp_path, model, sd, layout, lora_file, convert, "--ratio", ratio)
+        assert compare(got, want, sd) == changed
 
 
 def test_diffusers_peft_lora_onto_both(tmp_path, run_ckpt, bases):
@@ -137,7 +124,7 @@ def test_diffusers_peft_lora_onto_both(tmp_path, run_ckpt, bases):
 
 
 def test_ai_toolkit_comfy_lora_onto_both(tmp_path, run_ckpt, bases):
-    sd, _ = bases
+    _, sd, _ = bases
     g = torch.Generator().manual_seed(4)
     lora = {}
     for mod in [f"layers.{i}.{m}" for i in range(2) for m in ("self_attention.to_q", "self_attention.to_out.0",
@@ -152,7 +139,7 @@ def test_ai_toolkit_comfy_lora_onto_both(tmp_path, run_ckpt, bases):
 # --------------------------------------------------------------------------------- high precision
 
 def test_int8_keeps_the_family_high_precision_layers(tmp_path, run_ckpt, bases):
-    _, tmp = bases
+    _, _, tmp = bases
     code, _, err = run_ckpt("convert", tmp / "single.safetensors", "--to", "int8", "-o", tmp_path / "q.safetensors")
     assert code == 0, err
     assert "ERNIE-Image, diffusers layout: the family's high-precision layers kept" in err

@@ -10,14 +10,12 @@ both layouts against the pipeline's loader + `fuse_lora`; the int8 writer's high
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import (diffusers_from_pairs, original_from_pairs, shapes, state_dict, tiny_lumina2, tiny_z_image,
-                           unique_values)
+from families_util import (assert_detected_both_layouts, convert_both_ways, diffusers_from_pairs, merge_onto,
+                           original_from_pairs, shapes, state_dict, tiny_lumina2, tiny_z_image, unique_values)
 from helpers.refusals import assert_refused
 from helpers.tiny_ideogram4 import tiny_ideogram4
 from ckpt import families
@@ -81,12 +79,7 @@ def test_attention_pieces_are_diffusers_lora_converters():
 def test_both_layouts_and_kohya_names_are_recognised_and_told_from_z_image():
     sd = shapes(state_dict(tiny_ideogram4()))
     original = shapes(original_from_pairs(FAM, unique_values(state_dict(tiny_ideogram4()))))
-    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, sd)):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("ideogram4", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
-        m = families.detect(flat)
-        assert (m.family_id, m.layout) == ("ideogram4", layout), m
+    assert_detected_both_layouts("ideogram4", original, sd)
     lora = [f"layers_{i}_{m.replace('.', '_')}" for i in range(2) for m in LORA_MODULES]
     assert (families.detect(lora).family_id, families.detect(lora).layout) == ("ideogram4", ORIGINAL)
     for make, fid in ((tiny_z_image, "z_image"), (tiny_lumina2, "lumina2")):
@@ -99,20 +92,10 @@ def test_both_layouts_and_kohya_names_are_recognised_and_told_from_z_image():
 
 def test_convert_layout_both_ways(tmp_path, run_ckpt):
     model, sd, original = _reference()
-    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "i4.safetensors")
-    code, _, err = run_ckpt("convert", tmp_path / "i4.safetensors", "--layout", "diffusers", "-o", tmp_path / "d", "-q")
-    assert code == 0, err
-    loaded, info = diffusers.Ideogram4Transformer2DModel.from_pretrained(tmp_path / "d", output_loading_info=True)
-    assert not any(info.values()), info
-    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg = convert_both_ways(run_ckpt, tmp_path, diffusers.Ideogram4Transformer2DModel, sd, original)
     assert {k: cfg[k] for k in ("mrope_section", "rope_theta", "llm_features_dim")} == {
         "mrope_section": list(model.config.mrope_section), "rope_theta": model.config.rope_theta,
         "llm_features_dim": 32}
-    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
-    code, _, err = run_ckpt("convert", tmp_path / "d", "--layout", "original", "-o", tmp_path / "b.safetensors", "-q")
-    assert code == 0, err
-    back = load_file(tmp_path / "b.safetensors")
-    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
 
 
 def _ai_toolkit_lora(original: dict, r=4, alpha=2.0) -> dict:
@@ -142,18 +125,8 @@ def test_merge_lora_onto_both_layouts_as_diffusers_fuses_it(tmp_path, run_ckpt, 
         save_file(_ai_toolkit_lora(original), lora_file)
         n = 2 * (len(LORA_MODULES) + 2)
     want = diffusers_fused(tiny_ideogram4, sd, lora_file, diffusers.Ideogram4Pipeline, 1.0)
-    if base_layout == DIFFUSERS:
-        model.save_pretrained(tmp_path / "base")
-        base, out = tmp_path / "base", tmp_path / "out"
-    else:
-        save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "base.safetensors")
-        base, out = tmp_path / "base.safetensors", tmp_path / "out.safetensors"
-    code, _, err = run_ckpt("merge-lora", base, lora_file, "-o", out, "-q")
-    assert code == 0, err
-    if base_layout == DIFFUSERS:
-        got = load_file(out / "diffusion_pytorch_model.safetensors")
-    else:
-        got = diffusers_from_pairs(FAM, {k.removeprefix("model.diffusion_model."): v for k, v in load_file(out).items()})
+    got = merge_onto(run_ckpt, tmp_path, model, original, base_layout, lora_file,
+                     lambda merged: diffusers_from_pairs(FAM, merged))
     assert compare(got, want, sd) == n
 
 

@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
+from families_util import (assert_detected_both_layouts, diffusers_from_pairs, merge_onto, original_from_pairs, shapes,
+                           state_dict, unique_values)
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
 from helpers.tiny_kandinsky6 import tiny_kandinsky6
@@ -83,12 +84,7 @@ def test_table_is_comfyuis_rename_both_ways(token_types, cross_gates):
 
 def test_both_layouts_lora_names_and_config_class_are_recognised(case):
     _, sd, original, _ = case
-    for layout, keys in ((ORIGINAL, shapes(original)), (DIFFUSERS, shapes(sd))):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("kandinsky6", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
-        m2 = families.detect(flat)
-        assert (m2.family_id, m2.layout) == ("kandinsky6", layout), m2
+    assert_detected_both_layouts("kandinsky6", shapes(original), shapes(sd))
     fam = families.get("kandinsky6")
     assert families.from_config({"_class_name": "Kandinsky6Transformer3DModel"}) is fam
     k5 = shapes(state_dict(diffusers.Kandinsky5Transformer3DModel(
@@ -115,18 +111,9 @@ def _merged_both_ways(tmp_path, run_ckpt, case, lora_file, want, changed):
     from helpers.merge_compare import compare
 
     model, sd, original, to_diffusers = case
-    model.save_pretrained(tmp_path / "dif")
-    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "orig.safetensors")
-    code, _, err = run_ckpt("merge-lora", tmp_path / "dif", lora_file, "-o", tmp_path / "m", "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "m" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
-    code, _, err = run_ckpt("merge-lora", tmp_path / "orig.safetensors", lora_file, "-o", tmp_path / "m.safetensors",
-                            "-q")
-    assert code == 0, err
-    got = load_file(tmp_path / "m.safetensors")
-    assert set(got) == {"model.diffusion_model." + k for k in original}
-    got = {k[len("model.diffusion_model."):]: v for k, v in got.items()}
-    assert compare(to_diffusers(got), want, sd) == changed
+    for layout in (DIFFUSERS, ORIGINAL):
+        got = merge_onto(run_ckpt, tmp_path, model, original, layout, lora_file, to_diffusers, keys_kept=True)
+        assert compare(got, want, sd) == changed
 
 
 def _mixin():

@@ -6,13 +6,12 @@ itself) + `fuse_lora` for merge-lora on both layouts; the int8 writer for the hi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
+from families_util import (assert_detected_both_layouts, convert_both_ways, diffusers_from_pairs, merge_onto,
+                           original_from_pairs, shapes, state_dict, unique_values)
 from helpers.refusals import assert_refused
 from helpers.tiny_krea2 import tiny_krea2
 from ckpt import families
@@ -59,12 +58,7 @@ def test_correspondence_is_diffusers_converter_bit_for_bit():
 def test_both_layouts_lora_names_and_config_class_are_recognised():
     sd = shapes(state_dict(tiny_krea2()))
     original = shapes(original_from_pairs(FAM, unique_values(state_dict(tiny_krea2()))))
-    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, sd)):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("krea2", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
-        m = families.detect(flat)
-        assert (m.family_id, m.layout) == ("krea2", layout), m
+    assert_detected_both_layouts("krea2", original, sd)
     # a LoRA on the blocks' linears only, as trainers target them
     lora = [f"blocks.{i}.{m}" for i in range(2) for m in BLOCK_LINEARS]
     assert (families.detect(lora).family_id, families.detect(lora).layout) == ("krea2", ORIGINAL)
@@ -80,17 +74,8 @@ def test_derived_config_is_the_models(tmp_path):
 
 def test_convert_layout_both_ways(tmp_path, run_ckpt):
     _, sd, original = _reference()
-    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "k2.safetensors")
-    code, _, err = run_ckpt("convert", tmp_path / "k2.safetensors", "--layout", "diffusers", "-o", tmp_path / "d", "-q")
-    assert code == 0, err
-    loaded, info = diffusers.Krea2Transformer2DModel.from_pretrained(tmp_path / "d", output_loading_info=True)
-    assert not any(info.values()), info
-    assert json.loads((tmp_path / "d" / "config.json").read_text())["_class_name"] == "Krea2Transformer2DModel"
-    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
-    code, _, err = run_ckpt("convert", tmp_path / "d", "--layout", "original", "-o", tmp_path / "back.safetensors", "-q")
-    assert code == 0, err
-    back = load_file(tmp_path / "back.safetensors")
-    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    cfg = convert_both_ways(run_ckpt, tmp_path, diffusers.Krea2Transformer2DModel, sd, original)
+    assert cfg["_class_name"] == "Krea2Transformer2DModel"
 
 
 def _original_lora(original: dict, prefix: str, r=4) -> dict:
@@ -120,18 +105,7 @@ def test_merge_lora_onto_both_layouts_as_diffusers_fuses_it(tmp_path, run_ckpt, 
         save_file(_original_lora(original, "diffusion_model." if naming == "comfyui" else "base_model.model."), lora_file)
         n = 2 * 8 + 7
     want = diffusers_fused(tiny_krea2, sd, lora_file, diffusers.Krea2Pipeline, 1.0)
-    if base_layout == DIFFUSERS:
-        model.save_pretrained(tmp_path / "base")
-        base, out = tmp_path / "base", tmp_path / "out"
-    else:
-        save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "base.safetensors")
-        base, out = tmp_path / "base.safetensors", tmp_path / "out.safetensors"
-    code, stdout, err = run_ckpt("merge-lora", base, lora_file, "-o", out, "-q")
-    assert code == 0, err
-    if base_layout == DIFFUSERS:
-        got = load_file(out / "diffusion_pytorch_model.safetensors")
-    else:
-        got = _converter({k.removeprefix("model.diffusion_model."): v for k, v in load_file(out).items()})
+    got = merge_onto(run_ckpt, tmp_path, model, original, base_layout, lora_file, _converter)
     changed = compare(got, want, sd)
     assert changed == n, changed
 

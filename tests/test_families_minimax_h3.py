@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, unique_values
+from families_util import (assert_detected_both_layouts, assert_needs_config, diffusers_from_pairs, merge_onto,
+                           original_from_pairs, shapes, state_dict, unique_values)
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
 from helpers.tiny_minimax_h3 import tiny_minimax_h3 as tiny
@@ -68,12 +69,7 @@ def test_both_layouts_kohya_names_pruned_and_config_class():
     fam = families.get("minimax_h3")
     sd = shapes(state_dict(tiny()))
     original = shapes(original_from_pairs(fam, unique_values(state_dict(tiny()))))
-    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, sd)):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("minimax_h3", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight") and len(keys[k]) == 2]
-        m2 = families.detect(flat)
-        assert (m2.family_id, m2.layout) == ("minimax_h3", layout), m2
+    assert_detected_both_layouts("minimax_h3", original, sd, matrices_only=True)
     pruned = {k: v for k, v in original.items() if not k.startswith("time_embedder.")} | {"adaln_t_table": (1025, 20)}
     m = families.detect(pruned, pruned)
     assert (m.family_id, m.layout) == ("minimax_h3", ORIGINAL) and "pruned" in m.label
@@ -184,15 +180,8 @@ def test_fused_tensor_that_does_not_split_is_refused(tmp_path, run_ckpt, case, k
 def test_head_too_small_for_the_release_rope_needs_config(tmp_path, run_ckpt):
     model = tiny()
     save_file(original_from_pairs(families.get("minimax_h3"), state_dict(model)), tmp_path / "o.safetensors")
-    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "o.safetensors", "--layout", "diffusers", "-o",
-                                        tmp_path / "d"], str(tmp_path / "o.safetensors"),
-                   "rope rotates 96 channels of a head; this head has 16); pass --config REF")
-    model.save_config(tmp_path / "ref")
-    code, _, err = run_ckpt("convert", tmp_path / "o.safetensors", "--layout", "diffusers", "--config",
-                            tmp_path / "ref", "-o", tmp_path / "d", "-q")
-    assert code == 0, err
-    loaded, info = type(model).from_pretrained(tmp_path / "d", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_needs_config(run_ckpt, tmp_path, model, tmp_path / "o.safetensors",
+                        "rope rotates 96 channels of a head; this head has 16); pass --config REF")
 
 
 # ------------------------------------------------------------------------------------------ merge-lora
@@ -231,16 +220,25 @@ def bases(tmp_path_factory):
     return model, sd, original, tmp
 
 
-def _merge_both(tmp_path, run_ckpt, bases, lora_file, want, changed):
-    model, sd, _, tmp = bases
-    code, _, err = run_ckpt("merge-lora", tmp / "folder", lora_file, "-o", tmp_path / "out", "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
-    code, _, err = run_ckpt("merge-lora", tmp / "orig.safetensors", lora_file, "-o", tmp_path / "m.safetensors", "-q")
-    assert code == 0, err
-    got = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(tmp_path / "m.safetensors").items()}
-    assert torch.equal(got.pop("rope.inv_freq"), inv_freq(2))
-    assert compare(convert(model)(got), want, sd) == changed
+def _without_rope(model, rope=None):
+    """The merged original file in diffusers names (diffusers' converter) once its `rope.inv_freq` is taken out
+    (no diffusers tensor); `rope`: what that buffer must still be."""
+    def to_diffusers(got):
+        buffer = got.pop("rope.inv_freq")
+        if rope is not None:
+            assert torch.equal(buffer, rope)
+        return convert(model)(got)
+
+    return to_diffusers
+
+
+def _merge_both(tmp_path, run_ckpt, bases, lora_file, want, changed, *options, rope_checked=True):
+    model, sd, original, _ = bases
+    to_diffusers = _without_rope(model, inv_freq(2) if rope_checked else None)
+    for layout in (DIFFUSERS, ORIGINAL):
+        got = merge_onto(run_ckpt, tmp_path, model, {**original, "rope.inv_freq": inv_freq(2)}, layout, lora_file,
+                         to_diffusers, *options)
+        assert compare(got, want, sd) == changed
 
 
 @pytest.mark.parametrize("kohya", [True, False], ids=["musubi-kohya", "ai-toolkit"])
@@ -257,18 +255,8 @@ def test_diffusers_peft_lora_onto_both_layouts(tmp_path, run_ckpt, bases):
     targets = ["to_q", "to_v", "to_out.0", "ff.net.0.proj", "adaln_proj.linear", "proj_in", "context_embedder"]
     lora_file = peft_lora_file(tiny(), targets, tmp_path / "peft", H3)
     want = diffusers_fused(tiny, sd, lora_file, H3, 0.7)
-    code, _, err = run_ckpt("merge-lora", bases[3] / "folder", lora_file, "--ratio", 0.7, "-o", tmp_path / "out",
-                            "-q")
-    assert code == 0, err
-    got = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
     # to_q, to_v, to_out.0, ff.net.0.proj in 3 blocks; adaln_proj.linear in 2; proj_in, context_embedder
-    assert compare(got, want, sd) == 3 * 4 + 2 + 2
-    code, _, err = run_ckpt("merge-lora", bases[3] / "orig.safetensors", lora_file, "--ratio", 0.7, "-o",
-                            tmp_path / "m.safetensors", "-q")
-    assert code == 0, err
-    got = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(tmp_path / "m.safetensors").items()}
-    got.pop("rope.inv_freq")
-    assert compare(convert(bases[0])(got), want, sd) == 3 * 4 + 2 + 2
+    _merge_both(tmp_path, run_ckpt, bases, lora_file, want, 3 * 4 + 2 + 2, "--ratio", 0.7, rope_checked=False)
 
 
 def _diffsynth_lora(base: dict, mods, r: int = 4, seed: int = 7, default: bool = True) -> dict:
@@ -295,34 +283,25 @@ def test_diffsynth_lora_interleaved_qkv_onto_both_layouts(tmp_path, run_ckpt):
     torch.manual_seed(4)
     model = tiny_two_heads()
     sd = state_dict(model)
-    model.save_pretrained(tmp_path / "folder")
     original = original_from_pairs(families.get("minimax_h3"), sd)
-    save_file({**original, "rope.inv_freq": model.rope.inv_freq.clone()}, tmp_path / "orig.safetensors")
+    base = {**original, "rope.inv_freq": model.rope.inv_freq.clone()}
     mods = ["token_refiner.blocks.0.attn.qkv_proj", "blocks.0.attn.qkv_proj", "blocks.1.attn.qkv_proj",
             "blocks.1.attn.out_proj", "blocks.0.mlp.fc1"]
     lora = _diffsynth_lora(original, mods)
     save_file(lora, tmp_path / "ds.safetensors")
     want = diffusers_fused(tiny_two_heads, sd, tmp_path / "ds.safetensors", H3, 1.0)
     changed = 3 * 3 + 1 + 1  # q, k, v of three blocks; to_out.0; ff.net.0.proj
-    code, _, err = run_ckpt("merge-lora", tmp_path / "folder", tmp_path / "ds.safetensors", "-o", tmp_path / "out",
-                            "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
-    code, _, err = run_ckpt("merge-lora", tmp_path / "orig.safetensors", tmp_path / "ds.safetensors", "-o",
-                            tmp_path / "m.safetensors", "-q")
-    assert code == 0, err
-    got = load_file(tmp_path / "m.safetensors")
-    assert torch.equal(got.pop("rope.inv_freq"), model.rope.inv_freq)
-    assert compare(convert(model)(got), want, sd) == changed
+    for layout in (DIFFUSERS, ORIGINAL):  # the original file with bare names, as DiffSynth-Studio's
+        got = merge_onto(run_ckpt, tmp_path, model, base, layout, tmp_path / "ds.safetensors",
+                         _without_rope(model, model.rope.inv_freq), prefix="")
+        assert compare(got, want, sd) == changed
     # the same factors without the infix are a stacked LoRA: diffusers and ckpt agree on it too, and it differs
     save_file(_diffsynth_lora(original, mods, default=False), tmp_path / "stacked.safetensors")
     stacked = diffusers_fused(tiny_two_heads, sd, tmp_path / "stacked.safetensors", H3, 1.0)
     assert not torch.allclose(stacked["transformer_blocks.0.attn.to_k.weight"],
                               want["transformer_blocks.0.attn.to_k.weight"])
-    code, _, err = run_ckpt("merge-lora", tmp_path / "folder", tmp_path / "stacked.safetensors", "-o",
-                            tmp_path / "out2", "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "out2" / "diffusion_pytorch_model.safetensors"), stacked, sd) == changed
+    got = merge_onto(run_ckpt, tmp_path, model, base, DIFFUSERS, tmp_path / "stacked.safetensors", None)
+    assert compare(got, stacked, sd) == changed
 
 
 def test_diffsynth_lora_converted_to_diffusers_naming_is_diffusers_reading(tmp_path, run_ckpt):

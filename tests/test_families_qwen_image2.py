@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from families_util import diffusers_from_pairs, original_from_pairs, shapes, state_dict, tiny_qwen_image, unique_values
+from families_util import (assert_detected_both_layouts, diffusers_from_pairs, merge_onto, original_from_pairs, shapes,
+                           state_dict, tiny_qwen_image, unique_values)
 from helpers.layout_round_trips import diffusers_folder_to_original_and_round_trip, original_file_to_diffusers_folder
 from helpers.refusals import assert_refused
 from helpers.tiny_qwen_image21 import tiny_qwen_image21
@@ -70,12 +71,7 @@ def test_both_layouts_lora_names_and_config_class_are_recognised():
     fam = families.get("qwen_image21")
     sd = shapes(state_dict(tiny_qwen_image21(head=8)))
     original = shapes(original_from_pairs(fam, unique_values(state_dict(tiny_qwen_image21(head=8)))))
-    for layout, keys in ((ORIGINAL, original), (DIFFUSERS, sd)):
-        m = families.detect(keys, keys)
-        assert (m.family_id, m.layout) == ("qwen_image21", layout), m
-        flat = [k.rsplit(".", 1)[0].replace(".", "_") for k in keys if k.endswith(".weight")]
-        m2 = families.detect(flat)
-        assert (m2.family_id, m2.layout) == ("qwen_image21", layout), m2
+    assert_detected_both_layouts("qwen_image21", original, sd)
     # a LoRA on attention and the text projection only: the same names in both layouts, read as diffusers
     lora = [f"transformer_blocks.{i}.attn.to_{x}" for i in range(2) for x in "qkv"] + ["txt_in.in_layer"]
     assert (families.detect(lora).family_id, families.detect(lora).layout) == ("qwen_image21", DIFFUSERS)
@@ -110,18 +106,10 @@ def _merged_both_ways(tmp_path, run_ckpt, case, lora_file, want, changed):
     fused weights (the original one through diffusers' converter)."""
     from helpers.merge_compare import compare
 
-    model, sd, original, fn = case
-    model.save_pretrained(tmp_path / "dif")
-    save_file({"model.diffusion_model." + k: v for k, v in original.items()}, tmp_path / "orig.safetensors")
-    code, _, err = run_ckpt("merge-lora", tmp_path / "dif", lora_file, "-o", tmp_path / "m", "-q")
-    assert code == 0, err
-    assert compare(load_file(tmp_path / "m" / "diffusion_pytorch_model.safetensors"), want, sd) == changed
-    code, _, err = run_ckpt("merge-lora", tmp_path / "orig.safetensors", lora_file, "-o", tmp_path / "m.safetensors",
-                            "-q")
-    assert code == 0, err
-    got = load_file(tmp_path / "m.safetensors")
-    assert set(got) == {"model.diffusion_model." + k for k in original}
-    assert compare(fn(got), want, sd) == changed
+    model, sd, original, to_diffusers = case
+    for layout in (DIFFUSERS, ORIGINAL):
+        got = merge_onto(run_ckpt, tmp_path, model, original, layout, lora_file, to_diffusers, keys_kept=True)
+        assert compare(got, want, sd) == changed
 
 
 def test_peft_lora_onto_both_layouts(tmp_path, run_ckpt, case):
