@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from ckpt.dtypes import FP8, LazyTable, is_float
+from ckpt.dtypes import FP8, LazyTable, as_torch, is_float
 from ckpt.lazy import torch
 from ckpt.io.buffers import Buffers
 from ckpt.report import Report
@@ -168,8 +168,12 @@ def _later(buffers, fn, value: torch.Tensor) -> None:
 class Caster:
     """Casts bands of floating tensors to `target`, counting what the user must know about."""
 
-    def __init__(self, target: torch.dtype, report: Report, clamp: bool = False):
-        self.target, self.report, self.clamp = target, report, clamp
+    def __init__(self, target: torch.dtype | str, report: Report, clamp: bool = False):
+        self._target, self.report, self.clamp = target, report, clamp  # a name: a plan made without torch
+
+    @property
+    def target(self) -> torch.dtype:
+        return as_torch(self._target)
 
     def __call__(self, x: torch.Tensor, name: str, buffers: Buffers | None = None) -> torch.Tensor:
         # Element-wise work on a flat view: the result has x's shape, but reductions and masks never walk

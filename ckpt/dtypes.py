@@ -86,12 +86,18 @@ def config_dtype(cfg: dict | None) -> torch.dtype | None:
     return None
 
 
-def is_float(dtype: torch.dtype) -> bool:
-    """True for dtypes that `convert` casts (floating point, fp8 included; e8m0 is a scale format)."""
+def is_float(dtype) -> bool:
+    """True for dtypes that `convert` casts (floating point, fp8 included; e8m0 is a scale format); `dtype` a torch
+    dtype or its safetensors name (planning without torch)."""
+    if isinstance(dtype, str):
+        return dtype in ST_FLOAT
     return dtype.is_floating_point and dtype != torch.float8_e8m0fnu
 
 
-def short_name(dtype: torch.dtype) -> str:
+def short_name(dtype) -> str:
+    """"bf16", "fp8_e4m3fn", "i32"... of a torch dtype or its safetensors name."""
+    if isinstance(dtype, str):
+        return st_short_name(dtype)
     return SHORT.get(dtype) or TORCH_TO_ST.get(dtype, str(dtype)).lower()
 
 

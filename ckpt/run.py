@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from ckpt.dtypes import ST_FLOAT, as_torch, is_float, st_name
+from ckpt.dtypes import ST_FLOAT, is_float, st_name
 from ckpt.errors import CkptError
 from ckpt.io.output import execute, preflight, target_state, published_paths
 from ckpt.io.file_kinds import LITGPT_LORA, PICKLES, WEIGHT_SUFFIXES
@@ -45,9 +45,9 @@ def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | str 
         stored = src.byte_ranges() is not None and src.dtype_name == t.dtype_name
         if stored and (t.dtype_name not in ST_FLOAT or dst is None or st_name(dst) == t.dtype_name):
             return [OutTensor(t.name, t.dtype_name, tuple(t.shape), src)]
-        if not is_float(t.dtype):
+        if not is_float(t.dtype_name):
             return [OutTensor(t.name, t.dtype, tuple(t.shape), src)]
-        dst = as_torch(dst) if dst is not None else t.natural_dtype
+        dst = st_name(dst) if dst is not None else t.natural_dtype_name  # names: planned without torch
         from ckpt.cast import Caster
 
         c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))

@@ -12,6 +12,7 @@ from pathlib import Path
 from ckpt.lazy import torch
 
 from ckpt.io.checkpoint import Checkpoint
+from ckpt.io.scalars import first_float
 from ckpt.io.tensors import Tensor
 
 
@@ -36,6 +37,9 @@ class LoraModule:
 
     def alpha(self) -> float | None:
         if "alpha" in self.parts and self.parts["alpha"].numel:
+            stored = first_float(self.parts["alpha"])  # planning without torch where the bytes say it
+            if stored is not None:
+                return stored
             return float(self.parts["alpha"].read_all(torch.device("cpu")).float().reshape(-1)[0])
         return self.config_alpha
 

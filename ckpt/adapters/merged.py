@@ -43,6 +43,8 @@ class MergedTensor(Wrapper):
         """fp32: the sum is computed there (a property so that importing the module needs no torch)."""
         return torch.float32
 
+    dtype_name = "F32"  # the same, for planning without torch
+
     def __init__(self, base: Tensor, patches: list[Patch], replaces: Tensor | None = None):
         self.base, self.patches = base, patches
         self.replaces = base if replaces is None else replaces  # the decoded tensor it stands for (keep-format)

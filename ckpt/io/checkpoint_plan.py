@@ -15,7 +15,7 @@ from typing import Callable
 from ckpt.lazy import torch
 
 from ckpt import __version__
-from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES
+from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES, as_torch
 from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.errors import CkptError
 from ckpt.io.header import MAX_HEADER
@@ -143,7 +143,7 @@ def _config_edit(dequantized: bool, dtype: torch.dtype | None):
             cfg.pop("_pre_quantization_dtype", None)
             cfg.pop("quantization", None)  # MLX's block (mlx-lm copies it to quantization_config)
         if dtype is not None:
-            name = CONFIG_NAMES.get(dtype)
+            name = CONFIG_NAMES.get(as_torch(dtype))  # a plan made without torch names dtypes
             if name is None:
                 return cfg
             keys = [k for k in CONFIG_KEYS if k in cfg] or (["torch_dtype"] if "architectures" in cfg else [])

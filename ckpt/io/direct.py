@@ -79,6 +79,23 @@ class DirectSink:
             return
         self._place(pos, length, lambda dst, at: read_into(fd, dst, src_pos + at, path))
 
+    def skip(self, pos: int, end: int) -> None:
+        """Bytes [pos, end) (block-aligned) are written by another writer (`ckpt.io.early_copies`): the bytes
+        before them are flushed (a gap up to them is zeros) and the buffer goes on at `end`, so no write of this
+        sink touches their blocks."""
+        if pos % ALIGN or end % ALIGN or pos < self.base + self.fill:
+            raise ValueError(f"skip [{pos}, {end}) not block-aligned or behind the buffer")
+        while pos - self.base >= BUFFER:  # a gap past the buffer: zeros up to its end, then the next buffer
+            self.mv[self.fill:] = bytes(BUFFER - self.fill)
+            self.fill = BUFFER
+            self._flush()
+        if pos > self.base + self.fill:
+            self.mv[self.fill: pos - self.base] = bytes(pos - self.base - self.fill)
+            self.fill = pos - self.base
+        if self.fill:
+            self._flush()
+        self.base = end
+
     def _place(self, pos: int, length: int, fill) -> None:
         """Bytes [0, length) of a source for file offset `pos` (at or past the buffer's start) into the buffers:
         `fill(dst, at)` puts the source's bytes from `at` into the memoryview `dst`. A gap before them is

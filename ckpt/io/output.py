@@ -385,7 +385,7 @@ def write_tensors(w, tensors: list[OutTensor], copies: dict, device, progress=No
     """Write `tensors` through the opened writer `w` (every one of them: `copies` holds those the kernel copies),
     in file-offset order, then close it (its regions checked full, fsynced); on any failure `w` is aborted. What
     `_write_file` does for a whole file, and a share (`ckpt.io.shares`) for its part of one."""
-    pipe = None
+    pipe = early = None
     try:
         # Produce tensors in file-offset order: sequential writes let the kernel write back as we go.
         order = sorted(tensors, key=lambda t: w.regions[t.name][0])
@@ -396,19 +396,27 @@ def write_tensors(w, tensors: list[OutTensor], copies: dict, device, progress=No
                     if progress is not None:
                         progress.update(sum(r.length for r in chunk))
         else:
+            # the copies' interiors first, on a thread of their own: they run while torch is imported and beside the
+            # computed tensors (ckpt.io.early_copies)
+            from ckpt.io.early_copies import EarlyCopies
+
+            early = EarlyCopies(w, copies, progress)
             from ckpt.io.write_stages import WriteStages
 
             device = torch.device("cpu") if device is None else device
             pipe = WriteStages(w, device, progress, busy_stage=busy_stage)
             for t in order:
                 if t.name in copies:
-                    for chunk in copy_chunks(copies[t.name]):
-                        pipe.copy(t.name, chunk)
+                    early.check()
+                    _stream_copy(t.name, copies[t.name], early.parts.get(t.name), pipe)
                 else:
                     _stream_tensor(t, pipe, device)
             pipe.finish()
+            early.finish()
         w.close()
     except BaseException:
+        if early is not None:
+            early.abort()
         if pipe is not None:
             pipe.abort()
         w.abort()
@@ -428,6 +436,19 @@ def copy_chunks(ranges):
     total = sum(r.length for r in ranges)
     for a in range(0, total, CHUNK):
         yield sub_ranges(ranges, a, min(total, a + CHUNK))
+
+
+def _stream_copy(name: str, ranges, interior: tuple[int, int] | None, pipe: WriteStages) -> None:
+    """A copied tensor through the write stages: all of it, or (`interior`: the bytes [a, b) of it an
+    `EarlyCopies` thread writes) its two ends, the interior stepped over."""
+    total = sum(r.length for r in ranges)
+    a, b = interior or (total, total)
+    for chunk in copy_chunks(sub_ranges(ranges, 0, a)):
+        pipe.copy(name, chunk)
+    if b > a:
+        pipe.skip(name, b - a)
+    for chunk in copy_chunks(sub_ranges(ranges, b, total)):
+        pipe.copy(name, chunk)
 
 
 def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:

@@ -82,6 +82,14 @@ class Tensor:
         return TORCH_TO_ST.get(self.dtype, str(self.dtype))
 
     @property
+    def natural_dtype_name(self) -> str:
+        """`natural_dtype`'s safetensors name: without torch where the natural dtype is the tensor's own (a
+        class that names another one overrides `natural_dtype`, and is asked it)."""
+        if type(self).natural_dtype is Tensor.natural_dtype:
+            return self.dtype_name
+        return TORCH_TO_ST.get(self.natural_dtype, str(self.natural_dtype))
+
+    @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 

@@ -23,6 +23,12 @@ class Wrapper(Tensor):
         return self.base.natural_dtype if self.natural is None else self.natural
 
     @property
+    def natural_dtype_name(self):
+        if self.natural is None and type(self).natural_dtype is Wrapper.natural_dtype:
+            return self.base.natural_dtype_name  # the base's, asked without torch where it can answer so
+        return super().natural_dtype_name
+
+    @property
     def source_bytes(self):
         return self.base.source_bytes
 

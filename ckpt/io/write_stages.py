@@ -15,8 +15,10 @@ Three stages, each on its own long-lived thread for the whole output file (never
 
 A tensor whose output bytes are stored byte ranges of an input (`OutTensor.copy_ranges`) goes through the
 same queues as copy jobs (`copy()`): no slot, no data, nothing to compute; the writer copies the ranges with
-the kernel (`ckpt.io.byte_copy`) in order with the bands around them. (A file of copies alone never starts
-the stages: `ckpt.io.output` copies it on the calling thread, without torch.)
+the kernel (`ckpt.io.byte_copy`) in order with the bands around them; a large one's block-aligned interior
+is copied by a thread of its own from the start (`ckpt.io.early_copies`), and the writer steps over it
+(`skip()`). (A file of copies alone never starts the stages: `ckpt.io.output` copies it on the calling
+thread, without torch.)
 
 At most `depth` bands are in flight: a slot (its scratch buffers) returns to the reader only after its
 band is written. Memory is therefore `depth` x the buffers of one band, whatever the model size. The
@@ -71,7 +73,7 @@ class Slot(Buffers):
 
 
 class _Band:
-    __slots__ = ("slot", "name", "dtype", "cast", "data", "nbytes", "ready", "done", "host", "ranges")
+    __slots__ = ("slot", "name", "dtype", "cast", "data", "nbytes", "ready", "done", "host", "ranges", "skip")
 
     def __init__(self, slot, name, dtype, cast, data):
         self.slot, self.name, self.dtype, self.cast, self.data = slot, name, dtype, cast, data
@@ -79,6 +81,7 @@ class _Band:
         self.ready = self.done = None  # CUDA events: read finished / device->host copy finished
         self.host: list = []  # (callback, pinned host tensor) of deferred values
         self.ranges = None  # a byte copy (`WriteStages.copy`): stored ranges the writer copies, no data
+        self.skip = 0  # bytes another thread writes (`WriteStages.skip`): the writer steps over them
 
 
 class WriteStages:
@@ -146,6 +149,15 @@ class WriteStages:
         b.ranges, b.nbytes = ranges, sum(r.length for r in ranges)
         self.to_compute.put(b)
 
+    def skip(self, name: str, n: int) -> None:
+        """The next `n` bytes of tensor `name` are written by another thread (`ckpt.io.early_copies`): the writer
+        steps over them in order with the bands around them (`RegionWriter.skip`). No slot, no data."""
+        if self.error is not None:
+            self._raise()
+        b = _Band(None, name, None, None, None)
+        b.ranges, b.skip = (), n
+        self.to_compute.put(b)
+
     def finish(self) -> None:
         """Wait until every submitted band is written; raise what a stage raised."""
         self._stop()
@@ -189,6 +201,7 @@ class WriteStages:
 
     def _recycle(self, b: _Band) -> None:
         b.data = b.cast = b.ranges = None
+        b.skip = 0
         b.host = []
         if b.slot is not None:
             self.free.put(b.slot)
@@ -234,7 +247,9 @@ class WriteStages:
                 if self.error is None and not self.stopping:
                     if b.done is not None:
                         b.done.synchronize()  # the one wait per band on CUDA
-                    if b.ranges is not None:
+                    if b.skip:
+                        self.writer.skip(b.name, b.skip)
+                    elif b.ranges is not None:
                         self.writer.copy(b.name, b.ranges)
                     else:
                         self.writer.write(b.name, b.data)

@@ -153,6 +153,14 @@ class RegionWriter:
         if self.sink is None:
             self._behind(total)
 
+    def skip(self, name: str, n: int) -> None:
+        """Step over the next `n` bytes of tensor `name`'s region: another thread writes them, whole blocks
+        (`ckpt.io.early_copies`); the O_DIRECT sink leaves those blocks alone."""
+        pos = self._append_at(name, n)
+        if self.sink is not None:
+            self.sink.skip(pos, pos + n)
+        self.written[name] += n
+
     def _wrote(self, name: str, b) -> None:
         """Hook: a band of `name` is on disk (the torch zip keeps its CRC32 running)."""
 

@@ -30,7 +30,7 @@ from ckpt.quant.view import logical_view
 from ckpt.run import default_output, file_ext, output_path, write
 from ckpt.targets.casts import Natural
 from ckpt.targets.planners.keep_format import refuse_plain
-from ckpt.lazy import torch
+from ckpt.lazy import prefetch, torch
 
 
 @dataclass
@@ -68,13 +68,14 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeL
     """Merge LORAS (in order) into BASE; returns (output path, report). Raises CkptError on bad input
     (nothing written)."""
     report = report or MergeLoraReport()
+    prefetch(torch)  # imported beside the planning and the early copies (ckpt.lazy); planning needs none
     base, loras, finetune_dir = litgpt.finetune_inputs(base, list(loras))
     if not loras:
         raise CkptError("merge-lora: give at least one LoRA (or a LitGPT finetune folder holding "
                         f"{litgpt.LORA_FILE})")
     ratios = check_ratios(opts.ratios, len(loras))
     alphas = check_alphas(opts.alphas, len(loras))
-    device = resolve_device(opts.device)
+    device = None if opts.device == "cpu" else resolve_device(opts.device)  # None: the CPU, planned without torch
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(open_checkpoint(base))
         base_dir = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -108,7 +109,7 @@ def _target(opts: MergeLoraOptions, lit):
     if lit is not None and opts.to is not None and opts.to.startswith("gguf-"):
         raise CkptError(f"--to {opts.to} with a LitGPT LoRA: merge into the LitGPT checkpoint first, convert its "
                         "HF export to GGUF")
-    default = Natural(fp8=torch.bfloat16, llm=torch.bfloat16, dtype=lit.dtype if lit is not None else None,
+    default = Natural(fp8="BF16", llm="BF16", dtype=lit.dtype if lit is not None else None,
                       dtype_source="the LitGPT LoRA's dtype, as litgpt merge_lora does")
     return targets.choose(opts, default)
 

@@ -62,7 +62,7 @@ class Natural(Target):
     def _choice(self, views):
         """(one dtype for every floating tensor or None, its note, whether an FP8 input is mapped), asked of the
         decoded views the command's views were made from (`View.origin`: a merged tensor is no format's)."""
-        from ckpt.dtypes import FP8, is_float, short_name
+        from ckpt.dtypes import ST_FP8, is_float, short_name
         from ckpt.quant.formats import llm_labels
 
         views = [v.origin or v for v in views]
@@ -72,12 +72,13 @@ class Natural(Target):
         if quant:
             return self.llm, (f"{', '.join(quant)} {self.role}: merged in fp32 and written as "
                               f"{short_name(self.llm)} (pass --to to choose)"), False
-        fp8 = self.fp8 is not None and any(is_float(t.dtype) and (t.natural_dtype in FP8 or t.dtype in FP8)
-                                           for v in views for t in v.tensors.values())
+        fp8 = self.fp8 is not None and any(is_float(t.dtype_name) and (t.natural_dtype_name in ST_FP8
+                                                                        or t.dtype_name in ST_FP8)
+                                           for v in views for t in v.tensors.values())  # names: no torch
         return None, None, fp8
 
     def outputs(self, views, opts, report):
-        from ckpt.dtypes import FP8
+        from ckpt.dtypes import ST_FP8
         from ckpt.run import cast_outputs
 
         every, note, fp8 = self._choice(views)
@@ -85,7 +86,7 @@ class Natural(Target):
         def out_dtype(t):
             if every is not None:
                 return every
-            return self.fp8 if fp8 and t.natural_dtype in FP8 else None  # None: its natural dtype
+            return self.fp8 if fp8 and t.natural_dtype_name in ST_FP8 else None  # None: its natural dtype
 
         def finish(plan):
             if note:

@@ -19,6 +19,7 @@ from ckpt.lazy import torch
 
 from ckpt.errors import CkptError
 from ckpt.io.output import bands
+from ckpt.io.stored_scan import all_zero as stored_all_zero
 
 
 class Adapter:
@@ -29,8 +30,16 @@ class Adapter:
     def __init__(self, module):
         self.module = module  # ckpt.adapters.loading.LoraModule
         self._cache: dict[str, torch.Tensor] = {}
-        self.device = torch.device("cpu")
+        self._device = None  # the CPU until a merge sets one: matching plans without torch
         self.weight_dtype = None  # the base weight's dtype, set by the merge (`LoraModule.delta_in_weight_dtype`)
+
+    @property
+    def device(self):
+        return torch.device("cpu") if self._device is None else self._device
+
+    @device.setter
+    def device(self, device) -> None:
+        self._device = device
 
     # -- shape contract -------------------------------------------------------------------------
     _rows: int | None = None  # set by each kind's __init__ from its stored shapes
@@ -129,7 +138,11 @@ class Adapter:
 
 def _all_zero(t) -> bool:
     """`t` holds no nonzero value (or none at all). Its first band (its smallest aligned one) is read alone,
-    so a trained factor is told from a zero one without reading the rest; only a zero-led one is read whole."""
+    so a trained factor is told from a zero one without reading the rest; only a zero-led one is read whole.
+    A stored F32/F16/BF16 factor is asked without torch (`ckpt.io.stored_scan`: planning imports no torch)."""
+    stored = stored_all_zero(t)
+    if stored is not None:
+        return stored
     cpu = torch.device("cpu")
     first = next(bands(t, 1))
     spans = [first] + ([(first[1], t.rows)] if first[1] < t.rows else [])
