@@ -195,26 +195,34 @@ def test_a_worker_killed_mid_share_is_retried_and_the_bytes_still_equal(tmp_path
 def interrupted(run_ckpt, args, watch: Path, flags) -> tuple:
     """Run `args` while every share is held at its first tensor; SIGINT this process once a temp output exists."""
     flags["hold"].touch()
-    seen = []
+    seen, done, lock = [], threading.Event(), threading.Lock()
 
     def interrupt_when_staged():
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not done.is_set():
             if any(".ckpt-tmp-" in n for n in os.listdir(watch)):
-                time.sleep(1.0)  # the shares are out
-                seen.append(1)
-                os.kill(os.getpid(), signal.SIGINT)
+                if done.wait(1.0):  # the shares are out; a run that already ended is not interrupted
+                    return
+                with lock:
+                    if not done.is_set():
+                        seen.append(1)
+                        os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
 
     watcher = threading.Thread(target=interrupt_when_staged, daemon=True)
     watcher.start()
+    result = None
     try:
-        return run_ckpt(*args)
+        result = run_ckpt(*args)
+        with lock:  # after this, no SIGINT can reach pytest itself
+            done.set()
     finally:
+        done.set()
         watcher.join(timeout=5)
         flags["hold"].unlink(missing_ok=True)
-        assert seen, "never saw the temp output"
+    assert seen, f"the run ended before it was interrupted: {result}"
+    return result
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-file", "split"])

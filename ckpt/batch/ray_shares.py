@@ -98,8 +98,13 @@ class RayShares:
                 "fmt": self.fmt, "staged": [(s.index, str(Path(s.path).absolute()), s.pad) for s in staged],
                 "fingerprint": fingerprint(plan, pads)}
         gpus = 1 if self.opts.device.startswith("cuda") else 0
-        task = ray.remote(run_share).options(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES,
-                                             retry_exceptions=False, name=f"ckpt convert share of {self.out.name}")
+        # max_calls=1: a worker process serves one share, then exits. A share cancelled (Ctrl-C, another share's
+        # failure) gets a KeyboardInterrupt wherever it is, also inside `import torch`, and a half-imported torch
+        # breaks every later import in that process ("cannot initialize type ...: already defined"), so a reused
+        # worker would fail the next run's share; the cost is one interpreter start per share.
+        task = ray.remote(max_calls=1)(run_share).options(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES,
+                                                          retry_exceptions=False,
+                                                          name=f"ckpt convert share of {self.out.name}")
         refs: dict = {}
         try:
             for names in split_shares(plan, self.cpus * SHARES_PER_CPU):
