@@ -23,12 +23,12 @@ import json
 import re
 
 from ckpt import families
-from ckpt.cast import Caster
 from ckpt.targets.planners.fp8_out import BUNDLED_PREFIXES
 from ckpt.dtypes import is_float
 from ckpt.families.prefixes import model_prefix
 from ckpt.io.plan import OutTensor, Plan
 from ckpt.io.tensors import Tensor
+from ckpt.targets.planners.kept import kept
 from ckpt.quant.comfy_quant import META_KEY, QuantSpec, config_tensor, encode, unencodable
 from ckpt.report import Report, plural
 
@@ -88,11 +88,7 @@ def comfy_quant_outputs(spec: QuantSpec, report: Report, keep: list[str], views,
                 layers[layer] = spec
                 return encode(spec, t, report) + [config_tensor(layer, spec, t.home)]
             misfits.append(t.name)
-        if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, tuple(t.shape), t)]
-        dst = t.natural_dtype
-        c = casters.setdefault(dst, Caster(dst, report))
-        return [OutTensor(t.name, dst, tuple(t.shape), t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
+        return [kept(t, casters, report)]
 
     def finish(plan: Plan) -> None:
         """List each file's quantized layers in its metadata; say what was quantized and what not."""

@@ -28,11 +28,11 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.plan import OutTensor, Plan
 from ckpt.io.tensors import Tensor
+from ckpt.targets.planners.kept import kept
 from ckpt.report import Report, plural
 
 CT_VERSION = "0.19.0"  # the compressed-tensors release llm-compressor 0.14 pins: the layout written
@@ -167,11 +167,7 @@ def ct_outputs(target_name: str, group: int | None, report: Report, keep: list[s
             if preset.kind == "int":
                 return ct_encode.int_group(t, module, preset.bits, group, report)
             return ct_encode.nvfp4(t, module, report, shared.get(t.name))
-        if not is_float(t.dtype):
-            return [OutTensor(t.name, t.dtype, tuple(t.shape), t)]
-        dst = t.natural_dtype
-        c = casters.setdefault(dst, Caster(dst, report))
-        return [OutTensor(t.name, dst, tuple(t.shape), t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
+        return [kept(t, casters, report)]
 
     def finish(plan: Plan) -> None:
         if not quantized:

@@ -26,12 +26,12 @@ from __future__ import annotations
 import json
 import math
 
-from ckpt.cast import Caster
 from ckpt.dtypes import is_float
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint_plan import QUANT_SIDECARS, provenance
 from ckpt.io.plan import OutFile, OutTensor, Plan
 from ckpt.quant.mlx import encoded
+from ckpt.targets.planners.kept import kept as kept_tensor
 from ckpt.report import plural
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # mlx-lm model types whose sanitize only drops keys
@@ -118,12 +118,7 @@ def plan_mlx(ckpt, views, bits: int, group: int, report, operation: str, target:
         if floating and name.endswith(".weight") and len(t.shape) == 2:
             kept.append(name)
         params += t.numel
-        if floating:
-            c = casters.setdefault(dtype, Caster(dtype, report))
-            outs.append(OutTensor(name, dtype, tuple(t.shape), t, lambda x, b, n=name, c=c: c(x, n, b),
-                                  stateless=True))
-        else:
-            outs.append(OutTensor(name, t.dtype, tuple(t.shape), t))
+        outs.append(kept_tensor(t, casters, report, dtype, name))
     outs.sort(key=lambda o: o.name)
     meta = {"format": "mlx", **provenance(operation)}
     files: list[list[OutTensor]] = []
