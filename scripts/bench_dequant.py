@@ -1,7 +1,7 @@
-"""Benchmark `ckpt dequant` against each format's own load-and-dequantize: optimum-quanto, or GPTQ (--format gptq).
+"""Benchmark `ckpt dequant` against each format's own load-and-dequantize: quanto, GPTQ, AWQ, compressed-tensors.
 
-Default (`--format quanto`): against the optimum-quanto way, on synthetic quanto checkpoints; `--format gptq`: against
-the GPTQ oracle's load-and-dequantize, on a synthetic GPTQ 4-bit LLM (below).
+Default (`--format quanto`): against the optimum-quanto way, on synthetic quanto checkpoints; `--format gptq`, `awq`
+and `ct`: against each library's full-load dequantization, on a synthetic 4-bit Llama-shaped LLM of that format (below).
 
 Cases: qint8 with bf16 scales, qint4 with fp16 scales (grouped by 128, float shifts). Each source is an
 optimum-quanto save folder (`model.safetensors` + `quanto_qmap.json`) of a Flux-like model (benchlib's
@@ -37,6 +37,27 @@ AutoGPTQ 0.7.1's torch dequantization (`qlinear_cuda_old`: fields unpacked with 
 `(z + 1) & 15`, `scales[g] * (q - z[g])` in fp16; tests/test_dequant.py checks it against AutoGPTQ's `QuantLinear`
 itself), `save_file` of the whole state dict and fsync (it holds the source and the fp16 output at once: ~4.5x
 `--size-gb` of RAM). `--gptq-way SRC DST` is its internal entry point.
+
+`--format awq` (case awq-4bit): the same Llama shape as AutoAWQ 0.2.9 saves it in GEMM layout (config.json
+`quantization_config` as its `to_transformers_dict` writes it: awq, version gemm, bits 4, group_size 128, zero_point
+true; per linear `qweight` [in, out/8] and `qzeros` [in/128, out/8] random int32 words, which every interleaved GEMM
+nibble order reads as valid codes, fp16 `scales` [in/128, out]; fp16 embeddings, norms, lm_head). Baseline
+"autoawq-way": `load_file` of the checkpoint, then per layer AutoAWQ's own `awq.utils.packing_utils.dequantize_gemm`
+(what `WQLinear_GEMM.forward` runs on CPU without its kernels; its [in, out] result transposed to the Linear's
+[out, in]), `save_file` and fsync. packing_utils.py is loaded from the installed package by its path: it imports only
+torch, whereas `import awq` imports transformers and AutoAWQ's model zoo (~5 s on the 2-core VM), which is no part
+of dequantizing (tests/helpers/awq_base.py loads it the same way). `--awq-way SRC DST`.
+
+`--format ct` (case ct-w4a16): the same Llama shape as llm-compressor saves a W4A16 model with compressed-tensors 0.20
+(`pack-quantized`, one config group targeting Linear, int 4-bit symmetric, group strategy 128, lm_head ignored;
+config.json `quantization_config` as `ModelCompressor.update_config` writes it): per linear `weight_packed` [out, in/8]
+random int32 words (eight offset codes per word, every nibble valid), bf16 `weight_scale` [out, in/128], int64
+`weight_shape` [2]; bf16 embeddings, norms, lm_head (the model's dtype). Baseline "ct-way": the library's own
+model-free folder dequantization, `compressed_tensors.entrypoints.convert.convert_checkpoint(SRC, DST,
+CompressedTensorsDequantizer(SRC, dtype=bf16), device="cpu")`: per safetensors file it loads every tensor, runs
+`PackedQuantizationCompressor.decompress` per module and `save_file`s the file (whole-model loads otherwise need the
+model class: `ModelCompressor.decompress_model` works on an instantiated model); then fsync. Its time includes
+`import compressed_tensors` (which imports transformers), as a user's run does. `--ct-way SRC DST`.
 """
 
 from __future__ import annotations
@@ -55,10 +76,13 @@ import benchlib as bl  # noqa: E402
 
 CASES = {"qint8-bf16": ("qint8", "bf16"), "qint4-fp16": ("qint4", "fp16")}
 GPTQ_CASES = {"gptq-4bit": ("gptq4", "fp16")}
-FORMATS = {"quanto": CASES, "gptq": GPTQ_CASES}
-BASELINE = {"quanto": "quanto", "gptq": "autogptq-way"}
+AWQ_CASES = {"awq-4bit": ("awq4", "fp16")}
+CT_CASES = {"ct-w4a16": ("ct-w4a16", "bf16")}
+FORMATS = {"quanto": CASES, "gptq": GPTQ_CASES, "awq": AWQ_CASES, "ct": CT_CASES}
+BASELINE = {"quanto": "quanto", "gptq": "autogptq-way", "awq": "autoawq-way", "ct": "ct-way"}
+LLM_QTYPES = {"gptq4": "gptq", "awq4": "awq", "ct-w4a16": "ct"}  # the synthetic LLM sources' --qtype, by format
 ST = {"bf16": "BF16", "fp16": "F16", "I8": "I8", "U8": "U8", "I32": "I32"}
-SIZE = {"BF16": 2, "F16": 2, "I8": 1, "U8": 1, "I32": 4}
+SIZE = {"BF16": 2, "F16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 GPTQ_GROUP = 128
 LLM_WIDTHS = (4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128)
 
@@ -137,8 +161,8 @@ def write_entries(path: str, entries, pools: dict, tdt: dict, special=None) -> N
 def write_source(folder: str, size_gb: float, qtype: str, dt: str) -> dict:
     import torch
 
-    if qtype == "gptq4":
-        return write_gptq_source(folder, size_gb)
+    if qtype in LLM_QTYPES:
+        return write_llm_source(folder, size_gb, LLM_QTYPES[qtype])
     model = bl.model_specs(params_for(size_gb))
     entries = quanto_entries(model, qtype, dt)
     g = torch.Generator().manual_seed(0)
@@ -160,19 +184,30 @@ def write_source(folder: str, size_gb: float, qtype: str, dt: str) -> dict:
             "largest": big.name, "largest_shape": list(big.shape), "largest_numel": big.numel}
 
 
-# ------------------------------------------------------------------------- synthetic GPTQ source
+# ---------------------------------------------------------- synthetic GPTQ / AWQ / compressed-tensors sources
 
-def llm_shape(nbytes: float) -> dict:
-    """A Llama-shaped model whose GPTQ 4-bit checkpoint is about `nbytes`: the widest hidden size (4096 at most,
-    head dim 128, MLP ~2.6875x as Llama-2's 11008 / 4096, rounded to the group size) that gives at least 4
-    layers, then as many layers as fit; vocab 32000 (4 x hidden below width 1024)."""
+# Stored bytes of one 4-bit Linear (n outputs, k inputs, groups of GPTQ_GROUP) in each format: codes, then the
+# per-group scales (16-bit) and zero points (4-bit), then what each format adds (GPTQ's g_idx, ct's weight_shape).
+LINEAR_BYTES = {
+    "gptq": lambda n, k: n * k // 2 + k // GPTQ_GROUP * (n * 2 + n // 2) + k * 4,
+    "awq": lambda n, k: n * k // 2 + k // GPTQ_GROUP * (n * 2 + n // 2),
+    "ct": lambda n, k: n * k // 2 + k // GPTQ_GROUP * n * 2 + 16,
+}
+
+
+def llm_shape(nbytes: float, fmt: str = "gptq") -> dict:
+    """A Llama-shaped model whose 4-bit checkpoint in `fmt` (LINEAR_BYTES) is about `nbytes`: the widest hidden
+    size (4096 at most, head dim 128, MLP ~2.6875x as Llama-2's 11008 / 4096, rounded to the group size) that gives
+    at least 4 layers, then as many layers as fit; vocab 32000 (4 x hidden below width 1024)."""
+    linear_bytes = LINEAR_BYTES[fmt]
+
     def shape(h):
         inter = -(-h * 43 // 16 // GPTQ_GROUP) * GPTQ_GROUP
         vocab = 32000 if h >= 1024 else 4 * h
         linears = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
                    "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
                    "mlp.down_proj": (h, inter)}
-        per_layer = sum(n * k // 2 + k // GPTQ_GROUP * (n * 2 + n // 2) + k * 4 for n, k in linears.values()) + 4 * h
+        per_layer = sum(linear_bytes(n, k) for n, k in linears.values()) + 4 * h
         return {"hidden": h, "inter": inter, "vocab": vocab, "linears": linears, "layer_bytes": per_layer,
                 "fixed_bytes": 2 * vocab * h * 2 + 2 * h}
 
@@ -182,51 +217,110 @@ def llm_shape(nbytes: float) -> dict:
     return s
 
 
-def gptq_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(name, safetensors dtype, shape, kind) of an AutoGPTQ-saved Llama (4-bit, group 128, g_idx saved)."""
-    h, g = s["hidden"], GPTQ_GROUP
-    out = [("model.embed_tokens.weight", "F16", (s["vocab"], h), "plain"),
-           ("lm_head.weight", "F16", (s["vocab"], h), "plain"), ("model.norm.weight", "F16", (h,), "one")]
+def llm_plain(s: dict, dt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """The unquantized tensors every format stores in the model's dtype `dt`: embeddings, lm_head, norms."""
+    h = s["hidden"]
+    out = [("model.embed_tokens.weight", dt, (s["vocab"], h), "plain"),
+           ("lm_head.weight", dt, (s["vocab"], h), "plain"), ("model.norm.weight", dt, (h,), "one")]
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", "F16", (h,), "one"),
-                (p + "post_attention_layernorm.weight", "F16", (h,), "one")]
-        for lin, (n, k) in s["linears"].items():
-            out += [(p + lin + ".qweight", "I32", (k // 8, n), "words"),
-                    (p + lin + ".qzeros", "I32", (k // g, n // 8), "words"),
-                    (p + lin + ".scales", "F16", (k // g, n), "scale"), (p + lin + ".g_idx", "I32", (k,), "g_idx")]
+        out += [(p + "input_layernorm.weight", dt, (h,), "one"),
+                (p + "post_attention_layernorm.weight", dt, (h,), "one")]
     return out
 
 
-def write_gptq_source(folder: str, size_gb: float) -> dict:
-    """The GPTQ checkpoint folder (model.safetensors + config.json); codes and zero points are random int32 words
-    (every 4-bit field any value), scales positive fp16, g_idx the in-order groups desc_act false saves."""
+def llm_linears(s: dict):
+    """(prefix, n outputs, k inputs) of every Linear of every layer."""
+    for i in range(s["layers"]):
+        for lin, (n, k) in s["linears"].items():
+            yield f"model.layers.{i}.{lin}", n, k
+
+
+def gptq_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, safetensors dtype, shape, kind) of an AutoGPTQ-saved Llama (4-bit, group 128, g_idx saved)."""
+    g = GPTQ_GROUP
+    out = llm_plain(s, "F16")
+    for p, n, k in llm_linears(s):
+        out += [(p + ".qweight", "I32", (k // 8, n), "words"), (p + ".qzeros", "I32", (k // g, n // 8), "words"),
+                (p + ".scales", "F16", (k // g, n), "scale"), (p + ".g_idx", "I32", (k,), "g_idx")]
+    return out
+
+
+def awq_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, safetensors dtype, shape, kind) of an AutoAWQ GEMM-saved Llama (4-bit, group 128, zero points): the
+    buffers `WQLinear_GEMM(4, 128, k, n)` registers."""
+    g = GPTQ_GROUP
+    out = llm_plain(s, "F16")
+    for p, n, k in llm_linears(s):
+        out += [(p + ".qweight", "I32", (k, n // 8), "words"), (p + ".qzeros", "I32", (k // g, n // 8), "words"),
+                (p + ".scales", "F16", (k // g, n), "scale")]
+    return out
+
+
+def ct_entries(s: dict) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, safetensors dtype, shape, kind) of an llm-compressor W4A16 pack-quantized Llama in bf16 (symmetric:
+    no zero points; lm_head ignored, kept plain): what `PackedQuantizationCompressor.compress` stores."""
+    g = GPTQ_GROUP
+    out = llm_plain(s, "BF16")
+    for p, n, k in llm_linears(s):
+        out += [(p + ".weight_packed", "I32", (n, k // 8), "words"),
+                (p + ".weight_scale", "BF16", (n, k // g), "scale"), (p + ".weight_shape", "I64", (2,), "shape")]
+    return out
+
+
+def llm_quantization_config(fmt: str) -> dict:
+    """config.json `quantization_config` as each library writes it for the synthetic checkpoint: AutoGPTQ's, AutoAWQ
+    0.2.9's `to_transformers_dict`, compressed-tensors 0.20's `update_config` of llm-compressor's W4A16 preset."""
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False, "sym": False,
+                "checkpoint_format": "gptq"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "zero_point": True, "group_size": GPTQ_GROUP, "bits": 4, "version": "gemm",
+                "modules_to_not_convert": None}
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": GPTQ_GROUP, "strategy": "group",
+               "dynamic": False}
+    return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "format": "pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"],
+            "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}, "version": "0.20.0"}
+
+
+LLM_ENTRIES = {"gptq": (gptq_entries, "F16"), "awq": (awq_entries, "F16"), "ct": (ct_entries, "BF16")}
+
+
+def write_llm_source(folder: str, size_gb: float, fmt: str = "gptq") -> dict:
+    """The 4-bit checkpoint folder of `fmt` (model.safetensors + config.json); codes and zero points are random
+    int32 words (every 4-bit field any value), scales positive 16-bit, GPTQ's g_idx the in-order groups desc_act
+    false saves, compressed-tensors' weight_shape each Linear's [out, in]."""
     import torch
 
-    s = llm_shape(size_gb * 1e9)
-    entries = gptq_entries(s)
+    s = llm_shape(size_gb * 1e9, fmt)
+    entries_of, dt = LLM_ENTRIES[fmt]
+    entries = entries_of(s)
     g = torch.Generator().manual_seed(0)
     base = torch.randn(1 << 22, generator=g)
     pools = {"words": torch.randint(0, 256, (1 << 24,), generator=g, dtype=torch.uint8),
              "plain": base * 0.02, "scale": base.abs() * 0.002 + 1e-4, "one": torch.ones(1 << 22)}
+    shapes = {p: (n, k) for p, n, k in llm_linears(s)}
 
-    def g_idx(name, kind, nbytes):
-        return (torch.arange(nbytes // 4, dtype=torch.int32) // GPTQ_GROUP).numpy().tobytes()
+    def special(name, kind, nbytes):
+        if kind == "shape":  # compressed-tensors' weight_shape: torch.tensor(weight.shape), int64
+            return struct.pack("<2q", *shapes[name[: -len(".weight_shape")]])
+        return (torch.arange(nbytes // 4, dtype=torch.int32) // GPTQ_GROUP).numpy().tobytes()  # GPTQ's g_idx
 
     path = os.path.join(folder, "model.safetensors")
-    write_entries(path, entries, pools, {"F16": torch.float16}, g_idx)
+    write_entries(path, entries, pools, {"F16": torch.float16, "BF16": torch.bfloat16}, special)
     h = s["hidden"]
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
               "intermediate_size": s["inter"], "num_hidden_layers": s["layers"], "num_attention_heads": h // 128 or 1,
               "num_key_value_heads": h // 128 or 1, "head_dim": min(128, h), "vocab_size": s["vocab"],
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
-              "torch_dtype": "float16",
-              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False,
-                                      "sym": False, "checkpoint_format": "gptq"}}
+              "torch_dtype": "float16" if dt == "F16" else "bfloat16",
+              "quantization_config": llm_quantization_config(fmt)}
     Path(folder, "config.json").write_text(json.dumps(config, indent=1))
-    mats = [(n, sh) for n, sdt, sh, kind in entries if n.endswith(".weight") and len(sh) == 2]
-    mats += [(n[: -len(".qweight")] + ".weight", (sh[1], sh[0] * 8))
-             for n, _, sh, _ in entries if n.endswith(".qweight")]
+    mats = [(n, sh) for n, _, sh, _ in entries if n.endswith(".weight") and len(sh) == 2]
+    mats += [(p + ".weight", (n, k)) for p, n, k in llm_linears(s)]
     name, shape = max(mats, key=lambda x: x[1][0] * x[1][1])
     norms = sum(sh[0] for n, _, sh, _ in entries if len(sh) == 1 and n.endswith("weight"))
     params = sum(a * b for _, (a, b) in mats) + norms
@@ -268,6 +362,55 @@ def autogptq_torch_dequant(qweight, qzeros, scales, g_idx, bits: int):
     weight = torch.bitwise_and(weight, mask).reshape(-1, weight.shape[2])
     g = g_idx.long()
     return (scales[g] * (weight - zeros[g])).T.contiguous()
+
+
+def awq_packing_utils():
+    """AutoAWQ's installed `awq/utils/packing_utils.py` (its `dequantize_gemm`), loaded by path without running
+    `awq/__init__.py` (which imports transformers and every AutoAWQ model: no part of dequantizing)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("awq")  # a top-level package is found without being imported
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("autoawq is not installed (pip install --no-deps autoawq==0.2.9)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "utils", "packing_utils.py")
+    mod_spec = importlib.util.spec_from_file_location("awq_packing_utils", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def awq_way(src: str, dst: str) -> None:
+    """AutoAWQ's load-and-dequantize, whole model: `load_file`, AutoAWQ 0.2.9's `dequantize_gemm` of every GEMM
+    layer (its [in, out] result transposed to the Linear's [out, in]), `save_file`, fsync."""
+    from safetensors.torch import load_file, save_file
+
+    dequantize_gemm = awq_packing_utils().dequantize_gemm
+    qc = json.loads(Path(src, "config.json").read_text())["quantization_config"]
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for key in [k for k in sd if k.endswith(".qweight")]:
+        p = key[: -len(".qweight")]
+        w = dequantize_gemm(sd.pop(key), sd.pop(p + ".qzeros"), sd.pop(p + ".scales"), qc["bits"], qc["group_size"])
+        out[p + ".weight"] = w.T.contiguous()
+    out.update(sd)
+    os.makedirs(dst, exist_ok=True)
+    path = os.path.join(dst, "model.safetensors")
+    save_file(out, path, metadata={"format": "pt"})
+    bl.fsync_path(path)
+
+
+def ct_way(src: str, dst: str) -> None:
+    """compressed-tensors 0.20's own model-free dequantization of a folder: `convert_checkpoint` with a
+    `CompressedTensorsDequantizer` in the model's dtype (config.json `torch_dtype`), on CPU; then fsync."""
+    import torch
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer, convert_checkpoint
+
+    dtype = getattr(torch, json.loads(Path(src, "config.json").read_text()).get("torch_dtype", "bfloat16"))
+    convert_checkpoint(src, dst, CompressedTensorsDequantizer(src, dtype=dtype), device="cpu")
+    bl.fsync_path(os.path.join(dst, "model.safetensors"))
+
+
+WAYS = {"gptq": gptq_way, "awq": awq_way, "ct": ct_way}  # the LLM formats' baselines, by --format
 
 
 # ------------------------------------------------------------------------------ the quanto way
@@ -325,11 +468,11 @@ def warm(path: Path) -> None:
 
 def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = "cpu",
              baseline: bl.Measurement | None = None) -> tuple[list[list], dict]:
-    fmt = "gptq" if name in GPTQ_CASES else "quanto"
+    fmt = next(f for f, cases in FORMATS.items() if name in cases)
     qtype, dt = FORMATS[fmt][name]
     other = BASELINE[fmt]
     src = work / f"{name}-src"
-    log(f"[{name}] generating {size_gb} GB " + ("GPTQ 4-bit source ..." if fmt == "gptq" else
+    log(f"[{name}] generating {size_gb} GB " + (f"{fmt.upper()} 4-bit source ..." if fmt in WAYS else
                                                f"(bf16-equivalent) quanto {qtype} source ..."))
     gen = bl.run_py(__file__, "--generate", src, "--size-gb", size_gb, "--qtype", qtype, "--dtype", dt)
     info = json.loads(gen.stdout.strip().splitlines()[-1])
@@ -339,7 +482,7 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = 
         dst = work / f"{name}-{variant}"
         argv = (bl.ckpt_argv("dequant", src, "-o", dst, "--device", device, "-q") if variant == "ckpt" else
                 [sys.executable, __file__, "--quanto-way", src, dst, "--size-gb", size_gb] if fmt == "quanto" else
-                [sys.executable, __file__, "--gptq-way", src, dst])
+                [sys.executable, __file__, f"--{fmt}-way", src, dst])
         log(f"[{name}] {variant} ...")
         m = bl.measure(argv)
         outs[variant] = dst / "model.safetensors"
@@ -352,7 +495,7 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = 
             rows.append([name, "-", bl.fmt_gb(out_bytes), "cp + sync", f"{cp.seconds:.1f}", bl.fmt_mb(cp.peak_rss),
                          bl.gbps(out_bytes, cp.seconds)])
             if baseline is not None:
-                src_item = 1 if qtype == "qint8" else 0.5  # qint4 and GPTQ 4-bit: half a byte per value
+                src_item = 1 if qtype == "qint8" else 0.5  # qint4, GPTQ, AWQ, ct 4-bit: half a byte per value
                 lines, vals = bl.verdict_lines(name, m, cp, out_bytes, baseline, info["largest_numel"] * 2,
                                                int(bl.pipeline_bytes(src_item, 2)))
                 verdict = {"lines": lines, **vals}
@@ -366,16 +509,18 @@ def run_case(name: str, size_gb: float, work: Path, verify: bool, device: str = 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", choices=sorted(FORMATS), default="quanto",
-                    help="quanto (default; cases qint8-bf16, qint4-fp16) or gptq (case gptq-4bit)")
+                    help="quanto (default; cases qint8-bf16, qint4-fp16), gptq (case gptq-4bit), awq (case "
+                         "awq-4bit) or ct (compressed-tensors, case ct-w4a16)")
     ap.add_argument("--size-gb", type=float, default=0.3,
-                    help="quanto: model size in bf16; gptq: the GPTQ checkpoint's size (default 0.3)")
+                    help="quanto: model size in bf16; gptq, awq, ct: the 4-bit checkpoint's size (default 0.3)")
     ap.add_argument("--cases", help="comma-separated, from the --format's cases (default: all of them)")
     bl.add_run_args(ap, workdir_alias="--work")
     ap.add_argument("--no-verify", action="store_true", help="skip the bitwise comparison of the outputs")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--generate", metavar="FOLDER", help=argparse.SUPPRESS)
     ap.add_argument("--quanto-way", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
-    ap.add_argument("--gptq-way", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    for fmt in WAYS:
+        ap.add_argument(f"--{fmt}-way", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     ap.add_argument("--qtype", default="qint8", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -385,9 +530,10 @@ def main(argv=None) -> int:
     if a.quanto_way:
         quanto_way(a.quanto_way[0], a.quanto_way[1], a.size_gb)
         return 0
-    if a.gptq_way:
-        gptq_way(a.gptq_way[0], a.gptq_way[1])
-        return 0
+    for fmt, way in WAYS.items():
+        if getattr(a, f"{fmt}_way"):
+            way(*getattr(a, f"{fmt}_way"))
+            return 0
     known = FORMATS[a.format]
     cases = [c.strip() for c in (a.cases or ",".join(known)).split(",") if c.strip()]
     unknown = [c for c in cases if c not in known]
