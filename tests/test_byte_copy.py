@@ -321,32 +321,136 @@ def _block_deltas(src, out) -> list[tuple[int, int]]:
     return deltas
 
 
-def test_on_a_sharing_filesystem_the_header_is_padded_to_keep_blocks_aligned(tmp_path, run_ckpt, monkeypatch):
-    """Where copy_file_range shares extents (btrfs, XFS, bcachefs, ZFS), a shared block must start at the same
-    offset within a block in both files: the header (whose length is the one free choice in a gapless
-    safetensors file) gets the spaces that align the most copied bytes. The tensors are the same; only the
-    header's trailing spaces differ from the unpadded file."""
+def _header(path) -> dict:
+    return json.loads(path.read_bytes()[8: 8 + _header_len(path)])
+
+
+def _without_offsets(header: dict) -> list:
+    return [(k, {f: v for f, v in e.items() if f != "data_offsets"} if k != "__metadata__" else e)
+            for k, e in header.items()]
+
+
+def _aligned(deltas) -> int:
+    return sum(n for d, n in deltas if d == 0)
+
+
+def _best_shift_alone(deltas) -> int:
+    """The bytes the best header padding alone could align in a file of this order (found by content)."""
+    return max(sum(n for d, n in deltas if (d - shift) % 4096 == 0) for shift in range(0, 4096, 8))
+
+
+def _sharing(monkeypatch):
+    """This run as on a filesystem that shares extents: the padding on (the session turns it off), the statfs
+    check answered yes."""
     from ckpt.io import byte_copy
 
-    src = _tiny_flux2_file(tmp_path)
-    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
     monkeypatch.delenv(output.NO_PADDING)
     monkeypatch.setattr(byte_copy, "shares_extents", lambda path: True)
-    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "padded", "-q")
+
+
+def test_on_a_sharing_filesystem_copies_keep_their_input_blocks(tmp_path, run_ckpt, monkeypatch):
+    """Where copy_file_range shares extents (btrfs, XFS, bcachefs, ZFS), a shared block must start at the same
+    offset within a block in both files. A layout conversion renames tensors, so safetensors' order (by name)
+    scatters them; the file then takes its copies in their input's order (a gapless buffer in any order is
+    valid safetensors: readers sort by data_offsets) and the header padding that aligns them: every copied
+    tensor keeps its input's block offset, more than padding alone could do. The header keeps its keys, dtypes
+    and shapes; the tensors are the same for safetensors, diffusers and ckpt's own reader."""
+    diffusers = pytest.importorskip("diffusers")
+    from families_util import flux2_bf16_original
+
+    sd, original = flux2_bf16_original(tmp_path / "f2.safetensors")
+    src = tmp_path / "f2.safetensors"
+    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "plain", "-q")
     assert code == 0, err
-    plain, padded = (tmp_path / d / "diffusion_pytorch_model.safetensors" for d in ("plain", "padded"))
-    pad = _header_len(padded) - _header_len(plain)
+    _sharing(monkeypatch)
+    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "shared", "-q")
+    assert code == 0, err
+    plain, shared = (tmp_path / d / "diffusion_pytorch_model.safetensors" for d in ("plain", "shared"))
+    assert _without_offsets(_header(shared)) == _without_offsets(_header(plain))
+    assert _header(shared) != _header(plain) and (_header_len(shared) - _header_len(plain)) % 8 == 0
+    assert shared.stat().st_size - _header_len(shared) == plain.stat().st_size - _header_len(plain)
+    # every copied tensor of a block or more at its input's offset within a block (found by content)
+    deltas = _block_deltas(src, shared)
+    assert deltas and all(d == 0 for d, _ in deltas)
+    assert _aligned(deltas) > _best_shift_alone(_block_deltas(src, plain))
+    got, want = load_file(shared), load_file(plain)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    loaded, info = diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path / "shared", output_loading_info=True)
+    assert not any(info.values()), info
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+    # ckpt reads it back (and lays that output out for sharing too): the original tensors
+    code, _, err = run_ckpt("convert", tmp_path / "shared", "--layout", "original", "-o", tmp_path / "back.safetensors",
+                            "-q")
+    assert code == 0, err
+    back = load_file(tmp_path / "back.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+
+def _stored_in_order(path, tensors: dict) -> None:
+    """A safetensors file with its data in `tensors`' order (as other writers leave it; safetensors' own sorts by
+    dtype and name), its header keys in that order too."""
+    import struct
+
+    header, data, pos = {}, b"", 0
+    for k, v in tensors.items():
+        b = v.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": {torch.bfloat16: "BF16", torch.float32: "F32"}[v.dtype], "shape": list(v.shape),
+                     "data_offsets": [pos, pos + len(b)]}
+        data, pos = data + b, pos + len(b)
+    js = json.dumps(header).encode()
+    js += b" " * (-(8 + len(js)) % 8)
+    path.write_bytes(struct.pack("<Q", len(js)) + js + data)
+
+
+def _qkv_base(seed: int) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {f"blocks.{i}.{m}": (72, 40) for i in range(3) for m in ("q", "k", "v")}  # 5760 bytes: not whole blocks
+    return shapes, {f"{k}.weight": torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
+
+
+def test_on_a_sharing_filesystem_merged_weights_fill_their_bases_places(tmp_path, run_ckpt, monkeypatch):
+    """A merge-lora of a base stored in another order than safetensors' (here: reverse name order): the untouched
+    weights are copied in their input's order and each merged weight goes where its base was (a computed tensor
+    of the size of the input's gap), so every copy keeps its input's block offset; the merged tensors are the
+    plain run's."""
+    shapes, sd = _qkv_base(3)
+    base = tmp_path / "base.safetensors"
+    _stored_in_order(base, dict(sorted(sd.items(), reverse=True)))
+    lora = kohya_lora(tmp_path / "l.safetensors", {k: s for k, s in shapes.items() if k.endswith(".q")})
+    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "plain.safetensors", "-q")
+    assert code == 0, err
+    _sharing(monkeypatch)
+    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "shared.safetensors", "-q")
+    assert code == 0, err
+    plain, shared = tmp_path / "plain.safetensors", tmp_path / "shared.safetensors"
+    got, want = load_file(shared), load_file(plain)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(got[k], sd[k]) for k in sd if ".q." not in k)
+    deltas = _block_deltas(base, shared)
+    assert len(deltas) == 6 and all(d == 0 for d, _ in deltas)  # the six untouched weights
+    assert _best_shift_alone(_block_deltas(base, plain)) < _aligned(deltas)
+
+
+def test_on_a_sharing_filesystem_safetensors_order_stays_where_it_aligns_as_much(tmp_path, run_ckpt, monkeypatch):
+    """A merge-lora of a base saved by safetensors keeps its order: padding alone aligns every copy, so the data
+    region is the unpadded file's, byte for byte (only the header's spaces differ)."""
+    shapes, sd = _qkv_base(4)
+    base = tmp_path / "base.safetensors"
+    save_file(sd, base)
+    lora = kohya_lora(tmp_path / "l.safetensors", {k: s for k, s in shapes.items() if k.endswith(".q")})
+    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "plain.safetensors", "-q")
+    assert code == 0, err
+    _sharing(monkeypatch)
+    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "shared.safetensors", "-q")
+    assert code == 0, err
+    plain, shared = tmp_path / "plain.safetensors", tmp_path / "shared.safetensors"
+    pad = _header_len(shared) - _header_len(plain)
     assert 0 < pad < 4096 and pad % 8 == 0
-    a, b = plain.read_bytes(), padded.read_bytes()
-    assert b[8: 8 + _header_len(padded)].rstrip(b" ") == a[8: 8 + _header_len(plain)].rstrip(b" ")
-    assert b[8 + _header_len(padded):] == a[8 + _header_len(plain):]  # the same data region
-    got, want = load_file(padded), load_file(plain)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    # the padding aligns as many bytes as the best of every possible shift would (found by content here)
-    deltas = _block_deltas(src, plain)
-    best = max(sum(n for d, n in deltas if (d - shift) % 4096 == 0) for shift in range(0, 4096, 8))
-    assert sum(n for d, n in _block_deltas(src, padded) if d == 0) == best > 0
+    a, b = plain.read_bytes(), shared.read_bytes()
+    assert b[8: 8 + _header_len(shared)].rstrip(b" ") == a[8: 8 + _header_len(plain)].rstrip(b" ")
+    assert b[8 + _header_len(shared):] == a[8 + _header_len(plain):]
+    deltas = _block_deltas(base, shared)
+    assert len(deltas) == 6 and all(d == 0 for d, _ in deltas)
 
 
 def test_block_padding_picks_the_shift_of_most_bytes():
@@ -363,33 +467,112 @@ def test_block_padding_picks_the_shift_of_most_bytes():
     assert block_padding({"c": copies["c"]}, regions) == 0
 
 
+def test_source_order_keeps_item_alignment_and_fills_gaps():
+    """The input order never puts a tensor off its item size's alignment (item sizes largest first, as
+    safetensors does), fills a gap of the input with a computed tensor of its size modulo the block, and puts
+    the other computed tensors after the copies; `block_layout` takes it where it aligns more bytes than
+    safetensors' order, and gives None where nothing of a block or more can be aligned."""
+    from ckpt.io.tensors import ByteRange
+    from ckpt.io.writer import BlockLayout, Entry, block_layout, layout, source_order
+
+    def r(start, length):
+        return [ByteRange(None, "s", start, length)]
+
+    # the input: b16 (bf16, 6000 bytes) at 8, a gap of 2000 bytes, c16 (6000) at 8008, f32 (8000) at 14008;
+    # x16 (2000 bytes) and y16 are computed
+    entries = [Entry("b16", "BF16", (3000,)), Entry("c16", "BF16", (3000,)), Entry("f32", "F32", (2000,)),
+               Entry("x16", "BF16", (1000,)), Entry("y16", "BF16", (7,))]
+    copies = {"b16": r(8, 6000), "c16": r(8008, 6000), "f32": r(14008, 8000)}
+    order = source_order(entries, copies)
+    assert order == ["f32", "b16", "x16", "c16", "y16"]
+    head, regions = layout(entries, None, 0, order)
+    assert all((regions[n][0] - len(head)) % (4 if n == "f32" else 2) == 0 for n in order)
+    assert sorted(regions.values()) == [regions[n] for n in order]
+    shifts = {(copies[n][0].start - regions[n][0]) % 4096 for n in ("b16", "c16")}
+    assert len(shifts) == 1  # both bf16 copies keep one shift: one padding aligns them
+    chosen = block_layout(entries, None, copies, copies)
+    assert chosen.by_source and (shifts.pop() - chosen.pad) % 4096 == 0
+    assert chosen.first(entries, copies) == order and BlockLayout().first(entries, copies) == []
+    assert block_layout(entries, None, {"y16": r(0, 14)}, {"y16": r(0, 14)}) is None
+
+
+def test_ray_shares_lay_a_file_out_as_the_driver_staged_it(tmp_path, run_ckpt, monkeypatch):
+    """`--executor ray` on a sharing filesystem: the driver stages each file with its layout (padding, input
+    order) and hands it to the workers as RayShares does (pickled), which derive the same order from their own
+    plan (`ckpt.io.shares`). Here the workers are this process: the bytes equal the local run's."""
+    import pickle
+
+    from ckpt.convert.command import ConvertOptions, convert, plan_convert
+    from ckpt.io.checkpoint import open_checkpoint
+    from ckpt.io.shares import fingerprint, split_shares, write_share
+    from ckpt.report import Report
+
+    src = _tiny_flux2_file(tmp_path)
+    _sharing(monkeypatch)
+    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "local", "-q")
+    assert code == 0, err
+    layouts = []
+
+    class InProcess:
+        def __init__(self, src, opts, fmt, plan, out, report):
+            self.src, self.opts, self.fmt, self.plan = src, opts, fmt, plan
+
+        def __call__(self, staged, progress=None):
+            layouts.extend(s.layout for s in staged)
+            spec = pickle.loads(pickle.dumps([(s.index, str(s.path), s.layout) for s in staged]))
+            expected = fingerprint(self.plan, [s.layout for s in staged])
+            with open_checkpoint(self.src) as c:
+                plan, _ = plan_convert(c, self.opts, Report(), self.fmt)
+                for names in split_shares(plan, 3):
+                    write_share(plan, spec, names, expected)
+
+        def close(self):
+            pass
+
+    convert(str(src), tmp_path / "ray", ConvertOptions(layout="diffusers", executor="ray", quiet=True),
+            cluster=InProcess)
+    assert [lay.by_source for lay in layouts] == [True]
+    assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+
+
 @pytest.mark.skipif(not os.environ.get("CKPT_TEST_REFLINK_DIR"),
                     reason="set CKPT_TEST_REFLINK_DIR to a folder on XFS (reflink=1) or btrfs to run")
 def test_a_reflink_filesystem_shares_the_copied_blocks(run_ckpt, monkeypatch):
     """On a real sharing filesystem (e.g. `mkfs.xfs -m reflink=1` on a loop device), the layout conversion's
-    output shares most of its blocks with the input (FIEMAP's shared flag, as `filefrag -v` prints it)."""
+    output shares nearly all its copied bytes with the input (FIEMAP's shared flag, as `filefrag -v` prints it):
+    all but the blocks a tensor boundary cuts (copied where two tensors meet inside one). It loads in
+    safetensors and diffusers (strict) with the tensors of the unpadded run."""
     import shutil
     import subprocess
     import tempfile
     from pathlib import Path
 
+    diffusers = pytest.importorskip("diffusers")
     from ckpt.io.byte_copy import shares_extents
+    from ckpt.io.header import read_header
 
-    monkeypatch.delenv(output.NO_PADDING)
     root = Path(os.environ["CKPT_TEST_REFLINK_DIR"])
     assert shares_extents(root), f"{root} is not on a filesystem that shares extents"
     tmp = Path(tempfile.mkdtemp(dir=root))
     try:
         src = _tiny_flux2_file(tmp)
+        code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp / "plain", "-q")  # unpadded
+        assert code == 0, err
+        monkeypatch.delenv(output.NO_PADDING)
         code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp / "out", "-q")
         assert code == 0, err
         out = tmp / "out" / "diffusion_pytorch_model.safetensors"
         fiemap = subprocess.run(["filefrag", "-v", str(out)], capture_output=True, text=True).stdout
-        shared = sum(int(line.split(":")[3].strip().split()[0]) for line in fiemap.splitlines()
-                     if "shared" in line and line.strip()[:1].isdigit())
-        aligned = [n for d, n in _block_deltas(src, out) if d == 0]
-        # every aligned tensor shares its whole blocks (a partial block at either end is copied)
-        assert shared * 4096 >= sum(aligned) - 2 * 4096 * len(aligned) > 0, fiemap
+        shared = 4096 * sum(int(line.split(":")[3].strip().split()[0]) for line in fiemap.splitlines()
+                            if "shared" in line and line.strip()[:1].isdigit())
+        tensors = read_header(out).tensors
+        copied = sum(t.end - t.start for t in tensors.values())  # every tensor of a layout conversion is a copy
+        assert shared >= copied - 4096 * (len(tensors) + 1) and shared >= 0.9 * copied, fiemap
+        got, want = load_file(out), load_file(tmp / "plain" / "diffusion_pytorch_model.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        loaded, info = diffusers.Flux2Transformer2DModel.from_pretrained(tmp / "out", output_loading_info=True)
+        assert not any(info.values()), info
+        assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
     finally:
         shutil.rmtree(tmp)
 

@@ -93,10 +93,10 @@ class RayShares:
         from ckpt.io.shares import fingerprint, share_bytes, split_shares
 
         ray, plan = self.ray, self.plan
-        pads = [s.pad for s in staged]
+        blocks = [s.layout for s in staged]
         base = {"version": ckpt.__version__, "src": _absolute(self.src), "opts": _worker_options(self.opts),
-                "fmt": self.fmt, "staged": [(s.index, str(Path(s.path).absolute()), s.pad) for s in staged],
-                "fingerprint": fingerprint(plan, pads)}
+                "fmt": self.fmt, "staged": [(s.index, str(Path(s.path).absolute()), s.layout) for s in staged],
+                "fingerprint": fingerprint(plan, blocks)}
         gpus = 1 if self.opts.device.startswith("cuda") else 0
         # max_calls=1: a worker process serves one share, then exits. A share cancelled (Ctrl-C, another share's
         # failure) gets a KeyboardInterrupt wherever it is, also inside `import torch`, and a half-imported torch

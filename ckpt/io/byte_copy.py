@@ -58,9 +58,15 @@ def block_padding(copies: dict[str, list], regions: dict[str, tuple[int, int]]) 
     """Spaces to add to a safetensors header so that most copied bytes start at the same offset within a
     block in the output as in their input: only then can the filesystem share their blocks instead of
     copying them (a shared extent starts on a block boundary in both files). The data region has no gaps,
-    so the header length is the one free choice: the one shift (a multiple of 8, keeping the data 8-byte
-    aligned) that aligns the most bytes of ranges a block or longer. `regions`: each tensor's (start, end) in
-    the unpadded file."""
+    so the header length is the one free choice once the tensors' order is set (`ckpt.io.writer.block_layout`
+    chooses that order with this padding): the one shift (a multiple of 8, keeping the data 8-aligned) that
+    aligns the most bytes of ranges a block or longer. `regions`: each tensor's (start, end) in the unpadded
+    file."""
+    return best_shift(copies, regions)[0]
+
+
+def best_shift(copies: dict[str, list], regions: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """(`block_padding`'s shift, the bytes it aligns)."""
     weight: dict[int, int] = {}
     for name, ranges in copies.items():
         pos = regions[name][0]
@@ -70,7 +76,7 @@ def block_padding(copies: dict[str, list], regions: dict[str, tuple[int, int]]) 
                 weight[d] = weight.get(d, 0) + r.length
             pos += r.length
     best = max((d for d in weight if d % 8 == 0), key=lambda d: (weight[d], -d), default=0)
-    return best
+    return best, weight.get(best, 0)
 
 
 class Copier:

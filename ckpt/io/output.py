@@ -27,7 +27,7 @@ from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set, temp_name
 from ckpt.io.side_files import check_not_input, unwritable
 from ckpt.io.tensors import Tensor, row_bands, sub_ranges
-from ckpt.io.writer import SafetensorsWriter
+from ckpt.io.writer import BlockLayout, SafetensorsWriter
 from ckpt.lazy import torch
 from ckpt.report import listed, plural
 
@@ -44,8 +44,9 @@ BYTE_COPY = True
 # cache's writeback throttled the writer; `_direct`); False writes them through the page cache (tests compare:
 # same bytes).
 DIRECT = True
-# Set (to anything but 0), a safetensors header is never padded for a filesystem that shares extents: the
-# bytes safetensors' own writer would write, on every filesystem (the copied blocks are then copied, not shared).
+# Set (to anything but 0), a safetensors file is never laid out for a filesystem that shares extents (header
+# padded, copies in their input's order: `_block_layout`): the bytes safetensors' own writer would write, on
+# every filesystem (the copied blocks are then copied, not shared).
 NO_PADDING = "CKPT_NO_BLOCK_PADDING"
 
 
@@ -286,8 +287,8 @@ def _copy_sidecar(src: Path, rel: str, edit, stage: Staging) -> None:
 def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
     """The writer of the file's format; both take the whole plan up front and then bands in order.
     `fd` is the new file, already created by the staging; the writer owns it. `copies` (tensor -> stored
-    ranges the kernel copies): on a filesystem that shares extents, a safetensors header is padded so that
-    most of them keep their block alignment (`ckpt.io.byte_copy.block_padding`)."""
+    ranges the kernel copies): on a filesystem that shares extents, a safetensors file is laid out (data order,
+    header padding) so that most of them keep their block alignment (`ckpt.io.writer.block_layout`)."""
     entries = [t.entry for t in f.tensors]
     if f.format == "gguf":
         from ckpt.io.gguf_writer import GGUFFileWriter
@@ -299,48 +300,54 @@ def _open_writer(path: Path, f, fd: int, copies: dict | None = None):
         from ckpt.io.torchzip import TorchZipWriter
 
         return TorchZipWriter(path, entries, f.archive, fd=fd)
-    pad = _block_padding(path, entries, f.metadata, copies)
-    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=pad, direct=not pad and _direct(path, f, copies))
+    block = _block_layout(path, entries, f.metadata, copies)
+    if block is None:
+        return SafetensorsWriter(path, entries, f.metadata, fd=fd, direct=_direct(path, f, copies))
+    return SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=block.pad,
+                             first=block.first(entries, copies))
 
 
 def _direct(path: Path, f, copies: dict) -> bool:
     """Whether the file is written with O_DIRECT (`ckpt.io.direct`): wherever a tensor is computed, its copied
     tensors then read straight into the direct writer's buffer. A file of copies alone goes through the page
     cache with copy_file_range instead (no torch; on a filesystem that shares extents, shared blocks: that
-    case is decided before, by the header padding). Measured on the 2-core VM, 4.1 GB: a merge-lora of an
+    case is decided before, by `_block_layout`). Measured on the 2-core VM, 4.1 GB: a merge-lora of an
     attention-only LoRA (78% of the bytes copies) 5.1 s through the page cache, 4.0 s direct; a convert that
     only copies 3.7 s with copy_file_range, 4.7 s direct; a fp8 -> bf16 convert whose bf16 biases alone were
     copies was throttled by the page cache's writeback."""
     return DIRECT and len(copies) < len(f.tensors)
 
 
-def _block_padding(path: Path, entries, metadata, copies: dict | None) -> int:
-    """The header padding that lets a filesystem share the copied tensors' blocks: 0 unless the output is on
-    a filesystem that shares extents and copied ranges come from files on that same filesystem."""
+def _block_layout(path: Path, entries, metadata, copies: dict | None):
+    """The layout (`ckpt.io.writer.BlockLayout`: header padding, data order) that lets a filesystem share the
+    copied tensors' blocks, or None, safetensors' own layout, unless the output is on a filesystem that shares
+    extents, copied ranges come from files on that same filesystem and some of them can keep their blocks
+    aligned. A file so laid out is never written with O_DIRECT: its copies would be read into the direct
+    writer's buffer, never shared."""
     if not copies or os.environ.get(NO_PADDING, "") not in ("", "0"):
-        return 0
-    from ckpt.io.byte_copy import block_padding, shares_extents
-    from ckpt.io.writer import layout
+        return None
+    from ckpt.io.byte_copy import shares_extents
+    from ckpt.io.writer import block_layout
 
     try:
         dev = os.stat(path.parent).st_dev
         same = {n: rs for n, rs in copies.items() if all(os.stat(r.path).st_dev == dev for r in rs)}
     except OSError:
-        return 0
+        return None
     if not same or not shares_extents(path.parent):
-        return 0
-    return block_padding(same, layout(entries, metadata)[1])
+        return None
+    return block_layout(entries, metadata, copies, same)
 
 
 @dataclass(frozen=True)
 class StagedFile:
     """A temp output file created at its full size with its header (`stage_file`), its tensor regions still to be
-    written by the shares (`ckpt.io.shares`): the plan's file `index`, its temp `path`, the header `pad` it was
-    laid out with."""
+    written by the shares (`ckpt.io.shares`): the plan's file `index`, its temp `path`, the `layout` (header
+    padding, data order: `ckpt.io.writer.BlockLayout`) it was laid out with."""
 
     index: int
     path: Path
-    pad: int = 0
+    layout: BlockLayout = BlockLayout()
 
 
 def _write_or_stage(path: Path, f, device, progress, fd: int, busy_stage, staged: list | None) -> None:
@@ -350,10 +357,10 @@ def _write_or_stage(path: Path, f, device, progress, fd: int, busy_stage, staged
         staged.append(StagedFile(len(staged), Path(path), stage_file(path, f, fd)))
 
 
-def stage_file(path: Path, f, fd: int) -> int:
+def stage_file(path: Path, f, fd: int) -> BlockLayout:
     """Create `f`'s file at `path` (`fd`, already created by the staging; closed here) as its writer would, header
     written and size set (sparse), but no tensor: other processes write the regions (`ckpt.io.shares`). Returns
-    the header padding chosen (`_block_padding`), which they must lay the file out with. Never O_DIRECT: several
+    the layout chosen (`_block_layout`), which they must lay the file out with. Never O_DIRECT: several
     writers share the file, and direct I/O rewrites whole blocks."""
     if f.format not in COPY_FORMATS:
         close_fd(fd)
@@ -366,10 +373,11 @@ def stage_file(path: Path, f, fd: int) -> int:
 
         close_fd(fd)
         _durable_header(GGUFFileWriter(path, entries, f.fields))
-        return 0
-    pad = _block_padding(path, entries, f.metadata, copies)
-    _durable_header(SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=pad))
-    return pad
+        return BlockLayout()
+    block = _block_layout(path, entries, f.metadata, copies) or BlockLayout()
+    _durable_header(SafetensorsWriter(path, entries, f.metadata, fd=fd, pad=block.pad,
+                                      first=block.first(entries, copies)))
+    return block
 
 
 def _durable_header(w) -> None:

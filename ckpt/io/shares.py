@@ -26,12 +26,13 @@ from pathlib import Path
 
 from ckpt.errors import CkptError
 from ckpt.io.plan import COPY_FORMATS, OutFile, Plan
-from ckpt.io.writer import RegionWriter
+from ckpt.io.writer import BlockLayout, RegionWriter
 
 
-def regions(f: OutFile, pad: int = 0) -> dict[str, tuple[int, int]]:
-    """Tensor name -> (start, end) in `f`'s file, as its writer lays it out (`pad`: the safetensors header padding
-    the driver chose, `ckpt.io.output.stage_file`)."""
+def regions(f: OutFile, block: BlockLayout = BlockLayout()) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (start, end) in `f`'s file, as its writer lays it out (`block`: the safetensors header padding
+    and data order the driver chose, `ckpt.io.output.stage_file`; the order is derived again from this plan's
+    copies)."""
     entries = [t.entry for t in f.tensors]
     if f.format == "gguf":
         from ckpt.io.gguf_writer import layout as gguf_layout
@@ -39,7 +40,8 @@ def regions(f: OutFile, pad: int = 0) -> dict[str, tuple[int, int]]:
         return gguf_layout(entries, f.fields)[1]
     from ckpt.io.writer import layout
 
-    return layout(entries, f.metadata, pad)[1]
+    first = block.first(entries, f.byte_copies()) if block.by_source else ()
+    return layout(entries, f.metadata, block.pad, first)[1]
 
 
 def check_shareable(plan: Plan) -> None:
@@ -51,14 +53,15 @@ def check_shareable(plan: Plan) -> None:
                         "process (its running CRC32); write safetensors or GGUF, or use --executor local")
 
 
-def fingerprint(plan: Plan, pads: list[int] | None = None) -> str:
+def fingerprint(plan: Plan, blocks: list | None = None) -> str:
     """A digest of what the shares write into: per file its format, size and every tensor's name, dtype, shape,
-    GGUF type and byte region. Two plans with one fingerprint put the same tensors at the same offsets."""
-    pads = pads or [0] * len(plan.files)
+    GGUF type and byte region (`blocks`: each file's `BlockLayout`, as staged). Two plans with one fingerprint put
+    the same tensors at the same offsets."""
+    blocks = [BlockLayout(*b) for b in blocks] if blocks else [BlockLayout()] * len(plan.files)
     h = hashlib.sha256()
-    for f, pad in zip(plan.files, pads):
-        where = regions(f, pad)
-        h.update(json.dumps([f.relpath, f.format, f.nbytes + pad]).encode())
+    for f, block in zip(plan.files, blocks):
+        where = regions(f, block)
+        h.update(json.dumps([f.relpath, f.format, f.nbytes + block.pad]).encode())
         for t in f.tensors:
             e = t.entry
             h.update(json.dumps([e.name, str(e.dtype), list(e.shape), e.gguf_type, list(where[e.name])]).encode())
@@ -89,32 +92,32 @@ class ShareWriter(RegionWriter):
     """Writes the tensors of one share into a file the driver created (`ckpt.io.output.stage_file`): opened without
     truncating, header and other regions left alone, only this share's regions checked full at close."""
 
-    def __init__(self, path: Path, f: OutFile, names: set[str], pad: int):
+    def __init__(self, path: Path, f: OutFile, names: set[str], block: BlockLayout):
         mine = [t.entry for t in f.tensors if t.name in names]
-        where = regions(f, pad)
+        where = regions(f, block)
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         self._open(path, mine, {e.name: where[e.name] for e in mine}, fd)
         self.size = os.fstat(fd).st_size
 
 
 def write_share(plan: Plan, staged: list, names: list[str], expected: str, device=None) -> int:
-    """Write the tensors `names` of `plan` into the driver's temp files (`staged`: (file index, path, pad) per file,
-    in plan order), after checking that this plan is the driver's (`expected`, its `fingerprint`). Returns the
-    bytes written. Raises CkptError for another plan; anything else the writers raise (their partial regions are
-    rewritten whole by a retry)."""
+    """Write the tensors `names` of `plan` into the driver's temp files (`staged`: (file index, path, layout) per
+    file, in plan order; layout: its `ckpt.io.writer.BlockLayout`, as a tuple), after checking that this plan
+    is the driver's (`expected`, its `fingerprint`). Returns the bytes written. Raises CkptError for another plan;
+    anything else the writers raise (their partial regions are rewritten whole by a retry)."""
     from ckpt.io.output import BYTE_COPY, write_tensors
 
-    staged = sorted((int(i), Path(p), int(pad)) for i, p, pad in staged)
-    pads = [pad for _, _, pad in staged]
-    if len(staged) != len(plan.files) or fingerprint(plan, pads) != expected:
+    staged = sorted((int(i), Path(p), BlockLayout(int(b[0]), bool(b[1]))) for i, p, b in staged)
+    blocks = [block for _, _, block in staged]
+    if len(staged) != len(plan.files) or fingerprint(plan, blocks) != expected:
         raise CkptError("the plan made here differs from the driver's (another input, options or ckpt version "
                         "on this node); nothing of this share written")
     wanted, done = set(names), 0
-    for (i, path, pad), f in zip(staged, plan.files):
+    for (i, path, block), f in zip(staged, plan.files):
         mine = [t for t in f.tensors if t.name in wanted]
         if not mine:
             continue
         copies = {n: r for n, r in (f.byte_copies() if BYTE_COPY else {}).items() if n in wanted}
-        write_tensors(ShareWriter(path, f, wanted, pad), mine, copies, device, None, plan.busy_stage)
+        write_tensors(ShareWriter(path, f, wanted, block), mine, copies, device, None, plan.busy_stage)
         done += sum(t.entry.nbytes for t in mine)
     return done

@@ -3,7 +3,10 @@
 The header is final before any data exists, so each tensor's region is known and tensors may be
 produced in any order (written with pwrite at their offsets). Layout follows safetensors' own writer:
 tensors sorted by dtype (descending item size), then name, so every tensor starts aligned to its item
-size; the header is padded with spaces so the data region starts on an 8-byte boundary.
+size; the header is padded with spaces so the data region starts on an 8-byte boundary. The one exception is
+a file with copied tensors on a filesystem that shares extents: its header may carry more spaces and its data
+the copies' input order (the header's keys keep theirs), so that the filesystem can share their blocks
+(`block_layout`).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt.lazy import torch
 
 from ckpt.dtypes import itemsize, nbytes, st_name
+from ckpt.io.byte_copy import BLOCK, best_shift
 from ckpt.io.fds import WRITE_BEHIND, close_fd, pwrite_all, start_writeback
 from ckpt.io.ggml_types import encoded_nbytes
 from ckpt.report import plural
@@ -47,23 +52,112 @@ def _order(e: Entry):
     return (-itemsize(e.dtype), _RANK.get(st_name(e.dtype), len(_RANK)), e.name)
 
 
-def layout(entries: list[Entry], metadata: dict[str, str] | None, pad: int = 0) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def layout(entries: list[Entry], metadata: dict[str, str] | None, pad: int = 0,
+           first: list[str] | tuple[str, ...] = ()) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Header bytes (length prefix included) and name -> (absolute start, end). `pad`: spaces added after the
     header's own padding (a multiple of 8), which the format allows: on a filesystem that shares extents they
-    align copied tensors with their input's blocks (`ckpt.io.byte_copy.block_padding`)."""
+    align copied tensors with their input's blocks (`ckpt.io.byte_copy.block_padding`). `first`: tensors whose
+    data goes first, in this order, the rest after them in safetensors' order (on such a filesystem, the copied
+    tensors in their input's order, `source_order`, so that they keep its block alignment). Readers sort the
+    entries by their data_offsets (safetensors' Rust crate, `ckpt.io.header`), so the header keeps its keys in
+    safetensors' order either way and only the offsets differ."""
     ordered = sorted(entries, key=_order)
+    placed = ordered
+    if first:
+        rank = {name: i for i, name in enumerate(first)}
+        placed = sorted(ordered, key=lambda e: rank.get(e.name, len(rank)))  # stable: the rest keep _order
+    pos, rel = 0, {}
+    for e in placed:
+        rel[e.name] = (pos, pos + e.nbytes)
+        pos += e.nbytes
     header: dict = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
-    pos, rel = 0, {}
     for e in ordered:
-        header[e.name] = {"dtype": st_name(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        rel[e.name] = (pos, pos + e.nbytes)
-        pos += e.nbytes
+        header[e.name] = {"dtype": st_name(e.dtype), "shape": list(e.shape), "data_offsets": list(rel[e.name])}
     js = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     js += b" " * (-(8 + len(js)) % 8 + pad)
     start = 8 + len(js)
     return struct.pack("<Q", len(js)) + js, {k: (start + a, start + b) for k, (a, b) in rel.items()}
+
+
+def source_order(entries: list[Entry], copies: dict[str, list]) -> list[str]:
+    """Every tensor's name in an order that keeps the copied tensors (`copies`: name -> stored ranges) where
+    their input has them, up to a whole number of blocks: a filesystem shares a copied block only where it
+    starts at the same offset within a block in both files (`ckpt.io.byte_copy`), and safetensors' own order
+    (by name) scatters them. Within each item size (largest first, as safetensors lays them out, so every
+    tensor stays aligned to its item size: all sizes are multiples of the item sizes that follow), copies go
+    in the order of their input file (first met) and offset: a rename, the pieces of a split fused tensor or
+    of a reordered one then stay contiguous. Where the input holds bytes no copy takes (a tensor this output
+    computes or drops), a computed tensor of a size that matches them modulo the block fills the gap (a merged
+    weight in its base's place); the other computed tensors follow, in safetensors' order."""
+    files: dict = {}
+    where: dict[str, tuple[int, int]] = {}
+    for name, ranges in copies.items():
+        if ranges:
+            path = ranges[0].path
+            where[name] = (files.setdefault(path, len(files)), min(r.start for r in ranges if r.path == path))
+    out: list[str] = []
+    pos, shift = 0, None
+    ordered = sorted(entries, key=_order)
+    for size in sorted({itemsize(e.dtype) for e in entries}, reverse=True):
+        group = [e for e in ordered if itemsize(e.dtype) == size]
+        fills: dict[int, list[Entry]] = {}  # computed tensors by their size modulo the block
+        for e in group:
+            if e.name not in where:
+                fills.setdefault(e.nbytes % BLOCK, []).append(e)
+        filled: set[str] = set()
+        for e in sorted((e for e in group if e.name in where), key=lambda e: where[e.name]):
+            start = where[e.name][1]
+            gap = 0 if shift is None else (start - pos - shift) % BLOCK
+            if gap and fills.get(gap):
+                fill = fills[gap].pop(0)
+                out.append(fill.name)
+                filled.add(fill.name)
+                pos += fill.nbytes
+            shift = (start - pos) % BLOCK
+            out.append(e.name)
+            pos += e.nbytes
+        for e in group:
+            if e.name not in where and e.name not in filled:
+                out.append(e.name)
+                pos += e.nbytes
+    return out
+
+
+class BlockLayout(NamedTuple):
+    """How a safetensors file on a filesystem that shares extents is laid out so that its copied tensors keep
+    their input's block alignment (`block_layout`): `pad` spaces after the header
+    (`ckpt.io.byte_copy.block_padding`) and, `by_source`, the data in the copies' input order (`source_order`)
+    instead of safetensors' own. `BlockLayout()` is safetensors' own layout. A tuple of an int and a bool: the
+    driver of a share (`ckpt.io.shares`) hands it to the workers, which derive the same order from the same plan."""
+
+    pad: int = 0
+    by_source: bool = False
+
+    def first(self, entries: list[Entry], copies: dict[str, list]) -> list[str]:
+        """`layout`'s `first` for this layout; `copies`: every copied tensor of the file (name -> stored ranges,
+        `OutFile.byte_copies`)."""
+        return source_order(entries, copies) if self.by_source else []
+
+
+def block_layout(entries: list[Entry], metadata, copies: dict[str, list],
+                 shareable: dict[str, list]) -> BlockLayout | None:
+    """The layout that keeps the most copied bytes where a filesystem can share their blocks: safetensors' own
+    order (every other filesystem's bytes, the header's spaces aside) or the copies in their input's order
+    (`source_order`: a layout conversion's renamed and split tensors in the order they are stored, so one
+    padding aligns them all where safetensors' order, by name, leaves a part at other offsets within their
+    blocks), each with its best padding (`ckpt.io.byte_copy.block_padding`). The input order is taken only where
+    it aligns more bytes. None where no copied range of a block or more can be aligned either way. `copies`:
+    every copied tensor of the file (they set the order); `shareable`: those copied from the output's
+    filesystem (only their blocks can be shared)."""
+    best = None
+    for by_source in (False, True):
+        first = source_order(entries, copies) if by_source else ()
+        shift, aligned = best_shift(shareable, layout(entries, metadata, 0, first)[1])
+        if best is None or aligned > best[0]:
+            best = (aligned, BlockLayout(shift, by_source))
+    return best[1] if best[0] else None
 
 
 def file_size(entries: list[Entry], metadata) -> int:
@@ -202,9 +296,9 @@ class RegionWriter:
 
 class SafetensorsWriter(RegionWriter):
     def __init__(self, path, entries: list[Entry], metadata: dict[str, str] | None, fd: int | None = None,
-                 pad: int = 0, direct: bool = False):
+                 pad: int = 0, direct: bool = False, first: list[str] | tuple[str, ...] = ()):
         try:
-            head, regions = layout(entries, metadata, pad)
+            head, regions = layout(entries, metadata, pad, first)
         except BaseException:
             close_fd(fd)
             raise
