@@ -70,9 +70,10 @@ ST_SHORT: dict[str, str] = {
 SHORT: dict[torch.dtype, str] = LazyTable(lambda: {ST_TO_TORCH[k]: v for k, v in ST_SHORT.items()})
 
 
-# config.json `torch_dtype` / `dtype` values (transformers and diffusers spell them this way).
-CONFIG_NAMES: dict[torch.dtype, str] = LazyTable(lambda: {torch.float16: "float16", torch.bfloat16: "bfloat16",
-                                                        torch.float32: "float32"})
+# config.json `torch_dtype` / `dtype` values (transformers and diffusers spell them this way), by safetensors name
+# (a plan made without torch writes them) and by torch dtype.
+ST_CONFIG_NAMES: dict[str, str] = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+CONFIG_NAMES: dict[torch.dtype, str] = LazyTable(lambda: {ST_TO_TORCH[k]: v for k, v in ST_CONFIG_NAMES.items()})
 CONFIG_KEYS = ("torch_dtype", "dtype")
 
 

@@ -18,6 +18,9 @@ for `--device cuda`) + 2x the largest tensor (bf16 bytes) + the pipeline's buffe
 300 MB, and wall time within 1.5x of cp + sync of the output. They print as met / NOT met
 (`--check-targets`: exit 1 if not). `--device cuda` runs both ckpt commands on the GPU; `--workdir`
 chooses tmpfs (/dev/shm) or a disk, and the report says which.
+`--folder`: the base is a model folder (config.json beside model.safetensors, as transformers saves one) and so is
+ckpt's output; `--merge-args "--to bf16"` passes more options to ckpt merge-lora alone. ckpt's first MiB: when the
+temp output beside OUT first holds 1 MiB (polled every 5 ms; what starts it early: `ckpt.io.early_copies`).
 Correctness: ckpt's output is compared with the naive output; both round once from fp32, and the
 only difference is fp32 summation order (addmm in row bands vs one matmul), so elements may differ by
 at most one bf16 ulp (exit 1 otherwise; `--no-verify` skips it).
@@ -30,8 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,6 +105,49 @@ def compare_close(a: str, b: str) -> dict:
             "problem": None if worst <= 1 else f"elements differ by up to {worst} ulps"}
 
 
+def first_mib(out: Path, run) -> tuple[object, float | None]:
+    """`run()` (a measured ckpt command writing OUT), and the seconds from its start until its temp output
+    (`.OUT.ckpt-tmp-*` beside OUT: a file, or a folder of files) first held 1 MiB; None if never seen."""
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def allocated(p: Path) -> int:
+        try:
+            if p.is_dir():
+                return sum(allocated(c) for c in p.iterdir())
+            return p.stat().st_blocks * 512
+        except OSError:  # renamed into place meanwhile
+            return 0
+
+    def poll():
+        while not stop.is_set():
+            for p in out.parent.glob(f".{out.name}.ckpt-tmp-*"):
+                if allocated(p) >= 1 << 20:
+                    seen.append(time.perf_counter())
+                    return
+            time.sleep(0.005)
+
+    os.sync()  # measure() syncs first too: nothing left to flush there, so t0 is its start within a few ms
+    t0 = time.perf_counter()
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        m = run()
+    finally:
+        stop.set()
+        th.join()
+    return m, (seen[0] - t0 if seen else None)
+
+
+def as_folder(base: Path) -> Path:
+    """BASE moved into a model folder of its name (config.json + model.safetensors, as transformers saves one)."""
+    folder = base.with_suffix("")
+    folder.mkdir()
+    base.rename(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BenchModel"], "torch_dtype": "bfloat16"}))
+    return folder
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -124,6 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--check-targets", action="store_true", help="exit 1 if a target is not met")
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--folder", action="store_true",
+                    help="the base (and so ckpt's output) is a model folder with config.json, not one file")
+    ap.add_argument("--merge-args", default="", metavar="ARGS",
+                    help='more options for ckpt merge-lora alone, e.g. "--to bf16" or "--device auto"')
     args = ap.parse_args(argv)
 
     params = int(args.size_gb * 1e9 / 2)
@@ -132,6 +186,7 @@ def main(argv=None) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-merge-", dir=parent))
     base, lora, out = work / "base.safetensors", work / "lora.safetensors", work / "out.safetensors"
+    in_dir = out_dir = None
     ref, copy = work / "naive.safetensors", work / "cp.safetensors"
     dev = ["--device", args.device]
     results: dict = {"machine": bl.machine_info(), "launcher_floor": bl.launcher_floor()}
@@ -141,6 +196,10 @@ def main(argv=None) -> int:
         log("generating LoRA ...")
         bl.run_py(__file__, "--make-lora", base, lora, args.rank, args.targets)
         lora_bytes = lora.stat().st_size
+        src = base
+        if args.folder:
+            src = in_dir = as_folder(base)
+            base, out_dir = src / "model.safetensors", work / "out"
         log("warm-up (untimed convert) ...")
         bl.measure(bl.ckpt_argv("convert", base, "-o", out, "--to", "bf16", "-q"))
         out.unlink()
@@ -149,7 +208,11 @@ def main(argv=None) -> int:
         runs["convert"] = bl.measure(bl.ckpt_argv("convert", base, "-o", out, "--to", "bf16", *dev, "-q"))
         out.unlink()
         log("ckpt merge-lora ...")
-        runs["ckpt"] = bl.measure(bl.ckpt_argv("merge-lora", base, lora, "-o", out, *dev, "-q"))
+        extra = shlex.split(args.merge_args)
+        runs["ckpt"], first = first_mib(out_dir or out, lambda: bl.measure(
+            bl.ckpt_argv("merge-lora", src, lora, "-o", out_dir or out, *dev, *extra, "-q")))
+        if out_dir is not None:  # the folder's weights: what the baselines write and are compared with
+            out = out_dir / "model.safetensors"
         log("cp + sync of the output ...")
         runs["cp"] = bl.cp_baseline(out, copy)
         if not args.no_naive:
@@ -177,6 +240,9 @@ def main(argv=None) -> int:
               f"{'every linear' if args.targets == 'all' else 'the attention qkv and proj'}: {bl.fmt_mb(lora_bytes)} MB; "
               f"launcher RSS floor {bl.fmt_mb(results['launcher_floor'])} MB")
         print(bl.markdown_table(["command", "seconds", "peak RSS MB", "base GB/s"], rows))
+        print(f"ckpt merge-lora{' of a model folder' if args.folder else ''}"
+              f"{' ' + args.merge_args if args.merge_args else ''}: first MiB of the output "
+              + (f"{first:.2f} s after start" if first is not None else "not seen") + f", total {ck.seconds:.2f} s")
         print("\n".join(verdict))
         print(f"target peak RSS: {'met' if rss_ok else 'NOT met'}; target time <= {factor}x cp: "
               f"{'met' if time_ok else 'NOT met'} ({ratio:.2f}x; {ck.seconds / runs['convert'].seconds:.2f}x convert)")
@@ -187,6 +253,7 @@ def main(argv=None) -> int:
         results.update(info=info, lora_bytes=lora_bytes, rss_bound=bound, rss_ok=rss_ok, vs_cp=ratio,
                        vs_convert=ck.seconds / runs["convert"].seconds, time_ok=time_ok, device=args.device,
                        workdir=bl.where(parent), import_baseline_rss=baseline.peak_rss, verify=verify,
+                       folder=args.folder, merge_args=args.merge_args, first_mib_seconds=first,
                        runs={k: {"seconds": m.seconds, "peak_rss": m.peak_rss} for k, m in runs.items()})
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
@@ -198,6 +265,11 @@ def main(argv=None) -> int:
     finally:
         for p in (base, lora, out, ref, copy):
             p.unlink(missing_ok=True)
+        for d in (out_dir, in_dir):
+            if d is not None and d.is_dir():
+                for p in d.iterdir():
+                    p.unlink()
+                d.rmdir()
         try:
             work.rmdir()
         except OSError:

@@ -76,7 +76,9 @@ SLOW_TESTS = {"test_output_header_over_100mb_is_refused_before_writing",
               "test_w4a8_encode_in_comfy_kitchens_row_chunks",
               # tests/serve/test_mlx_lora.py: each runs `mlx_lm fuse` in a subprocess (~10 s)
               "test_keep_format_is_mlx_lm_fuse", "test_to_bf16_is_mlx_lm_fuse_dequantize",
-              "test_plain_base_is_mlx_lm_fuse_of_it"}
+              "test_plain_base_is_mlx_lm_fuse_of_it",
+              # tests/test_merge_lora_torch_free_planning.py: two fresh interpreters per case (~3 s)
+              "test_copies_start_before_torch_for_folders_devices_and_merge"}
 
 
 def pytest_collection_modifyitems(config, items):

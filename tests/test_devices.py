@@ -65,7 +65,7 @@ def test_convert_auto_asks_for_a_gpu_only_for_decoding(tmp_path, monkeypatch, ru
 
 AUTO_CASES = [  # (argv after the command, module that resolves the device, does the run do GPU-worthy math)
     (["dequant", "{f}", "-o", "{o}"], "ckpt.dequant.command", True),
-    (["merge-lora", "{f}", "{f}", "-o", "{o}"], "ckpt.merge_lora.command", True),
+    (["merge-lora", "{b}", "{f}", "-o", "{o}"], "ckpt.merge_lora.command", True),  # asked after planning: a base
     (["lora", "extract", "{f}", "{f}", "--rank", "4", "-o", "{o}"], "ckpt.lora.extract", True),
     (["lora", "resize", "{f}", "--rank", "4", "-o", "{o}"], "ckpt.lora.resize", True),
     (["lora", "merge", "{f}", "{f}", "--svd", "--rank", "4", "-o", "{o}"], "ckpt.lora.merge", True),
@@ -88,9 +88,12 @@ def test_every_command_resolves_auto_with_its_own_heaviness(tmp_path, monkeypatc
         raise CkptError("stopped by the test")
 
     monkeypatch.setattr(importlib.import_module(module), "resolve_device", spy)
+    monkeypatch.setattr("ckpt.devices.torch_has_gpu_backend", lambda: True)  # else auto is the CPU unasked on a CPU build
     f = tmp_path / "in.safetensors"
     save_file({"x.lora_down.weight": torch.zeros(2, 4), "x.lora_up.weight": torch.zeros(4, 2)}, f)
-    code, _, err = run_ckpt(*[a.format(f=f, o=tmp_path / "out.safetensors") for a in argv], "--device", "auto", "-q")
+    save_file({"x.weight": torch.zeros(4, 4)}, tmp_path / "base.safetensors")
+    code, _, err = run_ckpt(*[a.format(f=f, b=tmp_path / "base.safetensors", o=tmp_path / "out.safetensors")
+                              for a in argv], "--device", "auto", "-q")
     assert code == 2 and "stopped by the test" in err, err
     assert asked == [("auto", heavy)]
     assert not (tmp_path / "out.safetensors").exists()

@@ -24,3 +24,17 @@ def test_bench_merge_tiny_run(tmp_path):
     assert "x cp + sync" in p.stdout
     assert "| ckpt" in p.stdout and "target peak RSS" in p.stdout
     assert [x for x in tmp_path.iterdir() if x.name != "r.json"] == []  # cleaned up
+
+
+def test_bench_merge_folder_base_with_merge_args(tmp_path):
+    """`--folder` (the base a model folder with config.json, so is the output) and `--merge-args`: the same check
+    against the naive merge, the options and the first-MiB figure in the summary, nothing left behind."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(SCRIPTS / "bench_merge.py"), "--size-gb", "0.01", "--rank", "8", "--folder",
+                        "--merge-args=--to bf16", "--workdir", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
+    res = json.loads(out.read_text())
+    assert res["verify"]["ok"] and res["folder"] and res["merge_args"] == "--to bf16"
+    assert "ckpt merge-lora of a model folder --to bf16: first MiB of the output" in p.stdout
+    assert [x for x in tmp_path.iterdir() if x.name != "r.json"] == []  # cleaned up

@@ -15,7 +15,7 @@ from typing import Callable
 from ckpt.lazy import torch
 
 from ckpt import __version__
-from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES, as_torch
+from ckpt.dtypes import CONFIG_KEYS, CONFIG_NAMES, ST_CONFIG_NAMES, ST_FLOAT, TORCH_TO_ST
 from ckpt.io.checkpoint import Checkpoint, Component
 from ckpt.errors import CkptError
 from ckpt.io.header import MAX_HEADER
@@ -110,13 +110,17 @@ def plan_checkpoint(ckpt: Checkpoint, views: list, make: Callable[[object], list
     return plan
 
 
-def _main_dtype(files) -> torch.dtype | None:
-    """The floating dtype most output elements have (what a generated config.json declares)."""
+_FLOATING = ST_FLOAT | {"F8_E8M0"}  # the names of torch's floating dtypes (`is_float` leaves the scale format out)
+
+
+def _main_dtype(files) -> str | torch.dtype | None:
+    """The floating dtype most output elements have (what a generated config.json declares), by its safetensors
+    name where it has one: a plan made without torch names its dtypes, and a name is asked without torch."""
     counts: dict = {}
     for f in files:
         for t in f.tensors:
-            dt = t.torch_dtype  # a copied tensor's dtype is its safetensors name
-            if dt.is_floating_point:
+            dt = t.dtype if isinstance(t.dtype, str) else TORCH_TO_ST.get(t.dtype, t.dtype)  # a torch dtype: imported
+            if (dt in _FLOATING) if isinstance(dt, str) else dt.is_floating_point:
                 counts[dt] = counts.get(dt, 0) + math.prod(t.shape)
     return max(counts, key=counts.get) if counts else None
 
@@ -136,14 +140,14 @@ def _check_header_size(comp: Component, f: OutFile) -> None:
                     f"over the {MAX_HEADER / 1e6:.0f} MB that safetensors readers accept ({why}); nothing was written")
 
 
-def _config_edit(dequantized: bool, dtype: torch.dtype | None):
+def _config_edit(dequantized: bool, dtype: str | torch.dtype | None):
     def edit(cfg: dict) -> dict:
         if dequantized:
             cfg.pop("quantization_config", None)
             cfg.pop("_pre_quantization_dtype", None)
             cfg.pop("quantization", None)  # MLX's block (mlx-lm copies it to quantization_config)
         if dtype is not None:
-            name = CONFIG_NAMES.get(as_torch(dtype))  # a plan made without torch names dtypes
+            name = ST_CONFIG_NAMES.get(dtype) if isinstance(dtype, str) else CONFIG_NAMES.get(dtype)  # names: no torch
             if name is None:
                 return cfg
             keys = [k for k in CONFIG_KEYS if k in cfg] or (["torch_dtype"] if "architectures" in cfg else [])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from ckpt import targets
-from ckpt.devices import resolve_device
+from ckpt.devices import cpu_without_torch, resolve_device
 from ckpt.errors import CkptError
 from ckpt.merge import blocks
 from ckpt.merge.methods import get_method
@@ -27,7 +27,7 @@ from ckpt.options import WriteOptions
 from ckpt.report import Report, listed, plural
 from ckpt.run import output_path, write
 from ckpt.targets.casts import Natural
-from ckpt.lazy import torch
+from ckpt.lazy import prefetch, torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -68,6 +68,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
     """Run `recipe`; returns (output path, report). Raises CkptError on bad input (nothing written).
     `default_from`: what the default output is named after (the config file; else the reference model)."""
     report = report or ModelMergeReport()
+    prefetch(torch)  # imported beside the planning (ckpt.lazy), which needs none
     method = get_method(recipe.method)
     if opts.to is None and recipe.out_dtype is not None:
         opts = replace(opts, to=recipe.out_dtype)
@@ -82,7 +83,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
                     "the seed changes nothing")
         recipe.seed = None
     report.recipe = recipe.to_yaml()
-    device = resolve_device(opts.device)
+    cpu = cpu_without_torch(opts.device)  # else asked after planning: asking imports torch (ckpt.devices)
     with contextlib.ExitStack() as stack:
         models = {r.text: open_model(r, stack, report) for r in recipe.refs}
         ref = _reference(recipe, models)
@@ -94,6 +95,7 @@ def merge_models(recipe: Recipe, out: str | Path | None, opts: ModelMergeOptions
         inputs = [p for m in models.values() for p in m.inputs]
         if default_from:
             inputs.append(Path(default_from))
+        device = None if cpu else resolve_device(opts.device)  # None: the CPU
         path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge",
                      device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     target.finish(report, opts.dry_run)
@@ -105,7 +107,7 @@ def _target(opts: ModelMergeOptions):
     with the merge), else the reference's own dtypes, FP8 and LLM-quantization inputs in bf16."""
     if opts.layout is not None and opts.layout not in ("original", "diffusers"):
         raise CkptError(f"--layout {opts.layout}: choose original or diffusers")
-    return targets.choose(opts, Natural(fp8=torch.bfloat16, llm=torch.bfloat16, role="reference"))
+    return targets.choose(opts, Natural(fp8="BF16", llm="BF16", role="reference"))  # names: planned without torch
 
 
 def _reference(recipe: Recipe, models: dict[str, Model]) -> Model:
@@ -173,7 +175,7 @@ def _merged_views(recipe: Recipe, method, models: dict[str, Model], ref: Model, 
                 shapes_differ.append(f"{prefix}{key} (" + ", ".join(f"{k} {list(x.shape)}" for k, x in zip(order, inputs))
                                      + ")")
                 continue
-            if not all(is_float(x.dtype) for x in inputs):
+            if not all(is_float(x.dtype_name) for x in inputs):  # names: planned without torch
                 tensors[key] = t  # integer buffers (position ids, counters): the reference's
                 continue
             names_t = (key, names.get(key, key) or key)

@@ -4,17 +4,19 @@ the dtypes it computes in. Shared by the whole-model merge (`ckpt.merge.command`
 
 from __future__ import annotations
 
-from ckpt.lazy import torch
+from dataclasses import replace
 
+from ckpt.dtypes import as_torch
 from ckpt.merge.methods.base import INPUT, Job
 from ckpt.merge.params import resolve
 from ckpt.merge.recipe import Recipe
 
 
 def compute_dtypes(recipe: Recipe):
-    """(the dtype a merge computes in, the dtype its values are rounded to first or None): the recipe's `dtype`."""
-    compute = torch.float64 if recipe.dtype == "fp64" else torch.float32
-    round_to = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(recipe.dtype or "")
+    """(the dtype a merge computes in, the dtype its values are rounded to first or None): the recipe's `dtype`, by
+    safetensors name, so that the merge is planned without torch (`MergedModelTensor` hands the method torch's)."""
+    compute = "F64" if recipe.dtype == "fp64" else "F32"
+    round_to = {"fp16": "F16", "bf16": "BF16"}.get(recipe.dtype or "")
     return compute, round_to
 
 
@@ -31,6 +33,6 @@ def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs,
                           if i != base or p.scope == INPUT})
     job = Job(name=name, names=names, shape=tuple(shape), inputs=inputs, keys=list(keys), base=base, shared=shared,
               per_input=per_input, seed=recipe.seed, compute=compute, source=recipe.source)
-    if method.check_job is not None:
-        method.check_job(job)
+    if method.check_job is not None:  # methods compute with torch dtypes (this imports torch)
+        method.check_job(replace(job, compute=as_torch(compute)))
     return job

@@ -28,6 +28,7 @@ import math
 
 from ckpt.lazy import torch
 
+from ckpt.dtypes import as_torch, st_name
 from ckpt.errors import CkptError
 from ckpt.io.tensors import Tensor, row_bands
 from ckpt.merge.methods.base import Band, Job, Method
@@ -59,7 +60,6 @@ class MergedModelTensor(Tensor):
         self.job, self.method, self.home = job, method, home
         self.replaces = replaces  # the reference's decoded tensor it stands for (--keep-format re-encodes it)
         self.name, self.shape = job.names[0], tuple(job.shape)
-        self.dtype = job.compute
         self.round_to = round_to  # the config's `dtype` below fp32: inputs rounded to it first
         self.kind = method.kind_of(job) if method.kind_of is not None else method.kind
         aligns = [t.row_align for t in job.inputs]
@@ -69,9 +69,31 @@ class MergedModelTensor(Tensor):
         self.stated = False
         job.passes = self._passes
 
+    # Planned by the compute dtype's name (`ckpt.merge.jobs.compute_dtypes`) and the inputs' natural dtype names,
+    # without torch; the first read gives the method torch's dtypes (`_torch_dtypes`).
+    @property
+    def dtype(self):
+        return as_torch(self.job.compute)
+
+    @property
+    def dtype_name(self) -> str:
+        return st_name(self.job.compute)
+
     @property
     def natural_dtype(self):
-        return self.job.inputs[self.job.base if self.job.base is not None else 0].natural_dtype
+        return self._reference.natural_dtype
+
+    @property
+    def natural_dtype_name(self) -> str:
+        return self._reference.natural_dtype_name
+
+    @property
+    def _reference(self):
+        return self.job.inputs[self.job.base if self.job.base is not None else 0]
+
+    def _torch_dtypes(self) -> None:
+        self.job.compute = as_torch(self.job.compute)
+        self.round_to = as_torch(self.round_to) if self.round_to is not None else None
 
     @property
     def source_bytes(self):
@@ -101,6 +123,7 @@ class MergedModelTensor(Tensor):
             yield Band(a, b, self.row_numel), self._inputs(a, b, device, None)
 
     def read(self, start, stop, device, scratch=None):
+        self._torch_dtypes()
         self.job.device = device
         if self.kind == "stats" and not self.stated:
             self.state = self.method.stats(self.job)

@@ -20,7 +20,7 @@ from ckpt.adapters import litgpt
 from ckpt.adapters.checks import alphas as check_alphas, ratios as check_ratios, settle_alphas
 from ckpt.adapters.loading import LoraFile, load_lora
 from ckpt.adapters.matching import MatchReport, match_loras, swapped_hint
-from ckpt.devices import resolve_device
+from ckpt.devices import cpu_without_torch, resolve_device
 from ckpt.errors import CkptError
 from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.file_kinds import WEIGHT_SUFFIXES
@@ -75,7 +75,7 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeL
                         f"{litgpt.LORA_FILE})")
     ratios = check_ratios(opts.ratios, len(loras))
     alphas = check_alphas(opts.alphas, len(loras))
-    device = None if opts.device == "cpu" else resolve_device(opts.device)  # None: the CPU, planned without torch
+    cpu = cpu_without_torch(opts.device)  # else asked after planning: asking imports torch (ckpt.devices)
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(open_checkpoint(base))
         base_dir = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -97,6 +97,7 @@ def merge_lora(base: str, loras: list[str], out: str | Path | None, opts: MergeL
         plan = _plan(ckpt, files, ratios, opts, report, target, fmt, lit)
         derived = _default_output(base, ckpt, plan, fmt, out, report, opts, target, lit, finetune_dir, base_dir)
         inputs = ckpt.inputs + [p for f in files for p in f.inputs]
+        device = None if cpu else resolve_device(opts.device)  # None: the CPU
         out_path = write(plan, output_path(out, derived, plan), inputs=inputs, report=report, desc="merge-lora",
                          device=device, overwrite=opts.overwrite, dry_run=opts.dry_run, quiet=opts.quiet)
     target.finish(report, opts.dry_run)

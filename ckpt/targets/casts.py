@@ -20,19 +20,19 @@ class Cast(Target):
         super().__init__(name)
         self.torch_name = torch_name
 
-    def dtype(self):
-        from ckpt.lazy import torch
+    @property
+    def st_dtype(self) -> str | None:
+        """The target by its safetensors name ("BF16"): what planning decides with, without torch."""
+        from ckpt.dtypes import ST_TORCH_NAMES
 
-        return getattr(torch, self.torch_name) if self.torch_name else None
+        return next((k for k, v in ST_TORCH_NAMES.items() if v == self.torch_name), None)
 
     def outputs(self, views, opts, report):
         import fnmatch
 
-        from ckpt.dtypes import ST_TORCH_NAMES
         from ckpt.run import cast_outputs
 
-        # the target by its safetensors name: a tensor already in it is copied, and deciding so needs no torch
-        target = {v: k for k, v in ST_TORCH_NAMES.items()}[self.torch_name]
+        target = self.st_dtype  # a tensor already in it is copied, and deciding so needs no torch
 
         def out_dtype(t):
             keep = any(fnmatch.fnmatchcase(t.name, pat) for pat in opts.keep)
@@ -41,10 +41,9 @@ class Cast(Target):
         return cast_outputs(report, out_dtype, clamp=opts.clamp), None
 
     def output_dtype(self, views):
-        from ckpt.lazy import torch
+        from ckpt.dtypes import ST_CONFIG_NAMES
 
-        d = self.dtype()
-        return d if d in (torch.float16, torch.bfloat16, torch.float32) else None
+        return self.st_dtype if self.st_dtype in ST_CONFIG_NAMES else None  # a name: config.json planned without torch
 
 
 class Natural(Target):
