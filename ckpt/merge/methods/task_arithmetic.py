@@ -24,7 +24,8 @@ Streaming: the deltas are made band by band from the inputs' bands. Selection by
 per model: one threshold for ties, two for breadcrumbs' window), and the L1 rescale is one more pass summing
 |d_i| and |kept d_i| (in fp64); the thresholds and scale factors are a few numbers per model, kept for the
 tensor; then the bands are merged. DARE and DELLA draw their masks per band; DELLA's ranks need whole rows (every
-band has them), and a 1-D tensor, one row, is read whole. Memory: a few bands per input.
+band has them), and a 1-D tensor, one row, is read whole; DELLA's masks of the rescale pass are kept, a bit per
+element, for the merge pass (`ckpt.merge.mask_store`, within a budget). Memory: a few bands per input.
 
 Determinism: the drop mask of a (seed, model, tensor) is `ckpt.merge.rng.uniform(seed, model's text in the
 config, tensor name, element)` < keep probability: a function of those alone, the same whatever the band size,
@@ -47,9 +48,11 @@ dtype of mergekit's sign mask, a memory saving; ckpt's mask is bool).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ckpt.errors import CkptError
+from ckpt.merge.mask_store import MaskStore
 from ckpt.merge.methods.base import NON_BASE, SHARED, Band, Method, Param, density_param, weight_param
 from ckpt.lazy import torch
 
@@ -246,6 +249,7 @@ def _stats(c: Config, job, passes) -> dict:
     select = _selectors(c, job, passes)
     ratio = {}
     sparse = _sparse(c, job)
+    masks = None
     if job.shared["rescale"] and sparse:
         before = dict.fromkeys(sparse, 0.0)
         after = dict.fromkeys(sparse, 0.0)
@@ -254,12 +258,16 @@ def _stats(c: Config, job, passes) -> dict:
                 d = xs[i] - xs[job.base]
                 a = d.abs()
                 keep = _keep(c, job, i, d, band, select, a)
+                if masks is None and c.sparsify == "della_magprune" and _compiled_masks(d):
+                    masks = MaskStore.reserve(math.prod(job.shape), len(sparse)) or False
+                if masks:  # DELLA's masks cost a sort per row: kept for the merge pass (`ckpt.merge.mask_store`)
+                    masks.put(i, band.offset, keep)
                 before[i] += float(a.sum(dtype=torch.float64))
                 after[i] += float(a.mul_(keep).sum(dtype=torch.float64))
         for i in sparse:
             if before[i] >= RESCALE_EPS and after[i] >= RESCALE_EPS:
                 ratio[i] = before[i] / after[i]
-    return {"select": select, "ratio": ratio}
+    return {"select": select, "ratio": ratio, "masks": masks or None}
 
 
 # --- the merge ---------------------------------------------------------------------------------------------------
@@ -276,7 +284,10 @@ def _merge(c: Config, job, xs, band, state):
     for i in others:
         d = xs[i] - base
         if i in sparse:
-            d.mul_(_keep(c, job, i, d, band, state["select"]))  # d is this band's own: x1 or x0, as d * mask
+            keep = state["masks"].get(i, band.offset, d.shape) if state.get("masks") else None
+            if keep is None:
+                keep = _keep(c, job, i, d, band, state["select"])
+            d.mul_(keep)  # d is this band's own: x1 or x0, as d * mask
             if i in state["ratio"]:
                 d.mul_(torch.tensor(state["ratio"][i], dtype=d.dtype, device=d.device))
         deltas.append(d)
