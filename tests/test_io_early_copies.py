@@ -199,11 +199,19 @@ def test_an_interrupt_stops_the_copying_thread_and_leaves_nothing(tmp_path, monk
 
     _mixed(tmp_path / "m.safetensors")
     seen = []
+    gate = threading.Event()  # holds the copying thread after each write until the interrupt has seen it alive:
+    real_moved = early_copies.EarlyCopies._moved  # on its own, it sometimes finished first (2 runs in 10)
+
+    def moved(self, n):
+        real_moved(self, n)
+        gate.wait(10)
 
     def interrupted(*a):
         seen.append([t.name for t in threading.enumerate()])
+        gate.set()
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(early_copies.EarlyCopies, "_moved", moved)
     monkeypatch.setattr(output, "_stream_tensor", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(str(tmp_path / "m.safetensors"), tmp_path / "o.safetensors", ConvertOptions(to="bf16", quiet=True))
