@@ -156,7 +156,8 @@ def test_copies_start_before_torch_is_imported(tmp_path):
 def inputs(tmp_path_factory):
     """The bases and adapters of the cases below, built once: a one-file base with a kohya LoRA, a transformers
     Llama folder (bf16, config.json, three shards and an index) with a PEFT LoRA (and a second such folder to merge
-    with), a diffusers UNet folder with a kohya LoRA, and two one-file models with an int64 buffer (`ckpt merge`
+    with), a diffusers UNet folder with a kohya LoRA, an original-layout Flux.2 file with a kohya LoRA on a fused
+    qkv, and two one-file models with an int64 buffer (`ckpt merge`
     copies the reference's: early copies)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -186,6 +187,12 @@ def inputs(tmp_path_factory):
             lora[m + ".lora_up.weight"] = torch.randn(v.shape[0], 4, generator=g).half()
             lora[m + ".alpha"] = torch.tensor(2.0).half()
     save_file(lora, str(d / "unet_lora.safetensors"))
+    _, flux2 = fu.flux2_bf16_original(path=d / "flux2.safetensors")
+    qkv = "double_blocks.0.img_attn.qkv.weight"
+    m = "lora_unet_" + qkv[: -len(".weight")].replace(".", "_")
+    save_file({m + ".lora_down.weight": torch.randn(4, flux2[qkv].shape[1], generator=g).half(),
+               m + ".lora_up.weight": torch.randn(flux2[qkv].shape[0], 4, generator=g).half(),
+               m + ".alpha": torch.tensor(2.0).half()}, str(d / "flux2_lora.safetensors"))
 
     for name in ("a", "b"):
         save_file({"pos_ids": torch.arange(4096), "w1": torch.randn(96, 64, generator=g).bfloat16(),
@@ -261,6 +268,9 @@ PLANNED = {  # id: argv with {d} the inputs folder
     "merge-lora-hf-folder-to-bf16": ["merge-lora", "{d}/llm", "{d}/peft", "--to", "bf16"],
     "merge-lora-hf-folder-to-fp16-keep": ["merge-lora", "{d}/llm", "{d}/peft", "--to", "fp16", "--keep", "*norm*"],
     "merge-lora-diffusers-folder": ["merge-lora", "{d}/unet", "{d}/unet_lora.safetensors"],
+    # --layout: the merged fused qkv is split into q, k, v (row slices of a merged tensor)
+    "merge-lora-layout-split": ["merge-lora", "{d}/flux2.safetensors", "{d}/flux2_lora.safetensors", "--layout",
+                                "diffusers"],
     "merge-lora-device-auto": ["merge-lora", "{d}/base.safetensors", "{d}/lora.safetensors", "--device", "auto"],
     "merge-files": ["merge", "{d}/a.safetensors", "{d}/b.safetensors", "--alpha", "0.3"],
     "merge-folders-to-bf16": ["merge", "{d}/llm", "{d}/llm_b", "--alpha", "0.3", "--to", "bf16"],

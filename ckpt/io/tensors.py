@@ -329,6 +329,12 @@ class RowSlice(Tensor):
         return self.base.natural_dtype
 
     @property
+    def natural_dtype_name(self) -> str:
+        if type(self).natural_dtype is RowSlice.natural_dtype:  # the base's, without torch where it answers so
+            return self.base.natural_dtype_name
+        return super().natural_dtype_name
+
+    @property
     def dtype_name(self) -> str:
         return self.base.dtype_name
 
@@ -364,6 +370,12 @@ class RowConcat(Tensor):
     @property
     def natural_dtype(self) -> torch.dtype:
         return self.parts[0].natural_dtype
+
+    @property
+    def natural_dtype_name(self) -> str:
+        if type(self).natural_dtype is RowConcat.natural_dtype:  # the first part's, without torch where it can
+            return self.parts[0].natural_dtype_name
+        return super().natural_dtype_name
 
     def byte_ranges(self):
         pieces = [p.byte_ranges() for p in self.parts]
@@ -407,6 +419,12 @@ class Reshaped(Tensor):
     def natural_dtype(self) -> torch.dtype:
         return self.base.natural_dtype
 
+    @property
+    def natural_dtype_name(self) -> str:
+        if type(self).natural_dtype is Reshaped.natural_dtype:  # the base's, without torch where it answers so
+            return self.base.natural_dtype_name
+        return super().natural_dtype_name
+
     def byte_ranges(self):
         return self.base.byte_ranges()
 
@@ -439,6 +457,12 @@ class Transposed(Tensor):
     @property
     def natural_dtype(self) -> torch.dtype:
         return self.base.natural_dtype
+
+    @property
+    def natural_dtype_name(self) -> str:
+        if type(self).natural_dtype is Transposed.natural_dtype:  # the base's, without torch where it answers so
+            return self.base.natural_dtype_name
+        return super().natural_dtype_name
 
     def read(self, start, stop, device, scratch=None):
         return read_rows(self.base, 0, self.base.rows, device, scratch).T.contiguous()[start:stop]
