@@ -185,3 +185,23 @@ def test_comfy_named_hunyuan_video_with_an_unknown_tensor_is_refused(tmp_path, r
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert "more than one model (model.model.* and e.g. vae.decoder.conv_in.weight)" in err
         assert not (tmp_path / "d").exists()
+
+
+def test_kandinsky5_is_not_taken_for_ltx_video(tmp_path, run_ckpt):
+    """Kandinsky 5's diffusers transformer (diffusers' own class) has `time_embeddings.*`, which began like LTX-Video's
+    `time_embed.*`: it was detected as LTX-Video and `--layout` failed blaming 80 tensors with no LTX counterpart.
+    ckpt has no Kandinsky 5 module: no family is named, `--layout` is refused as an unknown family, nothing written."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    from helpers.refusals import assert_refused
+
+    model = Kandinsky5Transformer3DModel(in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16,
+                                         out_visual_dim=4, model_dim=32, ff_dim=64, num_text_blocks=1,
+                                         num_visual_blocks=2, axes_dims=(4, 6, 6))
+    model.save_pretrained(tmp_path / "k5")
+    assert any(k.startswith("time_embeddings.") for k in model.state_dict())
+    code, out, err = run_ckpt("inspect", tmp_path / "k5")
+    assert code == 0, err
+    assert "LTX" not in out
+    assert_refused(run_ckpt, tmp_path, ["convert", tmp_path / "k5", "--layout", "original", "-o", tmp_path / "out"],
+                   str(tmp_path / "k5" / "diffusion_pytorch_model.safetensors"), "no known model family")

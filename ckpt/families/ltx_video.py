@@ -36,7 +36,8 @@ NORMS = tuple((f"{a}.{o}", f"{a}.{d}") for a in ("attn1", "attn2") for o, d in (
 
 BLOCK_NAMES = r"transformer_blocks_.\d+_.(attn[12]_.(to_|norm_|[qk]_norm)|ff_.net|scale_shift_table)"
 ORIGINAL_NAMES = start(rf"({BLOCK_NAMES}|patchify_proj|adaln_single|caption_projection)")
-DIFFUSERS_NAMES = start(rf"({BLOCK_NAMES}|proj_in|time_embed|caption_projection)")
+# top-level names end at a separator: Kandinsky 5's `time_embeddings` is not `time_embed`
+DIFFUSERS_NAMES = start(rf"({BLOCK_NAMES}|(proj_in|time_embed|caption_projection)_.)")
 # what the MMDiT families (SD3/SD3.5 dual attention, Flux, HunyuanVideo) have in their diffusers blocks
 MMDIT = start(r"(transformer_blocks_.\d+_.(attn_.|ff_context|norm1_context)|context_embedder|pos_embed|x_embedder)")
 # LTX-2's audio stream and audio-video cross attention (its own module answers for those)
@@ -97,7 +98,7 @@ FAMILY = Family(
     layouts={
         ORIGINAL: Signature(ORIGINAL_NAMES, required=(at(r"(patchify_proj|adaln_single|attn[12]_.[qk]_norm)"),),
                             forbidden=(LTX2, MMDIT)),
-        DIFFUSERS: Signature(DIFFUSERS_NAMES, required=(at(r"(proj_in|time_embed|attn1_.norm_[qk])"),),
+        DIFFUSERS: Signature(DIFFUSERS_NAMES, required=(at(r"((proj_in|time_embed)_.|attn1_.norm_[qk])"),),
                              forbidden=(LTX2, MMDIT)),
     },
     identify=identify,
