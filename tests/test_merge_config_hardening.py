@@ -229,3 +229,28 @@ def test_nan_already_in_an_input_is_merged_and_said(run_ckpt, tmp_path):
     assert "1 NaN/Inf value was already in the input" in out + err
     merged = load_file(tmp_path / "out.safetensors")["x.weight"]
     assert torch.isnan(merged[1, 2]) and int(torch.isnan(merged).sum()) == 1  # torch.lerp, as sd-mecha computes it
+
+
+def test_the_zero_sum_check_is_torchs_sum_decided_without_torch_where_sure():
+    """`sums_to_zero` (planning, before torch is imported) against what the merge divides by, `weight_sum` (a torch
+    tensor of the compute dtype, summed): equal on weights that cancel exactly, cancel only after rounding to fp32,
+    cancel in one summing order but not another, overflow fp32, are NaN or inf, and on seeded random ones."""
+    import random
+
+    import torch
+
+    from ckpt.merge.methods.linear import sums_to_zero, weight_sum
+
+    cases = [[0, 0], [1, -1], [0.5, -0.25, -0.25], [1e20, 1, -1e20], [1, 1e20, -1e20], [0.1, 0.2, -0.3],
+             [1e-30, -1e-30], [3.4e38, 3.4e38, -3.4e38, -3.4e38], [1e39, -1e39], [float("nan"), 1],
+             [float("inf"), -float("inf")], [1 + 2 ** -30, -1], [1 + 2 ** -60, -1], [2 ** -149, -(2 ** -149)],
+             [1e-46, 0], [0.3, 0.7], [-0.0, 0.0]]
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        ws = [rng.choice([rng.uniform(-2, 2), rng.choice([-1, 1]) * 10.0 ** rng.randint(-40, 40), 0.0])
+              for _ in range(n - 1)]
+        cases.append(ws + [-sum(ws) * rng.choice([1, 1, 1 + 1e-9])])
+    for dtype in (torch.float32, torch.float64, "F32", "F64", torch.bfloat16, "F16"):
+        for ws in cases:
+            assert sums_to_zero(ws, dtype) == bool(weight_sum(ws, dtype) == 0), (dtype, ws)

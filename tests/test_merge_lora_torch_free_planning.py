@@ -280,6 +280,10 @@ PLANNED = {  # id: argv with {d} the inputs folder
     "merge-dare-ties-yaml": ["merge", "{d}/dare_ties.yaml"],
     "merge-slices-yaml": ["merge", "{d}/slices.yaml"],
     "merge-device-auto": ["merge", "{d}/a.safetensors", "{d}/b.safetensors", "--alpha", "0.3", "--device", "auto"],
+    # the methods whose per-tensor check sums the weights (`sums_to_zero`)
+    "merge-linear": ["merge", "{d}/a.safetensors", "{d}/b.safetensors", "--method", "linear", "--weight", "0.3,0.7"],
+    "merge-multislerp": ["merge", "{d}/a.safetensors", "{d}/b.safetensors", "--method", "multislerp", "--weight",
+                         "0.3,0.7"],
     "convert-hf-folder-to-bf16": ["convert", "{d}/llm", "--to", "bf16"],  # the same config.json edit, every tensor copied
 }
 

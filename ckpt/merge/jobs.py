@@ -4,9 +4,6 @@ the dtypes it computes in. Shared by the whole-model merge (`ckpt.merge.command`
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ckpt.dtypes import as_torch
 from ckpt.merge.methods.base import INPUT, Job
 from ckpt.merge.params import resolve
 from ckpt.merge.recipe import Recipe
@@ -33,6 +30,6 @@ def make_job(method, name: str, names: tuple[str, ...], t: float, shape, inputs,
                           if i != base or p.scope == INPUT})
     job = Job(name=name, names=names, shape=tuple(shape), inputs=inputs, keys=list(keys), base=base, shared=shared,
               per_input=per_input, seed=recipe.seed, compute=compute, source=recipe.source)
-    if method.check_job is not None:  # methods compute with torch dtypes (this imports torch)
-        method.check_job(replace(job, compute=as_torch(compute)))
+    if method.check_job is not None:  # the compute dtype as planned (a name): a check imports torch only if it must
+        method.check_job(job)
     return job

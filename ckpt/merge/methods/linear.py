@@ -7,6 +7,7 @@ resolved for, before anything is written; mergekit divides by that 0 and writes 
 
 from __future__ import annotations
 
+from ckpt.dtypes import as_torch, st_name
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import INPUT, SHARED, Method, Param
 from ckpt.lazy import torch
@@ -14,11 +15,43 @@ from ckpt.lazy import torch
 
 def weight_sum(weights, dtype):
     """The sum of `weights` as the merge computes it (a tensor of the compute dtype, summed in input order)."""
-    return torch.tensor(weights, dtype=dtype).sum()
+    return torch.tensor(weights, dtype=as_torch(dtype)).sum()
+
+
+# unit roundoff of the compute dtypes whose rounding of a Python float is known without torch (round to nearest even)
+_ROUNDOFF = {"F64": 2.0 ** -53, "F32": 2.0 ** -24}
+
+
+def sums_to_zero(weights, dtype) -> bool:
+    """Whether `weight_sum(weights, dtype) == 0`, decided without torch where it is sure (planning runs before torch
+    is imported, `ckpt.lazy.prefetch`): the weights rounded to the compute dtype sum exactly (as fractions) to S, and
+    each of the n - 1 additions, in whatever order torch reduces them, is off by at most u times a partial sum no
+    larger than A = sum |w|; so where |S| > 2 (n - 1) u A no rounding ends at 0, and S == 0 with every weight 0 is
+    0 in any order. Anything else (near-cancelling weights, overflow, other compute dtypes) asks torch itself."""
+    import struct
+    from fractions import Fraction
+
+    u = _ROUNDOFF.get(st_name(dtype))
+    if u is not None:
+        try:
+            if u == _ROUNDOFF["F32"]:
+                ws = [struct.unpack("<f", struct.pack("<f", float(w)))[0] for w in weights]
+            else:
+                ws = [float(w) for w in weights]
+        except OverflowError:  # beyond fp32's range: torch's tensor holds inf
+            ws = None
+        if ws is not None and all(w == w and abs(w) != float("inf") for w in ws):
+            if not any(ws):
+                return True
+            exact = sum(Fraction(w) for w in ws)
+            bound = 2 * max(len(ws) - 1, 0) * Fraction(u) * sum(Fraction(abs(w)) for w in ws)
+            if abs(exact) > bound:
+                return False
+    return bool(weight_sum(weights, dtype) == 0)
 
 
 def _check(job):
-    if job.shared["normalize"] and weight_sum([p["weight"] for p in job.per_input], job.compute) == 0:
+    if job.shared["normalize"] and sums_to_zero([p["weight"] for p in job.per_input], job.compute):
         raise CkptError(f"{job.source}: linear's weights sum to 0 for {job.names[0]}: normalize divides by their sum "
                         "(every value would be NaN/Inf); give weights with another sum, or normalize: false "
                         "(--param normalize=false) to add them undivided")

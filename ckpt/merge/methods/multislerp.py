@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ckpt.errors import CkptError
 from ckpt.merge.methods.base import NON_BASE, SHARED, Method, Param
-from ckpt.merge.methods.linear import weight_sum
+from ckpt.merge.methods.linear import sums_to_zero
 from ckpt.lazy import torch
 
 
@@ -39,8 +39,8 @@ def _deltas(job, xs):
 
 def _check(job):
     """Planning: weights that sum to 0 cannot be normalized."""
-    if job.shared["normalize_weights"] and weight_sum([job.per_input[i]["weight"] for i in job.non_base],
-                                                      job.compute) == 0:
+    if job.shared["normalize_weights"] and sums_to_zero([job.per_input[i]["weight"] for i in job.non_base],
+                                                        job.compute):
         raise CkptError(f"{job.source}: multislerp's weights sum to 0 for {job.names[0]}: normalize_weights divides "
                         "by their sum; give weights with another sum, or normalize_weights: false")
 
