@@ -99,15 +99,20 @@ def convert_both_ways(run_ckpt, tmp_path, model_cls, sd: dict, original: dict) -
     code, _, err = run_ckpt("convert", tmp_path / "single.safetensors", "--layout", "diffusers", "-o",
                             tmp_path / "d", "-q")
     assert code == 0, err
-    loaded, info = model_cls.from_pretrained(tmp_path / "d", output_loading_info=True)
+    loads_and_converts_back(run_ckpt, tmp_path, model_cls, tmp_path / "d", sd, original)
+    return json.loads((tmp_path / "d" / "config.json").read_text())
+
+
+def loads_and_converts_back(run_ckpt, tmp_path, model_cls, folder, sd: dict, original: dict) -> None:
+    """A `--layout diffusers` output `folder`: loaded strictly by `model_cls.from_pretrained`, equal to `sd`; its
+    `--layout original` (tmp_path / back.safetensors) is `original`, tensor for tensor."""
+    loaded, info = model_cls.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
-    code, _, err = run_ckpt("convert", tmp_path / "d", "--layout", "original", "-o", tmp_path / "back.safetensors",
-                            "-q")
+    code, _, err = run_ckpt("convert", folder, "--layout", "original", "-o", tmp_path / "back.safetensors", "-q")
     assert code == 0, err
     back = load_file(tmp_path / "back.safetensors")
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
-    return json.loads((tmp_path / "d" / "config.json").read_text())
 
 
 def merge_onto(run_ckpt, tmp_path, model, original_sd: dict | None, base_layout: str, lora_file, to_diffusers,

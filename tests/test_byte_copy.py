@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.keep_format import kohya_lora
+from helpers.keep_format import attention_lora_base, kohya_lora
 
 import ckpt.io.output as output
 from ckpt.errors import CkptError
@@ -105,13 +105,7 @@ def test_torch_zip_output_is_read_and_written(tmp_path, run_ckpt, monkeypatch):
 
 
 def test_merge_lora_copies_the_tensors_it_leaves_alone(tmp_path, run_ckpt, monkeypatch):
-    g = torch.Generator().manual_seed(1)
-    shapes = {f"blocks.{i}.{m}": (32, 32) for i in range(3) for m in ("q", "k", "v", "mlp")}
-    sd = {f"{k}.weight": torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
-    sd |= {f"blocks.{i}.norm.weight": torch.randn(32, generator=g).bfloat16() for i in range(3)}
-    save_file(sd, tmp_path / "base.safetensors")
-    attention = {k: s for k, s in shapes.items() if k.endswith((".q", ".v"))}
-    lora = kohya_lora(tmp_path / "l.safetensors", attention)
+    sd, attention, lora = attention_lora_base(tmp_path, (32, 32), seed=1)
     monkeypatch.setattr(output, "BAND_ELEMS", 256)
     rep = both_ways(run_ckpt, monkeypatch, tmp_path, "merge-lora", tmp_path / "base.safetensors", lora)
     assert _copied(rep) == len(sd) - len(attention)
@@ -348,6 +342,15 @@ def _sharing(monkeypatch):
     monkeypatch.setattr(byte_copy, "shares_extents", lambda path: True)
 
 
+def _plain_and_shared(run_ckpt, monkeypatch, args: list, plain, shared) -> None:
+    """`ckpt *args -o plain`, then the same run as on a filesystem that shares extents (`_sharing`) `-o shared`."""
+    code, _, err = run_ckpt(*args, "-o", plain, "-q")
+    assert code == 0, err
+    _sharing(monkeypatch)
+    code, _, err = run_ckpt(*args, "-o", shared, "-q")
+    assert code == 0, err
+
+
 def test_on_a_sharing_filesystem_copies_keep_their_input_blocks(tmp_path, run_ckpt, monkeypatch):
     """Where copy_file_range shares extents (btrfs, XFS, bcachefs, ZFS), a shared block must start at the same
     offset within a block in both files. A layout conversion renames tensors, so safetensors' order (by name)
@@ -356,15 +359,12 @@ def test_on_a_sharing_filesystem_copies_keep_their_input_blocks(tmp_path, run_ck
     tensor keeps its input's block offset, more than padding alone could do. The header keeps its keys, dtypes
     and shapes; the tensors are the same for safetensors, diffusers and ckpt's own reader."""
     diffusers = pytest.importorskip("diffusers")
-    from families_util import flux2_bf16_original
+    from families_util import flux2_bf16_original, loads_and_converts_back
 
     sd, original = flux2_bf16_original(tmp_path / "f2.safetensors")
     src = tmp_path / "f2.safetensors"
-    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "plain", "-q")
-    assert code == 0, err
-    _sharing(monkeypatch)
-    code, _, err = run_ckpt("convert", src, "--layout", "diffusers", "-o", tmp_path / "shared", "-q")
-    assert code == 0, err
+    _plain_and_shared(run_ckpt, monkeypatch, ["convert", src, "--layout", "diffusers"], tmp_path / "plain",
+                      tmp_path / "shared")
     plain, shared = (tmp_path / d / "diffusion_pytorch_model.safetensors" for d in ("plain", "shared"))
     assert _without_offsets(_header(shared)) == _without_offsets(_header(plain))
     assert _header(shared) != _header(plain) and (_header_len(shared) - _header_len(plain)) % 8 == 0
@@ -375,15 +375,8 @@ def test_on_a_sharing_filesystem_copies_keep_their_input_blocks(tmp_path, run_ck
     assert _aligned(deltas) > _best_shift_alone(_block_deltas(src, plain))
     got, want = load_file(shared), load_file(plain)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    loaded, info = diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path / "shared", output_loading_info=True)
-    assert not any(info.values()), info
-    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
-    # ckpt reads it back (and lays that output out for sharing too): the original tensors
-    code, _, err = run_ckpt("convert", tmp_path / "shared", "--layout", "original", "-o", tmp_path / "back.safetensors",
-                            "-q")
-    assert code == 0, err
-    back = load_file(tmp_path / "back.safetensors")
-    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    # diffusers loads it strictly; ckpt reads it back (and lays that output out for sharing too): the original tensors
+    loads_and_converts_back(run_ckpt, tmp_path, diffusers.Flux2Transformer2DModel, tmp_path / "shared", sd, original)
 
 
 def _stored_in_order(path, tensors: dict) -> None:
@@ -417,12 +410,8 @@ def test_on_a_sharing_filesystem_merged_weights_fill_their_bases_places(tmp_path
     base = tmp_path / "base.safetensors"
     _stored_in_order(base, dict(sorted(sd.items(), reverse=True)))
     lora = kohya_lora(tmp_path / "l.safetensors", {k: s for k, s in shapes.items() if k.endswith(".q")})
-    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "plain.safetensors", "-q")
-    assert code == 0, err
-    _sharing(monkeypatch)
-    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "shared.safetensors", "-q")
-    assert code == 0, err
     plain, shared = tmp_path / "plain.safetensors", tmp_path / "shared.safetensors"
+    _plain_and_shared(run_ckpt, monkeypatch, ["merge-lora", base, lora], plain, shared)
     got, want = load_file(shared), load_file(plain)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert all(torch.equal(got[k], sd[k]) for k in sd if ".q." not in k)
@@ -438,12 +427,8 @@ def test_on_a_sharing_filesystem_safetensors_order_stays_where_it_aligns_as_much
     base = tmp_path / "base.safetensors"
     save_file(sd, base)
     lora = kohya_lora(tmp_path / "l.safetensors", {k: s for k, s in shapes.items() if k.endswith(".q")})
-    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "plain.safetensors", "-q")
-    assert code == 0, err
-    _sharing(monkeypatch)
-    code, _, err = run_ckpt("merge-lora", base, lora, "-o", tmp_path / "shared.safetensors", "-q")
-    assert code == 0, err
     plain, shared = tmp_path / "plain.safetensors", tmp_path / "shared.safetensors"
+    _plain_and_shared(run_ckpt, monkeypatch, ["merge-lora", base, lora], plain, shared)
     pad = _header_len(shared) - _header_len(plain)
     assert 0 < pad < 4096 and pad % 8 == 0
     a, b = plain.read_bytes(), shared.read_bytes()

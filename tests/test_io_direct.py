@@ -2,7 +2,8 @@
 page-cache path writes, gaps included, whatever the buffer size; a filesystem that refuses O_DIRECT (on open or
 on the first write) gets the same bytes through the ordinary descriptor.
 
-Oracles: a bytearray model of the file for the sink itself; the page-cache path (`ckpt.io.output.DIRECT = False`,
+Oracles: a bytearray model of the file for the sink itself (its writes, and the block-aligned spans it skips for
+another writer, `ckpt.io.early_copies`); the page-cache path (`ckpt.io.output.DIRECT = False`,
 pwrite as before, itself checked against safetensors' and gguf's own writers elsewhere) for whole commands.
 """
 
@@ -133,3 +134,65 @@ def test_put_from_reads_stored_ranges_into_the_buffer(tmp_path, monkeypatch):
         os.close(fd_in)
         os.close(fd)
     assert path.read_bytes() == bytes(model[:40009])
+
+
+def test_sink_skip_leaves_the_skipped_blocks_to_the_other_writer(tmp_path, monkeypatch):
+    """Pieces, gaps (zeros) and skipped block-aligned spans written buffered by another descriptor, across buffer
+    boundaries: the file is the model's bytes."""
+    path, fd, sink = _sink(tmp_path, monkeypatch)
+    rng = np.random.default_rng(5)
+    model = bytearray()
+    other = os.open(path, os.O_WRONLY)
+    pos = 0
+
+    def put(length, gap=0):
+        nonlocal pos
+        pos += gap
+        data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        model[len(model):] = bytes(pos + length - len(model))
+        model[pos:pos + length] = data
+        sink.put(pos, data)
+        pos += length
+
+    def skip(blocks, gap_blocks=0):
+        nonlocal pos
+        pos += gap_blocks * 4096
+        data = rng.integers(0, 256, blocks * 4096, dtype=np.uint8).tobytes()
+        model[len(model):] = bytes(pos + len(data) - len(model))
+        model[pos:pos + len(data)] = data
+        sink.skip(pos, pos + len(data))
+        os.pwrite(other, data, pos)  # the other writer, through the page cache
+        pos += len(data)
+
+    try:
+        put(100)
+        put(4096 - 100)  # up to a block boundary
+        skip(3)  # right after a flush-sized piece
+        put(5000, gap=8)
+        put(-pos % 4096 + 8192)  # across the buffer's end, to a boundary
+        skip(1)
+        skip(2, gap_blocks=5)  # a gap of zeros longer than the buffer, then a skip
+        put(300)
+        put(-pos % 4096)
+        skip(4)
+        put(123)
+        size = pos + 9  # the file's planned size: a tail of zeros
+        model[len(model):] = bytes(size - len(model))
+        os.ftruncate(fd, size)
+        sink.close(size)
+    finally:
+        os.close(other)
+        os.close(fd)
+    assert path.read_bytes() == bytes(model)
+
+
+def test_a_misaligned_skip_is_refused(tmp_path):
+    path = tmp_path / "o.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    sink = direct.DirectSink(fd, -1)
+    try:
+        with pytest.raises(ValueError):
+            sink.skip(100, 4096)
+    finally:
+        sink.release()
+        os.close(fd)

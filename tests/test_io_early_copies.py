@@ -4,20 +4,19 @@ the interiors (`DirectSink.skip`).
 
 Oracles: the one-stream path (`early_copies.ENABLED = False`, itself checked against the read/write path and
 safetensors' own writer in tests/test_byte_copy.py and tests/test_io_write.py) must give the same bytes, with
-O_DIRECT and through the page cache; torch's own cast and the base's own values for what the outputs hold; a
-bytearray model of the file for the sink's skip. Errors on the copying thread and interrupts leave nothing.
+O_DIRECT and through the page cache; torch's own cast and the base's own values for what the outputs hold (the
+sink's skip itself: tests/test_io_direct.py). Errors on the copying thread and interrupts leave nothing.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.keep_format import kohya_lora
+from helpers.keep_format import attention_lora_base
 
 import ckpt.io.direct as direct
 import ckpt.io.early_copies as early_copies
@@ -69,13 +68,7 @@ def test_convert_of_a_mixed_file_writes_the_one_stream_bytes(tmp_path, run_ckpt,
 
 
 def test_merge_lora_writes_the_one_stream_bytes(tmp_path, run_ckpt, monkeypatch, small):
-    g = torch.Generator().manual_seed(4)
-    shapes = {f"blocks.{i}.{m}": (96, 80) for i in range(3) for m in ("q", "k", "v", "mlp")}
-    sd = {f"{k}.weight": torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
-    sd |= {f"blocks.{i}.norm.weight": torch.randn(80, generator=g).bfloat16() for i in range(3)}
-    save_file(sd, tmp_path / "base.safetensors")
-    attention = {k: s for k, s in shapes.items() if k.endswith((".q", ".v"))}
-    lora = kohya_lora(tmp_path / "l.safetensors", attention)
+    sd, attention, lora = attention_lora_base(tmp_path, (96, 80), seed=4)
     _outputs(run_ckpt, monkeypatch, tmp_path, "merge-lora", tmp_path / "base.safetensors", lora)
     got = load_file(tmp_path / "True-True" / "o.safetensors")
     assert all(torch.equal(got[k], sd[k]) for k in sd if k[: -len(".weight")] not in attention)
@@ -87,75 +80,6 @@ def test_interiors_are_whole_blocks_of_large_enough_copies(monkeypatch):
     regions = {"a": (100, 100 + 3 * 4096), "b": (8192, 8192 + 4096), "c": (5, 4000)}
     got = early_copies.interiors({"a": [], "b": [], "c": []}, regions)
     assert got == {"a": (4096 - 100, 3 * 4096 - 100), "b": (0, 4096)}  # c holds no whole block
-
-
-def test_sink_skip_leaves_the_skipped_blocks_to_the_other_writer(tmp_path, monkeypatch):
-    """Pieces, gaps (zeros) and skipped block-aligned spans written buffered by another descriptor, across buffer
-    boundaries: the file is the model's bytes."""
-    monkeypatch.setattr(direct, "BUFFER", 8192)
-    path = tmp_path / "o.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    fd_direct = direct.open_direct(path)
-    if fd_direct is None:
-        os.close(fd)
-        pytest.skip(f"{tmp_path} does not take O_DIRECT")
-    sink = direct.DirectSink(fd, fd_direct)
-    rng = np.random.default_rng(5)
-    model = bytearray()
-    other = os.open(path, os.O_WRONLY)
-    pos = 0
-
-    def put(length, gap=0):
-        nonlocal pos
-        pos += gap
-        data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
-        model[len(model):] = bytes(pos + length - len(model))
-        model[pos:pos + length] = data
-        sink.put(pos, data)
-        pos += length
-
-    def skip(blocks, gap_blocks=0):
-        nonlocal pos
-        pos += gap_blocks * 4096
-        data = rng.integers(0, 256, blocks * 4096, dtype=np.uint8).tobytes()
-        model[len(model):] = bytes(pos + len(data) - len(model))
-        model[pos:pos + len(data)] = data
-        sink.skip(pos, pos + len(data))
-        os.pwrite(other, data, pos)  # the other writer, through the page cache
-        pos += len(data)
-
-    try:
-        put(100)
-        put(4096 - 100)  # up to a block boundary
-        skip(3)  # right after a flush-sized piece
-        put(5000, gap=8)
-        put(-pos % 4096 + 8192)  # across the buffer's end, to a boundary
-        skip(1)
-        skip(2, gap_blocks=5)  # a gap of zeros longer than the buffer, then a skip
-        put(300)
-        put(-pos % 4096)
-        skip(4)
-        put(123)
-        size = pos + 9  # the file's planned size: a tail of zeros
-        model[len(model):] = bytes(size - len(model))
-        os.ftruncate(fd, size)
-        sink.close(size)
-    finally:
-        os.close(other)
-        os.close(fd)
-    assert path.read_bytes() == bytes(model)
-
-
-def test_a_misaligned_skip_is_refused(tmp_path):
-    path = tmp_path / "o.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    sink = direct.DirectSink(fd, -1)
-    try:
-        with pytest.raises(ValueError):
-            sink.skip(100, 4096)
-    finally:
-        sink.release()
-        os.close(fd)
 
 
 @pytest.mark.parametrize("d", [True, False])

@@ -23,6 +23,19 @@ def kohya_lora(path, modules: dict[str, tuple[int, int]], rank=4, alpha=2.0, see
     return path
 
 
+def attention_lora_base(folder, shape: tuple[int, int], seed: int):
+    """A bf16 base `folder`/base.safetensors of three blocks (q, k, v, mlp weights of `shape`, a norm as wide as
+    their inputs) and a kohya LoRA on the q and v weights (`folder`/l.safetensors): (base state dict, the LoRA's
+    modules, the LoRA's path). What a merge-lora changes (the attention) beside what it copies."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {f"blocks.{i}.{m}": shape for i in range(3) for m in ("q", "k", "v", "mlp")}
+    sd = {f"{k}.weight": torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
+    sd |= {f"blocks.{i}.norm.weight": torch.randn(shape[1], generator=g).bfloat16() for i in range(3)}
+    save_file(sd, folder / "base.safetensors")
+    attention = {k: s for k, s in shapes.items() if k.endswith((".q", ".v"))}
+    return sd, attention, kohya_lora(folder / "l.safetensors", attention)
+
+
 def plain_merge(run_ckpt, base, lora, tmp_path, name="plain.safetensors") -> dict[str, torch.Tensor]:
     """ckpt's own fp32 merge: the value each changed tensor is re-encoded from."""
     out = tmp_path / name
