@@ -240,9 +240,8 @@ class GroupedQKV(Tensor):
                 self.runs.append((out, g * block + offset, length))
                 out += length
 
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         pieces = []

@@ -70,10 +70,16 @@ class Tensor:
     row_align: int | None = 1
     band_elems: int | None = None  # at most this many elements per band (a model merge's cache-sized bands)
 
+    def natural_source(self) -> "Tensor | None":
+        """The tensor whose natural dtype this one has (it is a view of that one's values: a row slice, a reshape), or
+        None: its own `dtype`. Both `natural_dtype` and, without torch, `natural_dtype_name` follow it."""
+        return None
+
     @property
     def natural_dtype(self) -> torch.dtype:
         """The dtype the model had before any storage encoding; default output dtype."""
-        return self.dtype
+        src = self.natural_source()
+        return self.dtype if src is None else src.natural_dtype
 
     @property
     def dtype_name(self) -> str:
@@ -83,10 +89,11 @@ class Tensor:
 
     @property
     def natural_dtype_name(self) -> str:
-        """`natural_dtype`'s safetensors name: without torch where the natural dtype is the tensor's own (a
-        class that names another one overrides `natural_dtype`, and is asked it)."""
+        """`natural_dtype`'s safetensors name: without torch where the natural dtype is the tensor's own or its
+        `natural_source`'s (a class that names another one overrides `natural_dtype`, and is asked it)."""
         if type(self).natural_dtype is Tensor.natural_dtype:
-            return self.dtype_name
+            src = self.natural_source()
+            return self.dtype_name if src is None else src.natural_dtype_name
         return TORCH_TO_ST.get(self.natural_dtype, str(self.natural_dtype))
 
     @property
@@ -324,15 +331,8 @@ class RowSlice(Tensor):
 
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
-
-    @property
-    def natural_dtype_name(self) -> str:
-        if type(self).natural_dtype is RowSlice.natural_dtype:  # the base's, without torch where it answers so
-            return self.base.natural_dtype_name
-        return super().natural_dtype_name
+    def natural_source(self) -> Tensor:
+        return self.base
 
     @property
     def dtype_name(self) -> str:
@@ -367,15 +367,8 @@ class RowConcat(Tensor):
     dtype = property(lambda self: self.parts[0].dtype)  # asked when needed: planning needs no torch
     dtype_name = property(lambda self: self.parts[0].dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.parts[0].natural_dtype
-
-    @property
-    def natural_dtype_name(self) -> str:
-        if type(self).natural_dtype is RowConcat.natural_dtype:  # the first part's, without torch where it can
-            return self.parts[0].natural_dtype_name
-        return super().natural_dtype_name
+    def natural_source(self) -> Tensor:
+        return self.parts[0]
 
     def byte_ranges(self):
         pieces = [p.byte_ranges() for p in self.parts]
@@ -415,15 +408,8 @@ class Reshaped(Tensor):
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
-
-    @property
-    def natural_dtype_name(self) -> str:
-        if type(self).natural_dtype is Reshaped.natural_dtype:  # the base's, without torch where it answers so
-            return self.base.natural_dtype_name
-        return super().natural_dtype_name
+    def natural_source(self) -> Tensor:
+        return self.base
 
     def byte_ranges(self):
         return self.base.byte_ranges()
@@ -454,15 +440,8 @@ class Transposed(Tensor):
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
-
-    @property
-    def natural_dtype_name(self) -> str:
-        if type(self).natural_dtype is Transposed.natural_dtype:  # the base's, without torch where it answers so
-            return self.base.natural_dtype_name
-        return super().natural_dtype_name
+    def natural_source(self) -> Tensor:
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         return read_rows(self.base, 0, self.base.rows, device, scratch).T.contiguous()[start:stop]

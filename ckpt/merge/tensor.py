@@ -79,16 +79,8 @@ class MergedModelTensor(Tensor):
     def dtype_name(self) -> str:
         return st_name(self.job.compute)
 
-    @property
-    def natural_dtype(self):
-        return self._reference.natural_dtype
-
-    @property
-    def natural_dtype_name(self) -> str:
-        return self._reference.natural_dtype_name
-
-    @property
-    def _reference(self):
+    def natural_source(self) -> Tensor:
+        """The base's (or the first input's) natural dtype is the merged tensor's."""
         return self.job.inputs[self.job.base if self.job.base is not None else 0]
 
     def _torch_dtypes(self) -> None:

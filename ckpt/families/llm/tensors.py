@@ -58,9 +58,8 @@ class Stacked(Tensor):
         self.name, self.parts, self.home, self.dtype = name, list(parts), first.home, first.dtype
         self.shape = (len(parts), *first.shape)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.parts[0].natural_dtype
+    def natural_source(self):
+        return self.parts[0]
 
     def read(self, start, stop, device, scratch=None):
         out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
@@ -86,9 +85,8 @@ class RowsGathered(Tensor):
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype, device=device)
@@ -117,9 +115,8 @@ class ColumnsGathered(Tensor):
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         x = self.base.read(start, stop, device, scratch)
@@ -141,9 +138,8 @@ class Packed(Tensor):
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     @property
     def source_bytes(self) -> int:
@@ -166,9 +162,8 @@ class Picked(Tensor):
         self.dtype = base.dtype
         self.shape = tuple(s for i, s in enumerate(base.shape) if i != dim)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(start, stop, device, scratch).select(self.dim, self.index).contiguous()
@@ -191,9 +186,8 @@ class Unstacked(Tensor):
     dtype = property(lambda self: self.base.dtype)  # asked of the base when needed: planning needs no torch
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def byte_ranges(self):
         from ckpt.io.tensors import sub_ranges

@@ -31,10 +31,11 @@ def sums_to_zero(weights, dtype) -> bool:
     import struct
     from fractions import Fraction
 
-    u = _ROUNDOFF.get(st_name(dtype))
+    name = st_name(dtype)
+    u = _ROUNDOFF.get(name)
     if u is not None:
         try:
-            if u == _ROUNDOFF["F32"]:
+            if name == "F32":
                 ws = [struct.unpack("<f", struct.pack("<f", float(w)))[0] for w in weights]
             else:
                 ws = [float(w) for w in weights]

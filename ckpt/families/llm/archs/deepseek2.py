@@ -356,9 +356,8 @@ class KvbJoined(Tensor):
     dtype = property(lambda self: self.k_b.dtype)
     dtype_name = property(lambda self: self.k_b.dtype_name)
 
-    @property
-    def natural_dtype(self):
-        return self.k_b.natural_dtype
+    def natural_source(self):
+        return self.k_b
 
     @property
     def source_bytes(self):

@@ -60,9 +60,8 @@ class ZeroPadded(Tensor):
 
     dtype = property(lambda self: self.base.dtype)
 
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         have = self.base.rows

@@ -66,9 +66,8 @@ class ExpertsTransposed(Tensor):
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     @property
     def source_bytes(self):
@@ -90,9 +89,8 @@ class Interleaved(Tensor):
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(start, stop, device, scratch)[:, self.parity::2].contiguous()
@@ -337,9 +335,8 @@ class Zipped(Tensor):
     dtype = property(lambda self: self.a.dtype)
     dtype_name = property(lambda self: self.a.dtype_name)
 
-    @property
-    def natural_dtype(self):
-        return self.a.natural_dtype
+    def natural_source(self):
+        return self.a
 
     @property
     def source_bytes(self):

@@ -106,9 +106,8 @@ class ExpertsFused(Tensor):
             out = torch.promote_types(out, p.dtype)
         return out
 
-    @property
-    def natural_dtype(self):
-        return self.parts[0].natural_dtype
+    def natural_source(self):
+        return self.parts[0]
 
     @property
     def source_bytes(self):

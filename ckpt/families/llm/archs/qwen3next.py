@@ -124,9 +124,8 @@ class ExpertRows(Tensor):
     dtype = property(lambda self: self.base.dtype)
     dtype_name = property(lambda self: self.base.dtype_name)
 
-    @property
-    def natural_dtype(self) -> torch.dtype:
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         return read_rows(self.base, start, stop, device, scratch)[:, self.lo:self.hi].contiguous()

@@ -32,9 +32,8 @@ class RowOf(Tensor):
         self.base, self.row, self.name, self.home = base, row, name, base.home
         self.dtype, self.shape = base.dtype, (base.shape[1],)
 
-    @property
-    def natural_dtype(self):
-        return self.base.natural_dtype
+    def natural_source(self):
+        return self.base
 
     def read(self, start, stop, device, scratch=None):
         return self.base.read(self.row, self.row + 1, device, scratch).reshape(-1)[start:stop].contiguous()
