@@ -48,7 +48,7 @@ numpy = LazyModule("numpy")
 
 def resolve(proxy: LazyModule):
     """The module itself behind a proxy (imported now): for code that needs the real module object, such as the
-    globals numba compiles kernels against (`ckpt.quant.kquants.jit`)."""
+    globals numba compiles kernels against (`ckpt.jit`)."""
     from ckpt.interrupts import load
 
     _join(proxy._lazy_name)

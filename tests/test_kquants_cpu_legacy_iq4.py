@@ -14,6 +14,7 @@ import torch
 
 from helpers import ggml_ref
 
+from ckpt.jit import compiled
 from ckpt.quant.kquants import encoder, iq4, iq4_cpu, jit, legacy_cpu
 
 # (ckpt name, ggml name, block, block bytes, static path ours)
@@ -266,7 +267,7 @@ def test_best_index_matches_c():
     rng = np.random.default_rng(5)
     xs = np.concatenate([near.ravel(), rng.uniform(-140, 130, 2000).astype(np.float32),
                          np.array([1e30, -1e30, 3e38, -3e38, np.inf, -np.inf, np.nan, 1e-45, -1e-45], np.float32)])
-    best = jit.compiled(iq4_cpu.__name__).best_index_iq4
+    best = compiled(iq4_cpu.__name__).best_index_iq4
     got = np.array([best(np.float32(x)) for x in xs])
     want = np.array([_best_index_int8_c(x) for x in xs])
     bad = np.nonzero(got != want)[0]

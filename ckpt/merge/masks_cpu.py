@@ -1,4 +1,4 @@
-"""DARE's and DELLA's drop masks on the CPU as compiled kernels (`ckpt.quant.kquants.jit`): the same bits as the torch
+"""DARE's and DELLA's drop masks on the CPU as compiled kernels (`ckpt.jit`): the same bits as the torch
 formulation (`ckpt.merge.rng.uniform` < keep probability), in one pass over the band instead of ~35.
 
 Why: the counter-based hash is three rounds of a 32-bit finalizer, ~35 int64 torch ops over the band, each a full
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ckpt.lazy import numpy as np
 
-from ckpt.quant.kquants.jit import kernel
+from ckpt.jit import kernel
 
 
 @kernel
@@ -125,13 +125,13 @@ PIECE_ELEMS = 1 << 16  # elements per piece a thread takes (`ckpt.quant.gguf.run
 
 def available() -> bool:
     """The kernels can run here (numba imports; without it the torch formulation runs)."""
-    from ckpt.quant.kquants.jit import available as jit_available
+    from ckpt.jit import available as jit_available
 
     return jit_available()
 
 
 def _kernels():
-    from ckpt.quant.kquants.jit import compiled
+    from ckpt.jit import compiled
 
     return compiled(__name__)
 
