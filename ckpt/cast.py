@@ -3,20 +3,22 @@
 - FP8 sources use a lookup table built from torch's own cast, indexed two bytes at a time (65536
   entries, each holding the two target values): bit-identical to `.to()` for all 256 patterns,
   NaN payloads included, and 5-8x faster on CPU (measured, 16M elements).
-- Other casts are `copy_` into reused buffers, fused with the overflow and NaN/Inf check: the band is
-  cast in steps small enough that each step's output is still in cache when `aminmax` checks it (NaN
-  propagates into it), so the band crosses memory once. A non-finite output means a NaN/Inf input or an
-  overflow; only then are the exact counts computed. An overflow is a finite input that the cast made
-  inf; `clamp` replaces exactly those with the signed finite maximum, so --clamp never changes a value
-  that casts to a finite one.
-- On a GPU the same result is computed without branching on device values (NaN rewrite and clamp by
-  masks, counts as device tensors), so a band costs no host synchronisation; the write stages reports
-  the counts when the band arrives on the host (`Slot.defer`).
+- Casts between fp32, fp16 and bf16 on the CPU are compiled kernels over the bit patterns (`ckpt.cast_cpu`):
+  one pass that casts, rewrites NaNs and finds whether anything is to count; torch's bytes, faster than its
+  `copy_`, and runnable without torch, so that a plan of such casts of stored tensors is written without
+  importing it (`BandCast.host`, `ckpt.io.output.write_tensors`). An overflow is a finite input that the
+  cast made inf; `clamp` replaces exactly those with the signed finite maximum, so --clamp never changes a
+  value that casts to a finite one.
+- On a GPU (and on the CPU for what the kernels do not cast: fp64, or a machine where they cannot run) the
+  same result is computed by torch without branching on device values (NaN rewrite and clamp by masks,
+  counts as device tensors), so a band costs no host synchronisation; the write stages report the counts
+  when the band arrives on the host (`Slot.defer`).
 """
 
 from __future__ import annotations
 
-from ckpt.dtypes import FP8, LazyTable, as_torch, is_float
+from ckpt import cast_cpu
+from ckpt.dtypes import FP8, ST_ITEMSIZE, LazyTable, as_torch, is_float, st_name
 from ckpt.lazy import torch
 from ckpt.io.buffers import Buffers
 from ckpt.report import Report
@@ -136,23 +138,12 @@ def canonical_nans(x: torch.Tensor, y: torch.Tensor) -> None:
         y.view(itype)[nan] = nan_bits(x[nan], y.dtype).view(itype)
 
 
-FUSE_ELEMS = 1 << 16  # elements per intra-op thread and fused step (256 kB of fp32 output: in L2)
+_INT = LazyTable(lambda: {2: torch.int16, 4: torch.int32})
 
 
-def _copy_and_check(y: torch.Tensor, x: torch.Tensor) -> bool:
-    """`y.copy_(x)` for flat CPU tensors, each cache-sized step checked right after it is cast; True if
-    `y` holds a NaN or an infinity. Each step spans the intra-op threads, each thread checking the part
-    it just wrote (torch splits both ops the same way)."""
-    n = x.numel()
-    if n == 0:
-        return False
-    step = FUSE_ELEMS * max(1, torch.get_num_threads())
-    k = -(-n // step)
-    lo, hi = torch.empty(k, dtype=y.dtype), torch.empty(k, dtype=y.dtype)
-    for yc, xc, lo_j, hi_j in zip(y.split(step), x.split(step), lo.unbind(), hi.unbind()):
-        yc.copy_(xc)
-        torch.aminmax(yc, out=(lo_j, hi_j))
-    return not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all())
+def kernel_casts(src: str, dst: str) -> bool:
+    """Whether `ckpt.cast_cpu` casts `src` to `dst` (safetensors names) here."""
+    return cast_cpu.supports(src, dst) and cast_cpu.available()
 
 
 def _later(buffers, fn, value: torch.Tensor) -> None:
@@ -167,6 +158,10 @@ def _later(buffers, fn, value: torch.Tensor) -> None:
 
 class Caster:
     """Casts bands of floating tensors to `target`, counting what the user must know about."""
+
+    def band(self, name: str) -> "BandCast":
+        """The cast of tensor `name`'s bands (what `OutTensor.cast` holds)."""
+        return BandCast(self, name)
 
     def __init__(self, target: torch.dtype | str, report: Report, clamp: bool = False):
         self._target, self.report, self.clamp = target, report, clamp  # a name: a plan made without torch
@@ -196,28 +191,47 @@ class Caster:
             return self._to_fp8(x, name, buffers)
         if x.device.type != "cpu":
             return self._cast_on_device(x, name, buffers)
+        src_name, dst_name = st_name(x.dtype), st_name(dst)
         y = buffers.typed("cast", dst, x.shape) if buffers else torch.empty(x.shape, dtype=dst)
-        if _copy_and_check(y, x):
-            # Rare path: a NaN/Inf came in or a value overflowed; count exactly from the cast itself
-            # (values just above the finite maximum round down to it and are not overflows).
-            limit = torch.finfo(dst).max
-            bad_in = ~torch.isfinite(x)
-            self.report.count("nonfinite_input", name, int(bad_in.sum()))
-            canonical_nans(x, y)
-            over = torch.isinf(y) & ~bad_in
-            n_over = int(over.sum())
-            if n_over and self.clamp:
-                sat = torch.full((n_over,), limit, dtype=dst, device=y.device)
-                sat[x[over] < 0] = -limit
-                y[over] = sat
-                self.report.count("clamped", name, n_over)
-            else:
-                self.report.count("overflow", name, n_over)
-        return y
+        if not x.numel():
+            return y
+        if kernel_casts(src_name, dst_name):
+            self.counted(name, *cast_cpu.cast(src_name, dst_name, x.view(_INT[x.dtype.itemsize]).numpy(),
+                                               y.view(_INT[dst.itemsize]).numpy(), self.clamp))
+            return y
+        # no kernel (fp64, or none can run here): torch's cast, and the device formulation for a band that holds a
+        # NaN/Inf afterwards (a NaN/Inf input or an overflow), the rare band whose values need rewriting or counting
+        y.copy_(x)
+        lo, hi = torch.aminmax(y)
+        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+            return y
+        return self._cast_on_device(x, name, buffers)
+
+    def counted(self, name: str, nonfinite: int, overflowed: int) -> None:
+        """Report a band's NaN/Inf inputs and its overflows (clamped ones with --clamp)."""
+        self.report.count("nonfinite_input", name, nonfinite)
+        self.report.count("clamped" if self.clamp else "overflow", name, overflowed)
+
+    def host_cast(self, src: str, name: str):
+        """The cast of tensor `name`'s bands of stored `src` values (a safetensors name) as numpy arrays, without
+        torch: `fn(x, buffers) -> y` (y in `buffers`' host memory, `Buffers.host`), or None where no kernel casts
+        `src` to the target here."""
+        dst = st_name(self._target)
+        if not kernel_casts(src, dst):
+            return None
+        ratio = ST_ITEMSIZE[dst] / ST_ITEMSIZE[src]
+
+        def fn(x, buffers):
+            y = buffers.host("cast", int(x.nbytes * ratio))
+            if x.size:
+                self.counted(name, *cast_cpu.cast(src, dst, x, y, self.clamp))
+            return y
+
+        return fn
 
     def _cast_on_device(self, x: torch.Tensor, name: str, buffers) -> torch.Tensor:
-        """The CPU path's result without a host round trip: every rewrite is a mask, counts stay on the
-        device until the band is back on the host."""
+        """The kernels' result (`ckpt.cast_cpu`) by torch ops, without a host round trip: every rewrite is a
+        mask, counts stay on the device until the band is back on the host."""
         dst = self.target
         limit = torch.finfo(dst).max
         y = x.to(dst)
@@ -262,3 +276,18 @@ class Caster:
         else:
             _later(buffers, report, counts)
         return torch.where(finite, x.clamp(-limit, limit), x).to(self.target)
+
+
+class BandCast:
+    """A Caster's cast of one tensor's bands, `fn(band, buffers)` as `OutTensor.cast` takes it; `host(src)` is the
+    same cast of stored `src` bytes without torch (`Caster.host_cast`), which `ckpt.io.output` runs where every
+    computed tensor of a file has one."""
+
+    def __init__(self, caster: Caster, name: str):
+        self.caster, self.name = caster, name
+
+    def __call__(self, x, buffers=None):
+        return self.caster(x, self.name, buffers)
+
+    def host(self, src: str):
+        return self.caster.host_cast(src, self.name)

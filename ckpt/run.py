@@ -51,7 +51,7 @@ def cast_outputs(report: Report, dtype_of: Callable[[Tensor], torch.dtype | str 
         from ckpt.cast import Caster
 
         c = casters.setdefault(dst, Caster(dst, report, clamp=clamp))
-        return [OutTensor(t.name, dst, tuple(t.shape), src, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
+        return [OutTensor(t.name, dst, tuple(t.shape), src, c.band(t.name), stateless=True)]
 
     return make
 

@@ -55,7 +55,6 @@ def _run_threads() -> list[str]:
 def small(monkeypatch, depth, band=64):
     monkeypatch.setattr(output, "BAND_ELEMS", band)
     monkeypatch.setattr(pipeline, "DEPTH", depth)
-    monkeypatch.setattr("ckpt.cast.FUSE_ELEMS", 8)  # several fused steps per band
 
 
 @pytest.mark.parametrize("band", [64, 8 << 20])
@@ -165,17 +164,17 @@ def test_long_lived_stages_and_a_fixed_set_of_slots(tmp_path, monkeypatch, run_c
         slots.append(self)
         real_init(self)
 
-    import ckpt.cast as cast
+    import ckpt.cast_cpu as cast_cpu
 
-    real_cast = cast.Caster._cast
+    real_cast = cast_cpu.cast  # the kernels cast every band, with torch or without (this plan: without)
 
-    def cast_(self, *a):
+    def cast_(*a):
         casters.add(threading.get_ident())
-        return real_cast(self, *a)
+        return real_cast(*a)
 
     monkeypatch.setattr(writer.SafetensorsWriter, "write", write)
     monkeypatch.setattr(pipeline.Slot, "__init__", init)
-    monkeypatch.setattr(cast.Caster, "_cast", cast_)
+    monkeypatch.setattr(cast_cpu, "cast", cast_)
     before = threading.active_count()
     code, _, err = run_ckpt("convert", src, "--to", "fp16", "-q")
     assert code == 0, err
@@ -183,53 +182,69 @@ def test_long_lived_stages_and_a_fixed_set_of_slots(tmp_path, monkeypatch, run_c
     assert threading.get_ident() not in writers | casters
     assert len(slots) == 3 and threading.active_count() == before
     # every per-band buffer is bounded by the band, not the tensor (8 elements of fp32 / fp16)
-    assert max(b.numel() for s in slots for b in s._bufs.values()) <= 8 * 4
+    assert max(b.nbytes for s in slots for b in s._bufs.values()) <= 8 * 4
 
 
-def test_a_failing_compute_stage_fails_the_run_and_writes_nothing(tmp_path, monkeypatch, run_ckpt):
+@pytest.mark.parametrize("kernels", [True, False], ids=["without-torch", "torch"])
+def test_a_failing_compute_stage_fails_the_run_and_writes_nothing(tmp_path, monkeypatch, run_ckpt, kernels):
+    """Both pipelines: numpy bands cast by the kernels without torch, and torch's (where the kernels cannot run)."""
     import ckpt.cast as cast
+    import ckpt.cast_cpu as cast_cpu
 
     src = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(40, 8) for i in range(3)}, src)
     small(monkeypatch, 2)
     calls = {"n": 0}
-    real = cast.Caster._cast
+    owner, attr = (cast_cpu, "cast") if kernels else (cast.Caster, "_cast")
+    real = getattr(owner, attr)
 
-    def boom(self, *a):
+    def boom(*a):
         calls["n"] += 1
         if calls["n"] == 7:
             raise RuntimeError("boom in the compute stage")
-        return real(self, *a)
+        return real(*a)
 
-    monkeypatch.setattr(cast.Caster, "_cast", boom)
+    if not kernels:
+        monkeypatch.setattr(cast_cpu, "_AVAILABLE", False)
+    monkeypatch.setattr(owner, attr, boom)
     before = sorted(tmp_path.iterdir())
     with pytest.raises(RuntimeError, match="boom in the compute stage"):
         from ckpt.convert import ConvertOptions, convert
 
         convert(str(src), None, ConvertOptions(to="fp16", quiet=True))
+    assert calls["n"] == 7
     assert sorted(tmp_path.iterdir()) == before
     assert not _run_threads()
 
 
-def test_a_read_error_stops_the_stages(tmp_path, monkeypatch, run_ckpt):
+@pytest.mark.parametrize("kernels", [True, False], ids=["without-torch", "torch"])
+def test_a_read_error_stops_the_stages(tmp_path, monkeypatch, run_ckpt, kernels):
+    import ckpt.cast_cpu as cast_cpu
     import ckpt.io.tensors as tensors
+    from ckpt.io.buffers import Buffers
 
     src = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(40, 8) for i in range(3)}, src)
     small(monkeypatch, 3)
     calls = {"n": 0}
-    real = tensors.RawTensor.read
+    # the band's read: RawTensor.read with torch, a host buffer filled from the file without
+    owner, attr = (Buffers, "host") if kernels else (tensors.RawTensor, "read")
+    real = getattr(owner, attr)
 
     def read(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
+        if not kernels or a[0] == "raw":
+            calls["n"] += 1
+            if calls["n"] == 9:
+                raise KeyboardInterrupt
         return real(self, *a, **k)
 
-    monkeypatch.setattr(tensors.RawTensor, "read", read)
+    if not kernels:
+        monkeypatch.setattr(cast_cpu, "_AVAILABLE", False)
+    monkeypatch.setattr(owner, attr, read)
     before = sorted(tmp_path.iterdir())
     code, _, err = run_ckpt("convert", src, "--to", "fp16")
     assert code == 130 and "interrupted: nothing was written" in err
+    assert calls["n"] == 9
     assert sorted(tmp_path.iterdir()) == before
     assert not _run_threads()
 

@@ -34,6 +34,17 @@ class Buffers:
             self._bufs[role] = buf
         return buf
 
+    def host(self, role: str, nbytes: int):
+        """A numpy uint8 array of exactly `nbytes`, reused (grown) by the next call with the same role: the
+        buffers of a band read and cast without torch (`ckpt.cast.Caster.host_cast`)."""
+        key = "host:" + role
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < nbytes:
+            from ckpt.lazy import numpy as np
+
+            buf = self._bufs[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return buf[:nbytes]
+
     def typed(self, role: str, dtype: torch.dtype, shape) -> torch.Tensor:
         n = 1
         for d in shape:

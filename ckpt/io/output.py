@@ -411,14 +411,16 @@ def write_tensors(w, tensors: list[OutTensor], copies: dict, device, progress=No
             early = EarlyCopies(w, copies, progress)
             from ckpt.io.write_stages import WriteStages
 
-            device = torch.device("cpu") if device is None else device
-            pipe = WriteStages(w, device, progress, busy_stage=busy_stage)
+            host = host_casts(order, copies, device)
+            if host is None:
+                device = torch.device("cpu") if device is None else device
+            pipe = WriteStages(w, None if host is not None else device, progress, busy_stage=busy_stage)
             for t in order:
                 if t.name in copies:
                     early.check()
                     _stream_copy(t.name, copies[t.name], early.parts.get(t.name), pipe)
                 else:
-                    _stream_tensor(t, pipe, device)
+                    _stream_tensor(t, pipe, device, host and host[t.name])
             pipe.finish()
             early.finish()
         w.close()
@@ -459,9 +461,50 @@ def _stream_copy(name: str, ranges, interior: tuple[int, int] | None, pipe: Writ
         pipe.copy(name, chunk)
 
 
-def _stream_tensor(t: OutTensor, pipe: WriteStages, device) -> None:
+def host_casts(order: list[OutTensor], copies: dict, device) -> dict | None:
+    """Name -> `OutTensor.stored_cast()` of every tensor not copied, where each has one and the device is the CPU:
+    then the file is written without torch (numpy bands, `ckpt.cast_cpu`'s kernels); else None."""
+    if device is not None and getattr(device, "type", device) != "cpu":
+        return None
+    out = {}
+    for t in order:
+        if t.name not in copies:
+            out[t.name] = t.stored_cast()
+            if out[t.name] is None:
+                return None
+    return out
+
+
+# values per band of a cast without torch: the same speed as BAND_ELEMS and ~90 MB less peak RSS (2 GB bf16 -> fp16,
+# 2-core VM: 2.7-2.9 s with 1 M or 8 M values a band, peak 212 MB against 298 MB)
+HOST_BAND_ELEMS = 1 << 20
+
+
+def _stream_stored_cast(t: OutTensor, ranges, fn, pipe: WriteStages) -> None:
+    """A cast of stored bytes without torch (`host_casts`): `HOST_BAND_ELEMS` values at a time read into a slot's
+    host buffer, cast by `fn` on the compute stage."""
+    from ckpt.dtypes import ST_ITEMSIZE
+    from ckpt.io.header import read_into
+
+    total = sum(r.length for r in ranges)
+    step = min(BAND_ELEMS, HOST_BAND_ELEMS) * ST_ITEMSIZE[t.source.dtype_name]
+    for a in range(0, total, step):
+        b = min(total, a + step)
+        slot = pipe.band()
+        buf = slot.host("raw", b - a)
+        mv, at = memoryview(buf), 0
+        for r in sub_ranges(ranges, a, b):
+            read_into(r.fd(), mv[at: at + r.length], r.start, r.path)
+            at += r.length
+        pipe.submit(slot, t.name, t.dtype, buf, fn)
+
+
+def _stream_tensor(t: OutTensor, pipe: WriteStages, device, stored=None) -> None:
     """Read `t`'s bands on this thread (see ckpt.io.write_stages for why reads stay here) and hand each to
-    the write stages; a stateless cast runs on its compute stage, any other one here."""
+    the write stages; a stateless cast runs on its compute stage, any other one here. `stored`: its
+    `OutTensor.stored_cast()`, where the file is written without torch."""
+    if stored is not None:
+        return _stream_stored_cast(t, *stored, pipe)
     src = t.source
     for a, b in bands(src):
         slot = pipe.band()

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ckpt.lazy import torch
 
-from ckpt.dtypes import as_torch, st_name
+from ckpt.dtypes import as_torch, nbytes, st_name
 from ckpt.errors import CkptError
 from ckpt.io.tensors import ByteRange, Tensor
 from ckpt.io.writer import Entry, file_size
@@ -62,6 +62,18 @@ class OutTensor:
         import functools
 
         return functools.partial(self.cast, start=start)
+
+    def stored_cast(self):
+        """(stored byte ranges, `fn(x, buffers) -> y`) where this tensor is a cast of stored bytes that runs without
+        torch on numpy bands (`ckpt.cast.BandCast.host`: fp32/fp16/bf16 between each other), else None."""
+        host = getattr(self.cast, "host", None)
+        if host is None or self.positional:
+            return None
+        ranges = self.source.byte_ranges()
+        if ranges is None or sum(r.length for r in ranges) != nbytes(self.source.dtype_name, self.source.shape):
+            return None
+        fn = host(self.source.dtype_name)
+        return None if fn is None else (ranges, fn)
 
     def copy_ranges(self) -> list[ByteRange] | None:
         """The stored byte ranges that are exactly this tensor's output bytes (no cast, the source's dtype,

@@ -88,17 +88,16 @@ class WriteStages:
     """`band()` hands the reader a free slot, `submit()` passes the band read into it on; `finish()`
     waits for every band to be written (and raises what a stage raised); `abort()` stops the stages."""
 
-    def __init__(self, writer, device: torch.device, progress=None, depth: int | None = None,
+    def __init__(self, writer, device: torch.device | None, progress=None, depth: int | None = None,
                  busy_stage: str | None = None):
+        """`device` None: the bands are numpy arrays cast without torch (`ckpt.cast.Caster.host_cast`), and the
+        stages never import it."""
         self.writer, self.device, self.progress = writer, device, progress
-        self.gpu = _CudaStreams(device) if device.type == "cuda" else None
-        # Each stage thread sets its own count as it starts: a thread takes whatever count another thread set
-        # last when it first uses torch (torch 2.13's OpenMP build), so setting it here before starting the
-        # compute thread left that thread with the reader's share (issue 25: K-quant and legacy GGUF encodes
-        # ran on one core with busy_stage "compute").
-        self.threads_before = cores = torch.get_num_threads()
-        share = stage_threads(cores)
-        self.compute_threads = cores if busy_stage == "compute" else share
+        self.torch_free = device is None
+        self.gpu = _CudaStreams(device) if device is not None and device.type == "cuda" else None
+        self.threads_before = self.compute_threads = 0
+        if not self.torch_free:
+            self._share_cores(busy_stage)
         # Merges' matmuls run in the reading stage: full fp32 on CUDA, the caller's TF32 setting back after.
         self.exact = exact_fp32() if self.gpu else None
         if self.exact is not None:
@@ -114,8 +113,19 @@ class WriteStages:
                         threading.Thread(target=self._write_loop, name="ckpt-write", daemon=True)]
         for t in self.threads:
             t.start()
-        torch.set_num_threads(cores if busy_stage == "read" else share)  # the reader: this thread
+        if not self.torch_free:
+            torch.set_num_threads(self.reader_threads)  # the reader: this thread
         self.open = True
+
+    def _share_cores(self, busy_stage: str | None) -> None:
+        # Each stage thread sets its own count as it starts: a thread takes whatever count another thread set
+        # last when it first uses torch (torch 2.13's OpenMP build), so setting it here before starting the
+        # compute thread left that thread with the reader's share (issue 25: K-quant and legacy GGUF encodes
+        # ran on one core with busy_stage "compute").
+        self.threads_before = cores = torch.get_num_threads()
+        share = stage_threads(cores)
+        self.compute_threads = cores if busy_stage == "compute" else share
+        self.reader_threads = cores if busy_stage == "read" else share
 
     # ------------------------------------------------------------------------------------- reader side
 
@@ -209,8 +219,9 @@ class WriteStages:
     def _compute_loop(self) -> None:
         # torch sets a thread's count to the last one set anywhere when the thread first uses torch (its lazy
         # per-thread init); after that first use, this thread's own setting stays its own
-        torch.get_num_threads()
-        torch.set_num_threads(self.compute_threads)
+        if not self.torch_free:
+            torch.get_num_threads()
+            torch.set_num_threads(self.compute_threads)
         while True:
             b = self.to_compute.get()
             if b is _STOP:
@@ -223,6 +234,11 @@ class WriteStages:
                 self.to_write.put(b)
                 continue
             try:
+                if self.torch_free:  # a numpy band: its cast (a compiled kernel) releases the GIL
+                    b.data = y = b.data if b.cast is None else b.cast(b.data, b.slot)
+                    b.nbytes = y.nbytes
+                    self.to_write.put(b)
+                    continue
                 with self.gpu.computing(b) if self.gpu else contextlib.nullcontext():
                     y = b.data if b.cast is None else b.cast(b.data, b.slot)
                     if y.dtype != b.dtype:

@@ -220,9 +220,12 @@ class RegionWriter:
             raise RuntimeError(f"{name}: producer wrote more bytes than planned")
         return pos
 
-    def write(self, name: str, data: torch.Tensor) -> None:
-        """Append `data` (CPU, contiguous) to tensor `name`'s region."""
-        b = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+    def write(self, name: str, data) -> None:
+        """Append `data` (a CPU tensor or a numpy array, contiguous) to tensor `name`'s region."""
+        if hasattr(data, "numel"):
+            b = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+        else:  # a band cast without torch (`ckpt.cast.Caster.host_cast`)
+            b = data.reshape(-1).view("uint8")
         self._put(self._append_at(name, len(b)), b)
         self._wrote(name, b)
         self.written[name] += len(b)

@@ -255,7 +255,7 @@ def plan_lora(modules: list[OutModule], layout: Layout, dtype_of, operation: str
         dt = dtype or t.dtype
         if report is not None and is_float(t.dtype):
             c = casters.setdefault(dt, Caster(dt, report))
-            outs.append(OutTensor(key, dt, tuple(t.shape), t, lambda x, b, n=key, c=c: c(x, n, b), stateless=True))
+            outs.append(OutTensor(key, dt, tuple(t.shape), t, c.band(key), stateless=True))
         elif dt == t.dtype:
             outs.append(OutTensor(key, dt, tuple(t.shape), t))
         else:

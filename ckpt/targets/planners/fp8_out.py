@@ -81,7 +81,7 @@ def scaled_fp8_outputs(report: Report, keep: list[str]):
                 return [OutTensor(t.name, t.dtype, t.shape, t)]
             dst = t.natural_dtype
             c = Caster(dst, report)
-            return [OutTensor(t.name, dst, t.shape, t, lambda x, b, n=t.name, c=c: c(x, n, b), stateless=True)]
+            return [OutTensor(t.name, dst, t.shape, t, c.band(t.name), stateless=True)]
         scale = AmaxScale(t)
         sname = t.name[: -len("weight")] + "scale_weight"
         outs = [

@@ -271,8 +271,7 @@ def out_tensor(name: str, t: Tensor, ggml_type: int, shape: tuple, report: Repor
                         "--to gguf-f32, gguf-f16 or gguf-bf16 write it")
     if plain is not None:
         if is_float(t.dtype):
-            caster = casters.setdefault(plain, Caster(plain, report))
-            cast = (lambda x, b, n=name, k=caster: k(x, n, b))
+            cast = casters.setdefault(plain, Caster(plain, report)).band(name)
         else:
             cast = (lambda x, b: x)
         return OutTensor(name, plain, shape, t, cast, stateless=True)

@@ -21,4 +21,4 @@ def kept(t: Tensor, casters: dict, report: Report, dtype=None, name: str | None 
         return OutTensor(name, t.dtype, tuple(t.shape), t)
     dst = dtype or t.natural_dtype
     c = casters.setdefault(dst, Caster(dst, report))
-    return OutTensor(name, dst, tuple(t.shape), t, lambda x, b, n=name, c=c: c(x, n, b), stateless=True)
+    return OutTensor(name, dst, tuple(t.shape), t, c.band(name), stateless=True)
