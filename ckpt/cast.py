@@ -3,16 +3,20 @@
 - FP8 sources use a lookup table built from torch's own cast, indexed two bytes at a time (65536
   entries, each holding the two target values): bit-identical to `.to()` for all 256 patterns,
   NaN payloads included, and 5-8x faster on CPU (measured, 16M elements).
-- Casts between fp32, fp16 and bf16 on the CPU are compiled kernels over the bit patterns (`ckpt.cast_cpu`):
-  one pass that casts, rewrites NaNs and finds whether anything is to count; torch's bytes, faster than its
-  `copy_`, and runnable without torch, so that a plan of such casts of stored tensors is written without
-  importing it (`BandCast.host`, `ckpt.io.output.write_tensors`). An overflow is a finite input that the
+- Other casts on the CPU are `copy_` into reused buffers, fused with the NaN/Inf check: the band is cast in
+  steps small enough that each step's output is still in cache when `aminmax` checks it, so the band crosses
+  memory once. Only a band with a NaN/Inf after the cast (a NaN/Inf input or an overflow) is computed again by
+  the device formulation below, which rewrites NaNs, counts and clamps. An overflow is a finite input that the
   cast made inf; `clamp` replaces exactly those with the signed finite maximum, so --clamp never changes a
   value that casts to a finite one.
-- On a GPU (and on the CPU for what the kernels do not cast: fp64, or a machine where they cannot run) the
-  same result is computed by torch without branching on device values (NaN rewrite and clamp by masks,
-  counts as device tensors), so a band costs no host synchronisation; the write stages report the counts
-  when the band arrives on the host (`Slot.defer`).
+- On a GPU the same result is computed without branching on device values (NaN rewrite and clamp by masks,
+  counts as device tensors), so a band costs no host synchronisation; the write stages report the counts when
+  the band arrives on the host (`Slot.defer`).
+- Without torch: a file whose computed tensors are all casts of stored fp32/fp16/bf16 bytes to another of the
+  three is written without importing torch (`BandCast.host`, `ckpt.io.output.host_casts`), its bands cast by
+  compiled kernels over the bit patterns (`ckpt.cast_cpu`) with the same bytes and counts. In a process that
+  runs torch anyway the torch path above is kept: loading numba and its kernels there (0.3-0.4 s, ~120 MB, most
+  of it while the stages run) cost a 2 GB merge-lora 0.5-1 s more than the cast gained (measured on tmpfs).
 """
 
 from __future__ import annotations
@@ -126,19 +130,23 @@ def nan_bits(x: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
     return out.to(otype).view(dst)
 
 
-def canonical_nans(x: torch.Tensor, y: torch.Tensor) -> None:
-    """Rewrite, in place, the NaNs of `y` (the cast of `x`) with `nan_bits`: the same bytes on every device."""
-    if x.dtype not in _BITS or y.dtype not in _BITS or y.dtype == torch.float64 or x.dtype == y.dtype:
-        return
-    nan = torch.isnan(x)
-    if bool(nan.any()):
-        # Through integer views: a float assignment of one element goes through a C++ scalar, which
-        # canonicalises the NaN (0x7FC0 for bf16) and loses the bytes just computed.
-        itype = _BITS[y.dtype][0]
-        y.view(itype)[nan] = nan_bits(x[nan], y.dtype).view(itype)
+FUSE_ELEMS = 1 << 16  # elements per intra-op thread and fused step (256 kB of fp32 output: in L2)
 
 
-_INT = LazyTable(lambda: {2: torch.int16, 4: torch.int32})
+def _copy_and_check(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """`y.copy_(x)` for flat CPU tensors, each cache-sized step checked right after it is cast; True if
+    `y` holds a NaN or an infinity. Each step spans the intra-op threads, each thread checking the part
+    it just wrote (torch splits both ops the same way)."""
+    n = x.numel()
+    if n == 0:
+        return False
+    step = FUSE_ELEMS * max(1, torch.get_num_threads())
+    k = -(-n // step)
+    lo, hi = torch.empty(k, dtype=y.dtype), torch.empty(k, dtype=y.dtype)
+    for yc, xc, lo_j, hi_j in zip(y.split(step), x.split(step), lo.unbind(), hi.unbind()):
+        yc.copy_(xc)
+        torch.aminmax(yc, out=(lo_j, hi_j))
+    return not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all())
 
 
 def kernel_casts(src: str, dst: str) -> bool:
@@ -191,21 +199,12 @@ class Caster:
             return self._to_fp8(x, name, buffers)
         if x.device.type != "cpu":
             return self._cast_on_device(x, name, buffers)
-        src_name, dst_name = st_name(x.dtype), st_name(dst)
         y = buffers.typed("cast", dst, x.shape) if buffers else torch.empty(x.shape, dtype=dst)
-        if not x.numel():
-            return y
-        if kernel_casts(src_name, dst_name):
-            self.counted(name, *cast_cpu.cast(src_name, dst_name, x.view(_INT[x.dtype.itemsize]).numpy(),
-                                               y.view(_INT[dst.itemsize]).numpy(), self.clamp))
-            return y
-        # no kernel (fp64, or none can run here): torch's cast, and the device formulation for a band that holds a
-        # NaN/Inf afterwards (a NaN/Inf input or an overflow), the rare band whose values need rewriting or counting
-        y.copy_(x)
-        lo, hi = torch.aminmax(y)
-        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
-            return y
-        return self._cast_on_device(x, name, buffers)
+        if _copy_and_check(y, x):
+            # the rare band with a NaN/Inf after the cast (a NaN/Inf input or an overflow): the device formulation,
+            # which rewrites NaNs, counts and clamps (values just above the finite maximum round down to it)
+            return self._cast_on_device(x, name, buffers)
+        return y
 
     def counted(self, name: str, nonfinite: int, overflowed: int) -> None:
         """Report a band's NaN/Inf inputs and its overflows (clamped ones with --clamp)."""
@@ -230,8 +229,8 @@ class Caster:
         return fn
 
     def _cast_on_device(self, x: torch.Tensor, name: str, buffers) -> torch.Tensor:
-        """The kernels' result (`ckpt.cast_cpu`) by torch ops, without a host round trip: every rewrite is a
-        mask, counts stay on the device until the band is back on the host."""
+        """The CPU path's result (and the kernels', `ckpt.cast_cpu`) without a host round trip: every rewrite
+        is a mask, counts stay on the device until the band is back on the host."""
         dst = self.target
         limit = torch.finfo(dst).max
         y = x.to(dst)

@@ -55,7 +55,7 @@ def compiled(module_name: str) -> types.SimpleNamespace:
 def _build(module_name: str) -> types.SimpleNamespace:
     import importlib
 
-    import numba
+    import numba  # noqa: F401
 
     from ckpt.lazy import resolve
 
@@ -78,19 +78,35 @@ def _build(module_name: str) -> types.SimpleNamespace:
                 continue
             copy = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
             copy.__module__, copy.__qualname__ = f.__module__, f.__qualname__
-            before, numba.config.CACHE_DIR = numba.config.CACHE_DIR, cache_dir  # read when caching is enabled
+            before = numba.config.CACHE_DIR  # read when caching is enabled
+            numba.config.CACHE_DIR = cache_dir or before
             try:
-                g[name] = out[name] = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")(copy)
+                g[name] = out[name] = _njit(numba, copy, cache_dir is not None)
             finally:
                 numba.config.CACHE_DIR = before
     return types.SimpleNamespace(**out)
 
 
-def _cache_dir() -> str:
+def _njit(numba, fn, cache: bool):
+    """numba's dispatcher of `fn`, cached on disk where it can be (numba raises "cannot cache function ... no
+    locator available" where neither the cache folder nor the source's is writable: compiled each run then)."""
+    options = dict(nogil=True, fastmath=False, error_model="numpy")
+    if cache:
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError as e:
+            if "cannot cache" not in str(e):
+                raise
+    return numba.njit(**options)(fn)
+
+
+def _cache_dir() -> str | None:
     """Where the compiled kernels are kept: numba's cache (NUMBA_CACHE_DIR where set) under a folder named by a hash
     of the encoders' sources (ckpt/quant/kquants, where the grids live) and this file. numba keys a cached kernel by its own module's file only, so a kernel whose tables
     come from another module (`JIT_TABLES` over grids) would keep stale tables when that module changes; a new
-    hash is a new cache. The setting is ckpt's alone (put back after each kernel is made)."""
+    hash is a new cache. The setting is ckpt's alone (put back after each kernel is made). A folder this user
+    cannot write (a read-only or foreign home: a container, another uid) gives way to one under the temp folder;
+    None where that fails too (the kernels are then compiled in each run, `_njit`)."""
     import hashlib
     import os
     from pathlib import Path
@@ -102,8 +118,26 @@ def _cache_dir() -> str:
             h.update(f.name.encode() + b"\0" + f.read_bytes())
         root = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ckpt", "numba")
-        _CACHE_DIR = str(Path(root) / h.hexdigest()[:16])
-    return _CACHE_DIR
+        import tempfile
+
+        uid = os.getuid() if hasattr(os, "getuid") else None
+        temp = Path(tempfile.gettempdir()) / f"ckpt-numba-{uid}"
+        _CACHE_DIR = ""
+        for base in (Path(root), temp):
+            folder = base / h.hexdigest()[:16]
+            try:
+                if base == temp:  # a shared folder: ours alone, or not used (compiled code is loaded from it)
+                    base.mkdir(mode=0o700, exist_ok=True)
+                    st = base.stat()
+                    if uid is None or st.st_uid != uid or st.st_mode & 0o077:
+                        continue
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue
+            if os.access(folder, os.W_OK | os.X_OK):
+                _CACHE_DIR = str(folder)
+                break
+    return _CACHE_DIR or None
 
 
 _CACHE_DIR: str | None = None

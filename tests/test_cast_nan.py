@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt.cast import Caster, canonical_nans, nan_bits
+from ckpt.cast import Caster, nan_bits
 from ckpt.report import Report
 
 INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -69,11 +69,6 @@ def test_caster_on_cpu_keeps_torch_bytes_and_repairs_other_nans(src, dst):
     if (src, dst) not in TAIL_DIFFERS:
         assert torch.equal(bits(y), bits(x.to(dst)))  # CPU bytes exactly as torch writes them
     assert torch.equal(bits(y[torch.isnan(x)]), bits(nan_bits(x[torch.isnan(x)], dst)))
-    # What a device with canonical NaNs (CUDA: 0x7FFF for every fp16 NaN) writes is repaired to the same bytes.
-    other = x.to(dst)
-    other[torch.isnan(other)] = torch.tensor(-1, dtype=INT[dst]).view(dst)  # all bits set: another NaN
-    canonical_nans(x, other)
-    assert torch.equal(bits(other), bits(y))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
