@@ -167,12 +167,12 @@ def _later(buffers, fn, value: torch.Tensor) -> None:
 class Caster:
     """Casts bands of floating tensors to `target`, counting what the user must know about."""
 
+    def __init__(self, target: torch.dtype | str, report: Report, clamp: bool = False):
+        self._target, self.report, self.clamp = target, report, clamp  # a name: a plan made without torch
+
     def band(self, name: str) -> "BandCast":
         """The cast of tensor `name`'s bands (what `OutTensor.cast` holds)."""
         return BandCast(self, name)
-
-    def __init__(self, target: torch.dtype | str, report: Report, clamp: bool = False):
-        self._target, self.report, self.clamp = target, report, clamp  # a name: a plan made without torch
 
     @property
     def target(self) -> torch.dtype:

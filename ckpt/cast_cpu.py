@@ -5,7 +5,8 @@ Why: the cast of a convert (`--to fp16` of a bf16 model) was torch's one-core `c
 bf16 -> fp16) followed by an `aminmax` check, and it needed `import torch` (1.1-2 s) before the first byte. Here a
 band is cast in one vectorized pass (0.4-0.8 ns a value from memory, 8 M-value bands, measured against 0.9-1.9 for
 the torch path), and a plan whose computed tensors are all such casts of stored bytes is written without torch
-(`ckpt.io.output.host_casts`); the Caster runs the same kernels on torch's CPU tensors (`ckpt.cast`).
+(`ckpt.io.output.host_casts`, `ckpt.cast.Caster.host_cast`). A process that runs torch anyway keeps torch's cast
+(`ckpt.cast`: loading numba there cost more than the kernels saved).
 
 The rules are the Caster's, decided here for the CPU: round to nearest even, no flush of subnormals (fp32 <-> fp16
 by LLVM's float/half conversions, the F16C instructions on x86; bf16 by integer rounding); a NaN becomes the bytes
