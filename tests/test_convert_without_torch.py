@@ -6,30 +6,13 @@ that keep their dtype, one file or sharded. What the kernels do not cast (fp64, 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from ckpt.cast import nan_bits
 from helpers.refusals import assert_refused
-
-PROBE = """
-import json, sys
-import ckpt.lazy as lazy
-
-lazy._import_quietly = lambda name: None  # no prefetch: torch is imported only where the run uses it
-from ckpt.cli import main
-try:
-    main(sys.argv[1:])
-    code = 0
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
+from helpers.torch_free import run_fresh
 
 INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -61,11 +44,6 @@ def torch_cast(sd: dict, dst: torch.dtype, clamp: bool = False) -> dict:
             y[over & (x > 0)], y[over & (x < 0)] = top, -top
         out[k] = y
     return out
-
-
-def run_fresh(*argv) -> tuple[dict, str]:
-    p = subprocess.run([sys.executable, "-c", PROBE, *map(str, argv)], capture_output=True, text=True, timeout=300)
-    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
 def same_bytes(a: dict, b: dict) -> bool:

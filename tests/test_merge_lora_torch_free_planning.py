@@ -30,6 +30,7 @@ from ckpt.io.checkpoint import open_checkpoint
 from ckpt.io.scalars import first_float
 from ckpt.io.stored_scan import all_zero
 from helpers.refusals import assert_refused
+from helpers.torch_free import run_fresh
 
 EDGES = [0.0, -0.0, 1.0, -2.5, 16.0, 0.1, 1e-40, -1e-42, 6e-8, 3.4e38, 65504.0, 1e-5,
          float("inf"), float("-inf"), float("nan")]
@@ -248,20 +249,6 @@ def test_device_cuda_without_one_is_refused_after_planning(tmp_path, inputs, run
                    "no CUDA device is available")
 
 
-PLAN_ONLY = """
-import json, sys
-import ckpt.lazy as lazy
-
-lazy._import_quietly = lambda name: None  # nothing imported beside the planning: any use of torch imports it here
-from ckpt.cli import main
-try:
-    main(sys.argv[1:])
-    code = 0
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
-
 PLANNED = {  # id: argv with {d} the inputs folder
     "merge-lora-file": ["merge-lora", "{d}/base.safetensors", "{d}/lora.safetensors"],
     "merge-lora-hf-folder": ["merge-lora", "{d}/llm", "{d}/peft"],
@@ -293,11 +280,9 @@ def test_planning_imports_no_torch(tmp_path, inputs, case):
     """A dry run (planning and its report) in a fresh interpreter whose prefetch thread imports nothing: torch is
     never imported, except `--device auto` where torch has a GPU backend (then asking CUDA needs it)."""
     argv = [a.format(d=inputs) for a in PLANNED[case]]
-    p = subprocess.run([sys.executable, "-c", PLAN_ONLY, *argv, "-o", tmp_path / "out", "--dry-run"],
-                       capture_output=True, text=True, timeout=300)
-    verdict = json.loads(p.stdout.strip().splitlines()[-1])
-    assert verdict["code"] == 0, p.stderr
-    assert verdict["torch"] == (GPU_BUILD and "auto" in argv), p.stderr
+    verdict, err = run_fresh(*argv, "-o", tmp_path / "out", "--dry-run")
+    assert verdict["code"] == 0, err
+    assert verdict["torch"] == (GPU_BUILD and "auto" in argv), err
     assert not (tmp_path / "out").exists()
 
 
