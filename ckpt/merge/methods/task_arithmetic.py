@@ -175,7 +175,7 @@ def _random_keep(c: Config, job, i, d, band: Band, mag=None):
     """DARE's or DELLA's mask of model i's delta band `d`: rng.uniform(element) < keep probability (`mag`: |d|
     where the caller has it)."""
     density = _density(job, i)
-    if not _compiled_masks(d):
+    if not _compiled_masks(d) or c.sparsify != "random" and _rows(d).shape[1] >= 1 << 32:  # the kernels: 32-bit index
         if c.sparsify == "random":
             return _uniform(job, i, d, band) < density
         return _uniform(job, i, d, band) < _della_probs(d, density, job.per_input[i]["epsilon"])
