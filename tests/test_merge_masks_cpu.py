@@ -131,3 +131,21 @@ def test_merge_writes_the_same_bytes_with_and_without_the_kernels(run_ckpt, tmp_
     assert files == sorted(p.name for p in (tmp_path / "kernels").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "torch", tmp_path / "kernels", files, shallow=False)
     assert not mismatch and not errors and "model.safetensors" in match
+
+
+def test_della_rows_longer_than_the_kernels_index_take_the_torch_formulation(monkeypatch):
+    """The kernels pack an element's index in 32 bits; a longer row (a 1-D tensor of 2^32 elements, ranked whole)
+    is left to the torch formulation, which gives the same bits. The limit is lowered here to take that branch."""
+    from ckpt.merge import masks_cpu
+    from ckpt.merge.methods import task_arithmetic as ta
+
+    della = next(c for c in ta.CONFIGS if c.name == "della")
+    d = _hard_delta((6, 50), torch.Generator().manual_seed(1), True)
+    job, band = _Job(0.5, 0.2), _Band(77)
+    calls = []
+    monkeypatch.setattr(masks_cpu, "della_keep", lambda *a: calls.append(a))
+    monkeypatch.setattr(masks_cpu, "MAX_ROW", 49)
+    ours = ta._random_keep(della, job, 1, d, band)
+    assert not calls  # the kernels were not asked
+    monkeypatch.setattr(masks_cpu, "available", lambda: False)
+    assert torch.equal(ours, ta._random_keep(della, job, 1, d, band))

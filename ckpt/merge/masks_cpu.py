@@ -75,7 +75,7 @@ def hash_fill(offset, k0, k1, out):
 def pack_keys(mag, packed):
     """packed[r, e] = the rank key of mag[r, e] in the high 32 bits, e in the low ones: sorted along the row, these
     order by magnitude with equal ones in index order, as `torch.argsort(stable=True)` does (the key: the fp32
-    bits without the sign, every NaN one key above +inf). Rows of up to 2^32 elements."""
+    bits without the sign, every NaN one key above +inf). Rows of up to `MAX_ROW` elements."""
     rows, n = mag.shape
     bits = mag.view(np.uint32)
     for r in range(rows):
@@ -99,6 +99,7 @@ def rank_mask_packed(packed, h, limits, out):
 # ------------------------------------------------------------------------------------------- running the kernels
 
 PIECE_ELEMS = 1 << 16  # elements per piece a thread takes (`ckpt.quant.gguf.run_pieces`)
+MAX_ROW = (1 << 32) - 1  # DELLA's rows: the pairs' index has 32 bits (longer rows: the torch formulation)
 
 
 def available() -> bool:

@@ -171,11 +171,17 @@ def _compiled_masks(d) -> bool:
     return d.device.type == "cpu" and masks_cpu.available()
 
 
+def _kernel_row_limit() -> int:
+    from ckpt.merge import masks_cpu
+
+    return masks_cpu.MAX_ROW
+
+
 def _random_keep(c: Config, job, i, d, band: Band, mag=None):
     """DARE's or DELLA's mask of model i's delta band `d`: rng.uniform(element) < keep probability (`mag`: |d|
     where the caller has it)."""
     density = _density(job, i)
-    if not _compiled_masks(d) or c.sparsify != "random" and _rows(d).shape[1] >= 1 << 32:  # the kernels: 32-bit index
+    if not _compiled_masks(d) or c.sparsify != "random" and _rows(d).shape[1] > _kernel_row_limit():
         if c.sparsify == "random":
             return _uniform(job, i, d, band) < density
         return _uniform(job, i, d, band) < _della_probs(d, density, job.per_input[i]["epsilon"])
