@@ -26,7 +26,7 @@ from ckpt.io.plan import COPY_FORMATS, OutTensor, Plan, name_single_file
 from ckpt.io.previous_output import MAX_LISTED, foreign_files, planned_relpaths
 from ckpt.io.publish import OTHER_WRITES, Staging, missing_parents, publish_set, temp_name
 from ckpt.io.side_files import check_not_input, unwritable
-from ckpt.io.tensors import Tensor, row_bands, sub_ranges
+from ckpt.io.tensors import Tensor, read_ranges, row_bands, sub_ranges
 from ckpt.io.writer import BlockLayout, SafetensorsWriter
 from ckpt.lazy import torch
 from ckpt.report import listed, plural
@@ -484,7 +484,6 @@ def _stream_stored_cast(t: OutTensor, ranges, fn, pipe: WriteStages) -> None:
     """A cast of stored bytes without torch (`host_casts`): `HOST_BAND_ELEMS` values at a time read into a slot's
     host buffer, cast by `fn` on the compute stage."""
     from ckpt.dtypes import ST_ITEMSIZE
-    from ckpt.io.header import read_into
 
     total = sum(r.length for r in ranges)
     step = min(BAND_ELEMS, HOST_BAND_ELEMS) * ST_ITEMSIZE[t.source.dtype_name]
@@ -492,10 +491,7 @@ def _stream_stored_cast(t: OutTensor, ranges, fn, pipe: WriteStages) -> None:
         b = min(total, a + step)
         slot = pipe.band()
         buf = slot.host("raw", b - a)
-        mv, at = memoryview(buf), 0
-        for r in sub_ranges(ranges, a, b):
-            read_into(r.fd(), mv[at: at + r.length], r.start, r.path)
-            at += r.length
+        read_ranges(sub_ranges(ranges, a, b), buf)
         pipe.submit(slot, t.name, t.dtype, buf, fn)
 
 

@@ -9,7 +9,7 @@ dtype, or a tensor that is not stored bytes, returns None: the caller asks torch
 
 from __future__ import annotations
 
-from ckpt.io.header import read_into
+from ckpt.io.tensors import read_ranges
 from ckpt.lazy import numpy as np
 
 # safetensors name -> (numpy type of its bits, little-endian as stored; every bit but the sign)
@@ -23,10 +23,7 @@ def _bits(t):
     if ranges is None:
         return None, None
     buf = bytearray(sum(r.length for r in ranges))
-    at = 0
-    for r in ranges:
-        read_into(r.fd(), memoryview(buf)[at: at + r.length], r.start, r.path)
-        at += r.length
+    read_ranges(ranges, buf)
     return np.frombuffer(buf, dtype=spec[0]), spec
 
 

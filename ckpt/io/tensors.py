@@ -62,6 +62,14 @@ def sub_ranges(ranges: list[ByteRange], a: int, b: int) -> list[ByteRange]:
     return out
 
 
+def read_ranges(ranges: list[ByteRange], buf) -> None:
+    """The bytes of `ranges`, concatenated, into `buf` (a writable buffer of exactly their total length)."""
+    mv, at = memoryview(buf), 0
+    for r in ranges:
+        read_into(r.fd(), mv[at: at + r.length], r.start, r.path)
+        at += r.length
+
+
 class Tensor:
     name: str
     dtype: torch.dtype  # dtype of the values `read` returns (exact, before any cast)
