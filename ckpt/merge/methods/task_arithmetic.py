@@ -171,25 +171,20 @@ def _compiled_masks(d) -> bool:
     return d.device.type == "cpu" and masks_cpu.available()
 
 
-def _kernel_row_limit() -> int:
-    from ckpt.merge import masks_cpu
-
-    return masks_cpu.MAX_ROW
-
-
 def _random_keep(c: Config, job, i, d, band: Band, mag=None):
     """DARE's or DELLA's mask of model i's delta band `d`: rng.uniform(element) < keep probability (`mag`: |d|
     where the caller has it)."""
+    from ckpt.merge import masks_cpu
+
     density = _density(job, i)
-    if not _compiled_masks(d) or c.sparsify != "random" and _rows(d).shape[1] > _kernel_row_limit():
+    n = _rows(d).shape[1]
+    if not _compiled_masks(d) or c.sparsify != "random" and n > masks_cpu.MAX_ROW:
         if c.sparsify == "random":
             return _uniform(job, i, d, band) < density
         return _uniform(job, i, d, band) < _della_probs(d, density, job.per_input[i]["epsilon"])
-    from ckpt.merge import masks_cpu
     from ckpt.merge.rng import keys
 
     k0, k1 = keys(job.seed, job.keys[i], job.names[0])
-    n = _rows(d).shape[1]
     if c.sparsify == "random" or n < 2:  # a DELLA row of one element keeps with probability `density`
         return masks_cpu.dare_keep(k0, k1, band.offset, d.shape, density)
     mag = _rows(d.abs() if mag is None else mag).to(torch.float32)
